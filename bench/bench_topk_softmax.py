@@ -1,0 +1,75 @@
+"""topk_softmax on CPU: the C++ kernel vs the reference vs the plain PyTorch sequence
+(softmax -> topk -> renormalise), forward, and forward+backward.
+
+    .venv/bin/python bench/bench_topk_softmax.py [--quick]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measure, report  # noqa: E402
+
+import moe_kernels  # noqa: E402
+from moe_kernels import reference  # noqa: E402
+from moe_kernels.ops import topk_softmax  # noqa: E402
+
+
+def torch_sequence(logits, k):
+    """What MoE code usually writes (Mixtral / HF): softmax, topk, renormalise."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+PROVIDERS = {
+    "moe_kernels": lambda x, k: topk_softmax(x, k),
+    "reference": lambda x, k: reference.topk_softmax(x, k),
+    "torch sequence": torch_sequence,
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
+    args = parser.parse_args()
+    grid = (
+        [(4096, 8, 2)]
+        if args.quick
+        else [(T, E, k) for T in (4096, 65536) for E in (8, 64, 256) for k in (1, 2, 8) if k <= E]
+    )
+    print(f"backend: {moe_kernels.backends()['topk_softmax']}")
+    rows = []
+    for T, E, k in grid:
+        x = torch.randn(T, E)
+        config = {"T": T, "E": E, "k": k}
+        for name, fn in PROVIDERS.items():
+            rows.append(
+                measure(
+                    "topk_softmax", name, lambda fn=fn: fn(x, k), config=config, bytes_moved=x.numel() * 4 + T * k * 12
+                )
+            )
+        for name, fn in PROVIDERS.items():
+            xg = x.clone().requires_grad_()
+            g = torch.randn(T, k)
+
+            def step(fn=fn):
+                xg.grad = None
+                fn(xg, k)[0].backward(g)
+
+            rows.append(measure("topk_softmax", name, step, config=config, mode="fwd+bwd"))
+    report(
+        "topk_softmax" + ("_quick" if args.quick else ""),
+        rows,
+        baseline="torch sequence",
+        providers=list(PROVIDERS),
+        command="make bench (or .venv/bin/python bench/bench_topk_softmax.py)",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+// Fused top-k + softmax on CUDA: one warp per row, any E. Round s of k: every lane takes the
+// largest (value, index) pair of its strided share of the row that ranks below round s-1's pick,
+// and a warp max-reduction picks the row's s-th expert. Pairs are unique, so no tie handling.
+#include <cuda_runtime.h>
+
+#include "convert.cuh"
+#include "moe_kernels/cuda_launchers.h"
+#include "moe_kernels/topk_softmax.h"
+
+namespace moe_kernels {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 4;
+
+__device__ __forceinline__ int64_t warp_max(int64_t v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2)
+    v = max(v, (int64_t)__shfl_xor_sync(0xffffffffu, (long long)v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <typename scalar_t>
+__global__ void topk_softmax_kernel(const scalar_t* __restrict__ logits,  // [T, E] strided
+                                    int64_t T, int64_t E, int64_t stride_t, int64_t stride_e,
+                                    int64_t k, bool renormalize,
+                                    scalar_t* __restrict__ weights,  // [T, k]
+                                    int64_t* __restrict__ experts) {  // [T, k]
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (row >= T) return;  // whole warps exit together: row is uniform across a warp
+  const scalar_t* x = logits + row * stride_t;
+  int64_t* out_experts = experts + row * k;
+
+  // Phase 1: select, write experts, accumulate the renormalised denominator.
+  int64_t prev = 0;
+  float vmax = 0.0f, denom = 0.0f;
+  for (int64_t s = 0; s < k; ++s) {
+    int64_t best = kNoPair;
+    for (int64_t e = lane; e < E; e += kWarp) {
+      const int64_t p = rank_pair(to_float(x[e * stride_e]), (int32_t)e);
+      if ((s == 0 || p < prev) && p > best) best = p;
+    }
+    best = warp_max(best);
+    prev = best;
+    const int32_t idx = pair_index(best);
+    const float v = to_float(x[idx * stride_e]);
+    if (s == 0) vmax = v;
+    if (renormalize) denom += topk_softmax::exp_term(v, vmax);
+    if (lane == 0) out_experts[s] = idx;
+  }
+  if (!renormalize) {
+    float partial = 0.0f;
+    for (int64_t e = lane; e < E; e += kWarp) partial += topk_softmax::exp_term(to_float(x[e * stride_e]), vmax);
+    denom = warp_sum(partial);
+  }
+  __syncwarp();  // lane 0's expert writes are visible to the whole warp after this
+
+  // Phase 2: weights, the k slots spread over the lanes.
+  for (int64_t s = lane; s < k; s += kWarp) {
+    const float v = to_float(x[out_experts[s] * stride_e]);
+    weights[row * k + s] = from_float<scalar_t>(topk_softmax::weight(v, vmax, denom));
+  }
+}
+
+}  // namespace
+
+cudaError_t topk_softmax_cuda(const void* logits, DType dtype, int64_t T, int64_t E, int64_t stride_t,
+                              int64_t stride_e, int64_t k, bool renormalize, void* weights,
+                              int64_t* experts, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  const dim3 block(kWarp * kWarpsPerBlock);
+  const dim3 grid((unsigned)((T + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  return MK_DISPATCH_FLOAT(dtype, [&] {
+    topk_softmax_kernel<scalar_t><<<grid, block, 0, stream>>>(
+        static_cast<const scalar_t*>(logits), T, E, stride_t, stride_e, k, renormalize,
+        static_cast<scalar_t*>(weights), experts);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace moe_kernels

@@ -1,0 +1,46 @@
+// CUDA implementations of the moe_kernels ops: torch tensors in, raw pointers to the launchers
+// of csrc/cuda/*.cu out. Compiled only in CUDA builds (setup.py adds -DMOE_KERNELS_CUDA); each op
+// is the same few lines: guard the device, allocate outputs, launch on the current stream.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "moe_kernels/cuda_launchers.h"
+
+namespace moe_kernels {
+namespace {
+
+DType dtype_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kFloat32;
+    case at::kHalf: return kFloat16;
+    case at::kBFloat16: return kBFloat16;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", t.scalar_type());
+  }
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_t k, bool renormalize) {
+  TORCH_CHECK(logits.dim() == 2 && k >= 1 && k <= logits.size(1), "topk_softmax: bad arguments");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  auto weights = at::empty({T, k}, logits.options());
+  auto experts = at::empty({T, k}, logits.options().dtype(at::kLong));
+  check_launch(topk_softmax_cuda(logits.const_data_ptr(), dtype_of(logits, "topk_softmax"), T, E,
+                                 logits.stride(0), logits.stride(1), k, renormalize,
+                                 weights.mutable_data_ptr(), experts.mutable_data_ptr<int64_t>(),
+                                 c10::cuda::getCurrentCUDAStream()),
+               "topk_softmax");
+  return {weights, experts};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("topk_softmax", &topk_softmax); }
+
+}  // namespace moe_kernels

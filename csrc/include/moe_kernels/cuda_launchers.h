@@ -1,0 +1,18 @@
+// Host entry points of the CUDA kernels (csrc/cuda/<op>.cu). Raw pointers, sizes and a stream:
+// no torch types, so the .cu files compile with nvcc alone. Each returns the launch's error code.
+// Called only from csrc/cuda_ops.cpp.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#include "moe_kernels/common.h"
+
+namespace moe_kernels {
+
+// logits [T, E] with strides (stride_t, stride_e); weights [T, k] contiguous, same dtype;
+// experts [T, k] contiguous int64.
+cudaError_t topk_softmax_cuda(const void* logits, DType dtype, int64_t T, int64_t E, int64_t stride_t,
+                              int64_t stride_e, int64_t k, bool renormalize, void* weights,
+                              int64_t* experts, cudaStream_t stream);
+
+}  // namespace moe_kernels

@@ -1,0 +1,163 @@
+"""The one place that decides which implementation of an op runs.
+
+Backends:
+  "torch"   the pure-PyTorch reference (moe_kernels.reference): always available, any device.
+  "cpu"     the C++ kernels of the extension moe_kernels._C, for CPU tensors.
+  "cuda"    the CUDA kernels of the extension, for CUDA tensors (CUDA builds only).
+  "triton"  the Triton kernels, for CUDA tensors; also for CPU tensors when the process runs
+            under TRITON_INTERPRET=1 (that is how the tests exercise them on this machine).
+
+Default order: CPU tensors use "cpu", else "torch"; CUDA tensors use "triton", else "cuda", else
+"torch". Triton comes first on GPU because its kernels are executed by the test suite (in the
+interpreter) while the CUDA kernels are only compiled there.
+
+Override with the environment variable MOE_KERNELS_BACKEND=torch|cpu|triton|cuda, or for a block
+of code with `with moe_kernels.use_backend("triton"): ...` (scoped, thread- and task-local). A
+forced backend that cannot run the op on the tensor's device raises a ValueError naming the valid
+choices: a forced choice is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.util
+import os
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_kernels import _extension
+
+BACKENDS = ("torch", "cpu", "triton", "cuda")
+_ORDER = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda", "torch")}
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_kernels_backend", default=None)
+
+
+@dataclass(frozen=True)
+class _Op:
+    torch: Callable
+    cpu: Callable | None
+    triton: Callable | None
+    cuda: Callable | None
+
+
+_REGISTRY: dict[str, _Op] = {}
+
+
+def register(op: str, *, torch: Callable, cpu=None, triton=None, cuda=None) -> None:
+    """Declare the implementations of `op`. Each is a callable with the op's signature, or None.
+
+    `cpu` / `cuda` are used only when the extension registered a kernel for that dispatch key;
+    `triton` only when triton imports (and, for CPU tensors, under TRITON_INTERPRET=1).
+    """
+    _REGISTRY[op] = _Op(torch=torch, cpu=cpu, triton=triton, cuda=cuda)
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _available(op: str, backend: str, device_type: str) -> bool:
+    impl = getattr(_REGISTRY[op], backend)
+    if impl is None:
+        return False
+    if backend == "torch":
+        return True
+    if backend == "cpu":
+        return device_type == "cpu" and _extension.has_kernel(op, "CPU")
+    if backend == "cuda":
+        return device_type == "cuda" and _extension.has_kernel(op, "CUDA")
+    if backend == "triton":
+        if not triton_importable():
+            return False
+        return device_type == "cuda" or (device_type == "cpu" and triton_interpreting())
+    raise AssertionError(backend)
+
+
+def forced() -> str | None:
+    """The backend forced by use_backend() or MOE_KERNELS_BACKEND, validated; None if not forced."""
+    name = _forced.get() or os.environ.get("MOE_KERNELS_BACKEND") or None
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"MOE_KERNELS_BACKEND / use_backend: unknown backend {name!r}; valid names: {BACKENDS}")
+    return name
+
+
+# A host decision made once per traced call site: torch.compile treats the result as a constant
+# (it cannot trace ContextVar reads), so a compiled function keeps the backend it was compiled with.
+@torch.compiler.assume_constant_result
+def choose(op: str, device_type: str) -> str:
+    """The backend `op` would use for a tensor on `device_type` ("cpu" or "cuda")."""
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}; registered: {sorted(_REGISTRY)}")
+    name = forced()
+    if name is not None:
+        if not _available(op, name, device_type):
+            valid = [b for b in BACKENDS if _available(op, b, device_type)]
+            raise ValueError(
+                f"backend {name!r} cannot run {op} on {device_type} tensors here; "
+                f"valid names for {device_type}: {valid} (all backends: {BACKENDS})"
+            )
+        return name
+    for name in _ORDER.get(device_type, ("torch",)):
+        if _available(op, name, device_type):
+            return name
+    return "torch"
+
+
+def implementation(op: str, tensor: torch.Tensor) -> Callable:
+    """The callable to run `op` on inputs living on `tensor`'s device."""
+    return getattr(_REGISTRY[op], choose(op, tensor.device.type))
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force `name` for every op called inside the block (validated at each call)."""
+    if name not in BACKENDS:
+        raise ValueError(f"use_backend: unknown backend {name!r}; valid names: {BACKENDS}")
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def backends() -> dict[str, dict[str, str]]:
+    """For every op, the backend a CPU tensor and a CUDA tensor would use now.
+
+    e.g. {"topk_softmax": {"cpu": "cpu", "cuda": "unavailable"}}. "unavailable" means no CUDA
+    device (or a forced backend that cannot run there).
+    """
+    cuda_present = torch.cuda.is_available()
+    out = {}
+    for op in sorted(_REGISTRY):
+        row = {}
+        for device_type in ("cpu", "cuda"):
+            if device_type == "cuda" and not cuda_present:
+                row[device_type] = "unavailable"
+                continue
+            try:
+                row[device_type] = choose(op, device_type)
+            except ValueError:
+                row[device_type] = "unavailable"
+        out[op] = row
+    return out
+
+
+class _CallableModule(types.ModuleType):
+    """`moe_kernels.backends()` is the summary above while `moe_kernels.backends.choose` etc.
+    stay reachable: the module and the function share the name the design gives them."""
+
+    def __call__(self) -> dict[str, dict[str, str]]:
+        return backends()
+
+
+sys.modules[__name__].__class__ = _CallableModule

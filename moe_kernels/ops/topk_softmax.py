@@ -1,0 +1,98 @@
+"""moe_kernels.ops.topk_softmax: fused top-k selection and softmax gating weights.
+
+Implementations: reference (moe_kernels/reference/topk_softmax.py), C++ CPU
+(csrc/cpu/topk_softmax.cpp), Triton (moe_kernels/triton/topk_softmax.py), CUDA
+(csrc/cuda/topk_softmax.cu). backends.py chooses among them.
+"""
+
+import torch
+
+from moe_kernels import backends, reference
+from moe_kernels.ops import _validate
+
+
+def _backward_from_logits(
+    logits: torch.Tensor, experts: torch.Tensor, grad_weights: torch.Tensor, renormalize: bool
+) -> torch.Tensor:
+    """d loss / d logits [T, E] from d loss / d weights [T, k], shared by the kernel backends.
+
+    The selected weights are recomputed in float32 from the logits (not read back from a
+    half-precision output), so the gradient is as accurate as the reference's.
+    """
+    x = logits.float()
+    g = grad_weights.float()
+    masked = (
+        x.amax(dim=-1, keepdim=True) == float("-inf") if x.numel() else x.new_zeros(x.shape[0], 1, dtype=torch.bool)
+    )
+    x = torch.where(masked, 0.0, x)
+    if renormalize:
+        w = torch.softmax(x.gather(1, experts), dim=-1)
+        g_sel = w * (g - (g * w).sum(-1, keepdim=True))
+        grad = torch.zeros_like(x).scatter(1, experts, g_sel)
+    else:
+        p = torch.softmax(x, dim=-1)
+        gw = g * p.gather(1, experts)
+        grad = torch.zeros_like(x).scatter(1, experts, gw) - p * gw.sum(-1, keepdim=True)
+    return torch.where(masked, 0.0, grad).to(logits.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, k, renormalize = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.renormalize = renormalize
+
+
+def _backward(ctx, grad_weights, grad_experts):
+    logits, experts = ctx.saved_tensors
+    if grad_weights is None:
+        return None, None, None
+    return _backward_from_logits(logits, experts, grad_weights, ctx.renormalize), None, None
+
+
+_cpp = None
+if backends._extension.LOADED:
+    _cpp = torch.ops.moe_kernels.topk_softmax
+
+    @torch.library.register_fake("moe_kernels::topk_softmax")
+    def _fake(logits, k, renormalize):
+        T = logits.shape[0]
+        return logits.new_empty((T, k)), logits.new_empty((T, k), dtype=torch.int64)
+
+    torch.library.register_autograd("moe_kernels::topk_softmax", _backward, setup_context=_setup_context)
+
+_triton = None
+if backends.triton_importable():
+    from moe_kernels.triton import topk_softmax as _triton_module
+
+    _triton = _triton_module.topk_softmax
+    _triton.register_autograd(_backward, setup_context=_setup_context)
+
+backends.register("topk_softmax", torch=reference.topk_softmax, cpu=_cpp, triton=_triton, cuda=_cpp)
+
+
+def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
+    """Top-k gating: the k largest logits of each row and their softmax weights.
+
+    Args:
+      logits: [T, E] float32 / float16 / bfloat16, any strides. -inf is legal (a masked expert).
+      k: experts per token, 1 <= k <= E.
+      renormalize: True (default) = Softmax(KeepTopK(H, k)), eqs 3 and 5 of Shazeer et al.
+        (002_01a24e7ec3602eec.txt), the weights of a row sum to 1. False = the full-softmax
+        probabilities of the selected experts (Switch / GShard).
+
+    Returns:
+      (weights [T, k] in the logits' dtype, computed in float32;
+       experts [T, k] int64, by descending logit, ties to the lower expert index).
+
+    Differentiable with respect to `logits`. NaN ranks above every number, so a row containing NaN
+    selects it and gets NaN weights (checking for NaN would need a device sync); a row whose
+    logits are all -inf gets weights 0. Every backend gives the same experts.
+    """
+    _validate.tensor("logits", logits, dim=2, shape="[T, E]", dtypes=_validate.ROUTING_DTYPES)
+    E = logits.shape[1]
+    if E < 1:
+        raise ValueError(f"logits must be [T, E] with E >= 1, got shape {tuple(logits.shape)}")
+    _validate.integer("k", k, low=1, high=E, what=f" (E = {E} experts)")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    return backends.implementation("topk_softmax", logits)(logits, k, renormalize)

@@ -1,0 +1,5 @@
+"""Readable PyTorch implementations of every op: the specification (loops are fine here)."""
+
+from moe_kernels.reference.topk_softmax import topk_softmax
+
+__all__ = ["topk_softmax"]

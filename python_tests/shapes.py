@@ -1,0 +1,46 @@
+"""Shared edge-case shapes for the routing ops (each line says why it is here)."""
+
+import torch
+
+# (T, E, k)
+TOPK_SHAPES = [
+    (1, 1, 1),  # one token, one expert
+    (7, 8, 2),  # tokens < any block, the common k = 2
+    (33, 13, 3),  # prime E, odd T
+    (64, 64, 8),  # one full Triton tile
+    (16, 5, 5),  # k = E
+    (130, 256, 1),  # k = 1, multi-tile T, E a power of two
+    (9, 300, 20),  # E not a power of two, k above the C++ insertion limit (16)
+    (0, 8, 2),  # empty batch
+]
+
+# A few (T, E, k) for slow paths (Triton interpreter, gradcheck).
+SMALL_TOPK_SHAPES = [(1, 1, 1), (7, 8, 2), (16, 5, 5), (9, 37, 20), (0, 4, 1)]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def adversarial_logits(kind: str, T: int, E: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    """[T, E] logits of a named adversarial kind."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, E, generator=g)
+    if kind == "random":
+        pass
+    elif kind == "ties":  # few distinct values: many ties, broken by lower index
+        x = torch.randint(0, 3, (T, E), generator=g).float()
+    elif kind == "all_equal":
+        x = torch.zeros(T, E)
+    elif kind == "neg_inf":  # some experts masked
+        x[torch.rand(T, E, generator=g) < 0.4] = float("-inf")
+    elif kind == "all_neg_inf":  # fully masked tokens
+        x[::2] = float("-inf")
+    elif kind == "signed_zero":  # -0.0 ties with +0.0
+        x = torch.where(torch.rand(T, E, generator=g) < 0.5, -0.0, 0.0)
+    elif kind == "large":  # softmax overflow without the max shift
+        x = x * 1e4
+    else:
+        raise ValueError(kind)
+    return x.to(dtype)
+
+
+ADVERSARIAL_KINDS = ["random", "ties", "all_equal", "neg_inf", "all_neg_inf", "signed_zero", "large"]

@@ -1,0 +1,77 @@
+"""The backend registry: one place decides, forced choices are honoured or refused loudly."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moe_kernels
+from moe_kernels import _extension, backends
+
+
+def test_extension_is_built_when_required():
+    """`make test` sets MOE_KERNELS_REQUIRE_EXTENSION=1: CI must test the C++ kernels, not
+    silently fall back to the reference."""
+    if os.environ.get("MOE_KERNELS_REQUIRE_EXTENSION") == "1":
+        assert _extension.LOADED, _extension.LOAD_ERROR
+
+
+def test_summary_names_every_op_and_device():
+    summary = moe_kernels.backends()
+    assert "topk_softmax" in summary
+    for row in summary.values():
+        assert set(row) == {"cpu", "cuda"}
+        assert row["cpu"] in backends.BACKENDS
+        assert row["cuda"] in (*backends.BACKENDS, "unavailable")
+    if not torch.cuda.is_available():
+        assert all(row["cuda"] == "unavailable" for row in summary.values())
+
+
+def test_default_cpu_choice():
+    expected = "cpu" if _extension.LOADED else "torch"
+    if backends.forced() is None:
+        assert backends.choose("topk_softmax", "cpu") == expected
+
+
+def test_use_backend_is_scoped():
+    with moe_kernels.use_backend("torch"):
+        assert backends.choose("topk_softmax", "cpu") == "torch"
+    assert backends.forced() is None or os.environ.get("MOE_KERNELS_BACKEND")
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names"):
+        with moe_kernels.use_backend("fortran"):
+            pass
+
+
+def test_unavailable_backend_is_an_error():
+    with moe_kernels.use_backend("cuda"):
+        with pytest.raises(ValueError, match="valid names for cpu"):
+            moe_kernels.ops.topk_softmax(torch.randn(3, 4), 1)
+
+
+def test_unknown_op():
+    with pytest.raises(ValueError, match="unknown op"):
+        backends.choose("no_such_op", "cpu")
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "bogus"])
+def test_environment_override(name):
+    """MOE_KERNELS_BACKEND is read at call time, in a fresh process so no state leaks."""
+    code = (
+        "import torch, moe_kernels; print(moe_kernels.backends()['topk_softmax']['cpu']); "
+        "moe_kernels.ops.topk_softmax(torch.randn(2, 3), 1)"
+    )
+    env = {**os.environ, "MOE_KERNELS_BACKEND": name}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if name == "bogus":
+        assert out.returncode != 0 and "valid names" in out.stderr
+    elif name == "cpu" and not _extension.LOADED:
+        assert out.returncode != 0 and "valid names" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == name

@@ -1,0 +1,188 @@
+"""topk_softmax: every backend against the reference, forward and backward, on adversarial input."""
+
+import pytest
+import torch
+from shapes import ADVERSARIAL_KINDS, DTYPES, SMALL_TOPK_SHAPES, TOPK_SHAPES, adversarial_logits
+from tolerances import assert_close, assert_lowp_close
+
+import moe_kernels
+from moe_kernels import reference
+from moe_kernels.ops import topk_softmax
+
+
+def run(backend, logits, k, renormalize=True):
+    with moe_kernels.use_backend(backend):
+        return topk_softmax(logits, k, renormalize=renormalize)
+
+
+def shapes_for(backend):
+    return SMALL_TOPK_SHAPES if backend == "triton" else TOPK_SHAPES
+
+
+def eager_lowp(logits, k, renormalize):
+    """What plain PyTorch computes in the low-precision dtype itself (flash-attention's yardstick)."""
+    _, experts = reference.topk_softmax(logits, k, renormalize)
+    if renormalize:
+        return torch.softmax(logits.gather(1, experts), dim=-1)
+    return torch.softmax(logits, dim=-1).gather(1, experts)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_random(backend, dtype, renormalize):
+    for T, E, k in shapes_for(backend):
+        logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * 1000 + E)).to(dtype)
+        w, e = run(backend, logits, k, renormalize)
+        w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
+        assert w.shape == (T, k) and e.shape == (T, k)
+        assert w.dtype == dtype and e.dtype == torch.int64
+        assert torch.equal(e, e_ref), f"experts differ for {(T, E, k)}"
+        if dtype == torch.float32:
+            assert_close(w, w_ref)
+        else:
+            w32, _ = reference.topk_softmax(logits.float(), k, renormalize)
+            if T:
+                assert_lowp_close(w, w32, eager_lowp(logits, k, renormalize))
+
+
+@pytest.mark.parametrize("kind", ADVERSARIAL_KINDS)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_adversarial(backend, kind, renormalize):
+    for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 1, 1)]:
+        logits = adversarial_logits(kind, T, E)
+        w, e = run(backend, logits, k, renormalize)
+        w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
+        assert torch.equal(e, e_ref), (kind, e, e_ref)
+        assert_close(w, w_ref)
+        assert not torch.isnan(w).any()
+
+
+def test_ties_go_to_lower_index(backend):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [-0.0, 0.0, -1.0, 0.0, -0.0]])
+    _, e = run(backend, logits, 3)
+    assert e.tolist() == [[1, 2, 4], [0, 1, 3]]
+
+
+def test_neg_inf_rows_get_zero_weights(backend):
+    logits = torch.full((3, 6), float("-inf"))
+    logits[1, 4] = 2.0
+    for renormalize in (True, False):
+        w, e = run(backend, logits, 2, renormalize)
+        assert e.tolist() == [[0, 1], [4, 0], [0, 1]]
+        assert w.tolist() == [[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]
+
+
+def test_nan_ranks_first_and_poisons_its_row(backend):
+    logits = torch.tensor([[0.0, float("nan"), 5.0, float("nan")], [1.0, 2.0, 3.0, 4.0]])
+    w, e = run(backend, logits, 2)
+    assert e.tolist() == [[1, 3], [3, 2]]
+    assert torch.isnan(w[0]).all() and not torch.isnan(w[1]).any()
+
+
+def test_non_contiguous(backend):
+    base = torch.randn(12, 40)
+    logits = base.t()[:, ::2]  # [40, 6], strides (1, 80)
+    assert not logits.is_contiguous()
+    w, e = run(backend, logits, 3)
+    w_ref, e_ref = reference.topk_softmax(logits.contiguous(), 3)
+    assert torch.equal(e, e_ref)
+    assert_close(w, w_ref)
+
+
+def test_weights_sum_to_one_when_renormalized(backend):
+    logits = torch.randn(50, 12)
+    w, _ = run(backend, logits, 4)
+    assert_close(w.sum(-1), torch.ones(50))
+    w_full, _ = run(backend, logits, 4, renormalize=False)
+    assert (w_full.sum(-1) <= 1 + 1e-6).all()
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gradients_match_reference(backend, renormalize):
+    for kind in ["random", "ties", "neg_inf", "all_neg_inf"]:
+        logits = adversarial_logits(kind, 9, 11, seed=3)
+        upstream = torch.randn(9, 4, generator=torch.Generator().manual_seed(1))
+        x = logits.clone().requires_grad_()
+        w, _ = run(backend, x, 4, renormalize)
+        (w * upstream).sum().backward()
+        x_ref = logits.clone().requires_grad_()
+        w_ref, _ = reference.topk_softmax(x_ref, 4, renormalize)
+        (w_ref * upstream).sum().backward()
+        assert_close(x.grad, x_ref.grad, msg=kind)
+        assert not torch.isnan(x.grad).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gradients_low_precision(backend, dtype):
+    logits = torch.randn(20, 16)
+    x = logits.to(dtype).requires_grad_()
+    w, _ = run(backend, x, 2)
+    w.float().pow(2).sum().backward()
+    assert x.grad.dtype == dtype
+    x32 = logits.to(dtype).float().requires_grad_()
+    w32, _ = reference.topk_softmax(x32, 2)
+    w32.pow(2).sum().backward()
+    assert_close(x.grad, x32.grad, dtype=dtype)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_reference_gradcheck_float64(renormalize):
+    for T, E, k in SMALL_TOPK_SHAPES:
+        if T == 0:
+            continue
+        # Distinct logits: gradcheck's finite differences must not cross a selection boundary.
+        x = (torch.randperm(T * E, generator=torch.Generator().manual_seed(E)).double().view(T, E) / 7).requires_grad_()
+        assert torch.autograd.gradcheck(lambda t: reference.topk_softmax(t, k, renormalize)[0], (x,))
+
+
+def test_kernel_gradcheck_float64_path(kernel_backend):
+    """The kernels run in float32 only; their backward formula is checked against finite
+    differences of the float32 forward with loose tolerance."""
+    x = (torch.randperm(60, generator=torch.Generator().manual_seed(0)).float().view(6, 10) / 5).requires_grad_()
+    with moe_kernels.use_backend(kernel_backend):
+        assert torch.autograd.gradcheck(lambda t: topk_softmax(t, 3)[0], (x,), eps=1e-3, atol=1e-3, rtol=1e-2)
+
+
+def test_empty_batch(backend):
+    w, e = run(backend, torch.empty(0, 5), 2)
+    assert w.shape == (0, 2) and e.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "logits, k, error",
+    [
+        (torch.randn(4), 1, ValueError),  # 1-D
+        (torch.randn(2, 3, 4), 1, ValueError),  # 3-D
+        (torch.randn(4, 0), 1, ValueError),  # no experts
+        (torch.randn(4, 3), 0, ValueError),  # k < 1
+        (torch.randn(4, 3), 4, ValueError),  # k > E
+        (torch.randn(4, 3), 1.0, TypeError),  # k not an int
+        (torch.randn(4, 3).double(), 1, TypeError),  # dtype
+        (torch.randint(0, 3, (4, 3)), 1, TypeError),  # integer logits
+        ([[1.0, 2.0]], 1, TypeError),  # not a tensor
+    ],
+)
+def test_bad_arguments(logits, k, error):
+    with pytest.raises(error, match="logits|k"):
+        topk_softmax(logits, k)
+
+
+def test_opcheck(kernel_backend):
+    op = torch.ops.moe_kernels.topk_softmax if kernel_backend == "cpu" else torch.ops.moe_kernels_triton.topk_softmax
+    for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5)]:
+        for renormalize in (True, False):
+            logits = torch.randn(T, E, requires_grad=True)
+            torch.library.opcheck(op, (logits, k, renormalize))
+
+
+def test_torch_compile_fullgraph(kernel_backend):
+    def route(x):
+        w, e = topk_softmax(x, 2)
+        return (w * e.float()).sum(-1)
+
+    x = torch.randn(16, 8)
+    with moe_kernels.use_backend(kernel_backend):
+        compiled = torch.compile(
+            route, fullgraph=True, backend="aot_eager" if kernel_backend == "triton" else "inductor"
+        )
+        assert_close(compiled(x), route(x))
