@@ -15,3 +15,8 @@ __all__ = [
     "topk_softmax",
     "unpermute",
 ]
+
+from moe_kernels.ops.dselect_k import dselect_k  # noqa: E402
+from moe_kernels.ops.smooth_step import smooth_step  # noqa: E402
+
+__all__ += ["dselect_k", "smooth_step"]
