@@ -142,12 +142,12 @@ def test_reference_gradcheck_float64():
 
 def test_kernel_gradcheck_float32(kernel_backend):
     """The kernels compute in float32: their backward against finite differences, loosely."""
-    alpha, z = inputs(3, 3, 6, seed=9, scale=0.25)
+    alpha, z = inputs(2, 2, 3, seed=9, scale=0.25)  # small: each output element is one backward call
     alpha.requires_grad_()
     z.requires_grad_()
     with moe_kernels.use_backend(kernel_backend):
         assert torch.autograd.gradcheck(
-            lambda a, zz: dselect_k(a, zz, 6, 1.0, return_selectors=True),
+            lambda a, zz: dselect_k(a, zz, 3, 1.0, return_selectors=True),
             (alpha, z),
             eps=1e-3,
             atol=2e-3,
@@ -175,7 +175,8 @@ def test_neg_inf_alpha(backend):
 
 def test_opcheck(kernel_backend):
     ns = torch.ops.moe_kernels if kernel_backend == "cpu" else torch.ops.moe_kernels_triton
-    for B, k, n in [(3, 2, 6), (0, 2, 4), (2, 1, 1)]:
+    shapes = [(3, 2, 6), (0, 2, 4)] + ([(2, 1, 1)] if kernel_backend == "cpu" else [])  # the interpreter is slow
+    for B, k, n in shapes:
         alpha, z = inputs(max(B, 1), k, n)
         alpha, z = alpha[:B].clone().requires_grad_(), z[:B].clone().requires_grad_()
         m = num_bits(n)

@@ -12,7 +12,7 @@ from moe_kernels.triton.smooth_step import _params, smooth_step_slope, smooth_st
 # the forward; 512 and 4 in the backward, which holds three tiles (grad_gates, u and the partial
 # product) and unrolls m^2 products: 1024 entries per program spilled under ptxas for n = 256 on
 # sm_80 or sm_90 whatever the warp count (the AOT test checks).
-MAX_EXPERTS = 4096
+MAX_EXPERTS = 1024
 _TILE = 1024
 _PER_THREAD = 8
 _TILE_BACKWARD = 512
@@ -38,15 +38,30 @@ def _column(x, ks, i):
 
 
 @triton.jit
-def _selector(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3, SKIP):
-    """r(S(z_bi)) [BLOCK_B, BLOCK_L] of eq 4, leaving out bit SKIP (SKIP = -1: none)."""
+def _factor(z_ptr, base, row_ok, ls, j, half, c1, c3):
+    """Factor of bit j in every selector entry: S(z_bij) where bit j of l is set, else 1 - S(z_bij)."""
+    s = smooth_step_value(tl.load(z_ptr + base + j, mask=row_ok, other=0.0).to(tl.float32), half, c1, c3)
+    return tl.where((((ls >> j) & 1) == 1)[None, :], s[:, None], 1.0 - s[:, None])
+
+
+@triton.jit
+def _selector(z_ptr, rows, row_ok, ls, i, K, M: tl.constexpr, half, c1, c3):
+    """r(S(z_bi)) [BLOCK_B, BLOCK_L] of eq 4 (M = log2(BLOCK_L) is constant: the loop unrolls)."""
     r = tl.full((rows.shape[0], ls.shape[0]), 1.0, tl.float32)
     base = (rows.to(tl.int64) * K + i) * M
-    for j in tl.static_range(M):  # unrolled: M = log2(BLOCK_L) is a compile-time constant
-        if j != SKIP:
-            s = smooth_step_value(tl.load(z_ptr + base + j, mask=row_ok, other=0.0).to(tl.float32), half, c1, c3)
-            bit = ((ls >> j) & 1) == 1
-            r = r * tl.where(bit[None, :], s[:, None], 1.0 - s[:, None])
+    for j in tl.static_range(M):
+        r = r * _factor(z_ptr, base, row_ok, ls, j, half, c1, c3)
+    return r
+
+
+@triton.jit
+def _selector_without(z_ptr, rows, row_ok, ls, i, K, M: tl.constexpr, half, c1, c3, skip: tl.constexpr):
+    """r(S(z_bi)) with the factor of bit `skip` left out: d r_l / d s_skip up to sign."""
+    r = tl.full((rows.shape[0], ls.shape[0]), 1.0, tl.float32)
+    base = (rows.to(tl.int64) * K + i) * M
+    for j in tl.static_range(M):
+        if j != skip:  # both compile-time: the caller's loop is unrolled too
+            r = r * _factor(z_ptr, base, row_ok, ls, j, half, c1, c3)
     return r
 
 
@@ -75,7 +90,7 @@ def dselect_k_kernel(
     p = _softmax_rows(alpha_ptr, rows, row_ok, ks, K)
     acc = tl.zeros((BLOCK_B, BLOCK_L), tl.float32)
     for i in range(0, K):
-        r = _selector(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3, -1)
+        r = _selector(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3)
         acc += _column(p, ks, i)[:, None] * r
         if RETURN_SELECTORS:
             out = (rows[:, None].to(tl.int64) * K + i) * BLOCK_L + ls[None, :]
@@ -117,7 +132,7 @@ def dselect_k_backward_kernel(
     # d alpha_i = p_i (c_i - sum p c), c_i = <grad_gates, r_i>.
     c = tl.zeros((BLOCK_B, BLOCK_K), tl.float32)
     for i in range(0, K):
-        r = _selector(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3, -1)
+        r = _selector(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3)
         c = tl.where(ks[None, :] == i, tl.sum(g * r, axis=1)[:, None], c)
     grad_alpha = p * (c - tl.sum(p * c, axis=1)[:, None])
     out = rows[:, None].to(tl.int64) * K + ks[None, :]
@@ -132,8 +147,10 @@ def dselect_k_backward_kernel(
             sel = (rows[:, None].to(tl.int64) * K + i) * BLOCK_L + ls[None, :]
             u += tl.load(grad_sel_ptr + sel, mask=row_ok[:, None], other=0.0)
         base = (rows.to(tl.int64) * K + i) * M
+        # Unrolled (M^2 products): with a run-time loop here ptxas spilled a few bytes on sm_80 or
+        # sm_90 for every tile size tried; the cost is compile time (seconds for M = 10).
         for j in tl.static_range(M):
-            rest = _selector(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3, j)
+            rest = _selector_without(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3, j)
             sign = tl.where(((ls >> j) & 1) == 1, 1.0, -1.0)
             ds = tl.sum(u * sign[None, :] * rest, axis=1)
             zj = tl.load(z_ptr + base + j, mask=row_ok, other=0.0).to(tl.float32)
@@ -281,5 +298,5 @@ AOT_KERNELS = [
     _aot(dselect_k_kernel, "bf16", True, 64, k=2),
     _aot(dselect_k_backward_kernel, "fp32", True, 16),
     _aot(dselect_k_backward_kernel, "fp16", False, 256),
-    _aot(dselect_k_backward_kernel, "fp32", False, MAX_EXPERTS, k=8),
+    _aot(dselect_k_backward_kernel, "fp32", False, MAX_EXPERTS, k=8),  # m = 10 bits: 100 unrolled products
 ]
