@@ -158,3 +158,30 @@ def test_bad_input():
         gate(torch.randn(5, 4))
     with pytest.raises(ValueError, match="mask"):
         gate(torch.randn(5, 3), mask=torch.ones(4, dtype=torch.bool))
+
+
+def test_sparse_evaluation_matches_dense_once_converged():
+    """The Routing of a converged gate, evaluated through capacity_positions/dispatch/combine on only
+    the selected experts, gives the dense MoE sum_e gates_e f_e(x) (what the layer will do)."""
+    from moe_kernels.ops import capacity_positions, combine, dispatch
+
+    torch.manual_seed(8)
+    n, k, d, T = 6, 2, 5, 9
+    gate = DSelectKGate(n, k, input_dim=d)
+    with torch.no_grad():
+        gate.z_proj.weight.mul_(0)
+        gate.z_proj.bias.copy_(torch.tensor([3.0, -3.0, 3.0, -3.0, 3.0, -3.0]))  # binary: experts 5 and 2
+    experts_w = torch.randn(n, d, d)
+    x = torch.randn(T, d)
+    assert gate.is_converged(x).all()
+    routing = gate(x)
+    assert routing.k <= k
+    dense = torch.einsum("te,ted->td", gate.gates(x), torch.einsum("td,edf->tef", x, experts_w))
+    positions, counts = capacity_positions(routing.experts, n, T * routing.k)
+    buffer = dispatch(x, routing.experts, positions, n, T * routing.k)
+    evaluated = [e for e in range(n) if counts[e] > 0]
+    assert evaluated == [2, 5]  # only the selected experts run
+    out = torch.zeros_like(buffer)
+    for e in evaluated:
+        out[e] = buffer[e] @ experts_w[e]
+    assert_close(combine(out, routing.experts, positions, routing.weights), dense)
