@@ -44,3 +44,14 @@ def adversarial_logits(kind: str, T: int, E: int, dtype=torch.float32, seed: int
 
 
 ADVERSARIAL_KINDS = ["random", "ties", "all_equal", "neg_inf", "all_neg_inf", "signed_zero", "large"]
+
+# Balanced assignment (n tokens, k experts, capacity; None = ceil(n / k)).
+ASSIGNMENT_SHAPES = [
+    (12, 3, None),  # k divides n: exactly n / k per expert, no free slot
+    (13, 4, None),  # n not divisible by k: free slots (the F node)
+    (20, 4, 7),  # capacity > n / k
+    (9, 1, None),  # k = 1: everything to expert 0
+    (6, 6, None),  # k = n: a permutation
+    (5, 8, 1),  # k > n: more slots than tokens
+    (0, 3, None),  # empty batch
+]

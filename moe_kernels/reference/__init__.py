@@ -3,3 +3,6 @@
 from moe_kernels.reference.topk_softmax import topk_softmax
 
 __all__ = ["topk_softmax"]
+from moe_kernels.reference.balanced_assignment import balanced_assignment  # noqa: E402
+
+__all__ += ["balanced_assignment"]
