@@ -6,3 +6,6 @@ __all__ = ["topk_softmax"]
 from moe_kernels.reference.balanced_assignment import balanced_assignment  # noqa: E402
 
 __all__ += ["balanced_assignment"]
+from moe_kernels.reference.gumbel_matching import gumbel_matching  # noqa: E402
+
+__all__ += ["gumbel_matching"]
