@@ -40,7 +40,8 @@ std::tuple<int64_t, double> sinkhorn_loop(const acc_t* x, const acc_t* xt, int64
     at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) u[i] = -logsumexp_plus(x + i * k, v, k);
     });
-    at::parallel_for(0, k, 1, [&](int64_t b, int64_t e) {
+    // Small problems stay on one thread: a fork per iteration costs more than the work.
+    at::parallel_for(0, k, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) log_col[j] = logsumexp_plus(xt + j * n, u, n);
     });
     err = 0.0;
