@@ -67,33 +67,36 @@ struct Solver {
     }
   }
 
-  // d[j][j'] and its argmin token, one expert per task (tokens of j in increasing index order,
-  // so ties go to the lower token index as in the reference).
-  // Only the rows of the experts in `rows` are recomputed: the others' token sets did not change.
-  void move_costs(std::vector<double>& d, std::vector<int64_t>& arg, const std::vector<int64_t>& start,
-                  const std::vector<int64_t>& tokens, const std::vector<int64_t>& rows) {
+  // d[j][j'] = min over the tokens of j of s[i][j] - s[i][j'], one expert per task. Only the rows
+  // of the experts in `rows` are recomputed: the others' token sets did not change. The argmin
+  // token is looked up only for the edges of the cycles (argmin_token), so this loop is a plain
+  // vectorisable min.
+  void move_costs(std::vector<double>& d, const std::vector<int64_t>& start, const std::vector<int64_t>& tokens,
+                  const std::vector<int64_t>& rows) {
     at::parallel_for(0, (int64_t)rows.size(), 1, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const int64_t j = rows[r];
         double* dj = d.data() + j * k;
-        int64_t* aj = arg.data() + j * k;
         std::fill(dj, dj + k, ba::inf());
-        std::fill(aj, aj + k, -1);
         for (int64_t t = start[j]; t < start[j + 1]; ++t) {
-          const int64_t i = tokens[t];
-          const scalar_t* row = s + i * k;
+          const scalar_t* row = s + tokens[t] * k;
           const double sj = (double)row[j];
-          for (int64_t jp = 0; jp < k; ++jp) {
-            const double c = ba::move_cost(sj, (double)row[jp]);
-            if (c < dj[jp]) {
-              dj[jp] = c;
-              aj[jp] = i;
-            }
-          }
+          for (int64_t jp = 0; jp < k; ++jp) dj[jp] = std::min(dj[jp], ba::move_cost(sj, (double)row[jp]));
         }
         dj[j] = 0.0;
       }
     });
+  }
+
+  // The token of expert a that attains d[a][b]: the first in increasing token order (the
+  // reference's strict-< scan), found by recomputing the same float64 costs.
+  int64_t argmin_token(const std::vector<double>& d, const std::vector<int64_t>& start,
+                       const std::vector<int64_t>& tokens, int64_t a, int64_t b) const {
+    for (int64_t t = start[a]; t < start[a + 1]; ++t) {
+      const scalar_t* row = s + tokens[t] * k;
+      if (ba::move_cost((double)row[a], (double)row[b]) == d[a * k + b]) return tokens[t];
+    }
+    return -1;  // unreachable: d[a][b] is finite on a cycle, so some token attains it
   }
 };
 
@@ -167,12 +170,9 @@ void floyd_warshall_cycles(const std::vector<double>& w, int64_t N, double tol, 
       double* du = dist.data() + u * N;
       int32_t* nu = nxt.data() + u * N;
       const int32_t num = nu[m];
-      for (int64_t v = 0; v < N; ++v) {
-        const double through = dum + dm[v];
-        const bool better = through < du[v];
-        du[v] = better ? through : du[v];
-        nu[v] = better ? num : nu[v];
-      }
+      // Two single-width loops vectorise where one mixed double/int32 loop does not.
+      for (int64_t v = 0; v < N; ++v) nu[v] = dum + dm[v] < du[v] ? num : nu[v];
+      for (int64_t v = 0; v < N; ++v) du[v] = std::min(du[v], dum + dm[v]);
     }
   }
 }
@@ -199,7 +199,8 @@ double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t*
   const bool slack = n < capacity * k;
   const int64_t N = slack ? k + 1 : k;
   std::vector<double> d(k * k), w(N * N), dist;
-  std::vector<int64_t> arg(k * k), counts(k), start(k + 1), tokens(n), fill(k);
+  std::vector<std::pair<int64_t, int64_t>> moves;
+  std::vector<int64_t> counts(k), start(k + 1), tokens(n), fill(k);
   std::vector<int32_t> nxt;
   std::vector<std::vector<int64_t>> cycles;
   std::vector<int64_t> rows(k);
@@ -211,7 +212,7 @@ double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t*
     for (int64_t j = 0; j < k; ++j) start[j + 1] = start[j] + counts[j];
     std::copy(start.begin(), start.end() - 1, fill.begin());
     for (int64_t i = 0; i < n; ++i) tokens[fill[S.z[i]]++] = i;
-    S.move_costs(d, arg, start, tokens, rows);
+    S.move_costs(d, start, tokens, rows);
     for (int64_t a = 0; a < k; ++a)
       for (int64_t b = 0; b < k; ++b) w[a * N + b] = d[a * k + b];
     if (slack) {
@@ -224,15 +225,19 @@ double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t*
     cycles.clear();
     floyd_warshall_cycles(w, N, S.tol, dist, nxt, cycles);
     if (cycles.empty()) break;
+    // All movers are looked up before any move: the token lists describe the assignment the
+    // costs were computed on.
     rows.clear();
+    moves.clear();
     for (const auto& cyc : cycles) {
       for (int64_t v : cyc)
         if (v < k) rows.push_back(v);
       for (size_t t = 0; t < cyc.size(); ++t) {
         const int64_t a = cyc[t], b = cyc[(t + 1) % cyc.size()];
-        if (a < k && b < k) S.z[arg[a * k + b]] = b;
+        if (a < k && b < k) moves.emplace_back(S.argmin_token(d, start, tokens, a, b), b);
       }
     }
+    for (const auto& mv : moves) S.z[mv.first] = mv.second;
   }
   double value = 0.0;
   for (int64_t i = 0; i < n; ++i) {
