@@ -109,7 +109,8 @@ def main():
         print("OR-tools not installed: not measured")
     rows, quality_lines = [], []
     for n, k in grid:
-        s = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+        # Held-out seed: the auction schedule was tuned on seeds n + k + {0, 100, 200}.
+        s = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k + 1000))
         capacity = math.ceil(n / k)
         config = {"n": n, "k": k}
         _, best, _ = balanced_assignment(s, capacity, return_distances=True)

@@ -23,9 +23,9 @@ namespace {
 namespace ba = balanced_assignment;
 
 // Keep in sync with the reference's EPS_* and TOL_REL constants.
-constexpr double kEpsStartDiv = 8.0;
-constexpr double kEpsFactor = 8.0;
-constexpr int kEpsPhases = 4;
+constexpr double kEpsStartDiv = 16.0;
+constexpr double kEpsFactor = 512.0;
+constexpr int kEpsPhases = 2;
 constexpr double kTolRel = 1e-12;
 
 using Holder = std::pair<double, int64_t>;  // (bid, -token): a min-heap evicts the lowest bid,
