@@ -162,7 +162,7 @@ void floyd_warshall_cycles(const std::vector<double>& w, int64_t N, double tol, 
       blocked[m] = 1;
       continue;
     }
-    // ba::relax over a row, written out so the compiler can vectorise it (branch-free selects).
+    // Relax every cell of row u through m (strict <: ties keep the earlier path), branch-free.
     const double* dm = dist.data() + m * N;
     for (int64_t u = 0; u < N; ++u) {
       const double dum = dist[u * N + m];

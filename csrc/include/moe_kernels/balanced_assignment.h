@@ -1,8 +1,8 @@
 // Balanced assignment (Kool et al., 004_62bca7777c830867.txt, Appendix D.2): the pieces of the
-// auction + cycle-cancelling solver that do not depend on where they run. The CPU kernel
-// (csrc/cpu/balanced_assignment.cpp) calls them in loops; a CUDA kernel would call the same
-// functions with one thread per (expert pair) or per (u, v) cell. All arithmetic is float64 so the
-// results match the reference (moe_kernels/reference/balanced_assignment.py) exactly.
+// auction + cycle-cancelling solver that do not depend on where they run (the CPU kernel
+// csrc/cpu/balanced_assignment.cpp calls them; there is no CUDA kernel yet, see
+// docs/balanced_assignment.md). All arithmetic is float64 so the results match the reference
+// (moe_kernels/reference/balanced_assignment.py) exactly.
 #pragma once
 #include <stdint.h>
 
@@ -44,16 +44,6 @@ MK_HD double bid(double price, double v1, double v2, int64_t k, double eps) {
 
 // Cost of moving a token from expert j to j' (it loses s[i, j] and gains s[i, j']).
 MK_HD double move_cost(double s_from, double s_to) { return s_from - s_to; }
-
-// One Floyd-Warshall relaxation of cell (u, v) through intermediate m, with path reconstruction:
-// dist / nxt are N x N row-major. Strict < keeps the earlier path on ties.
-MK_HD void relax(double* dist, int32_t* nxt, int64_t N, int64_t u, int64_t m, int64_t v) {
-  const double through = dist[u * N + m] + dist[m * N + v];
-  if (through < dist[u * N + v]) {
-    dist[u * N + v] = through;
-    nxt[u * N + v] = nxt[u * N + m];
-  }
-}
 
 // Does u close a negative cycle through m (before relaxing through m, all distances use
 // intermediates < m and are exact shortest paths)?
