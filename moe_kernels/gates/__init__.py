@@ -1,3 +1,7 @@
-"""Gates: nn.Modules that map tokens to a moe_kernels.routing.Routing."""
+"""Gates: nn.Modules that map tokens to a moe_kernels.routing.Routing (one class per file)."""
 
-from moe_kernels.gates.dselect_k import DSelectKGate  # noqa: F401
+from moe_kernels.gates.balanced_assignment import BalancedAssignmentGate
+from moe_kernels.gates.dselect_k import DSelectKGate
+from moe_kernels.gates.sinkhorn import SinkhornGate
+
+__all__ = ["BalancedAssignmentGate", "DSelectKGate", "SinkhornGate"]
