@@ -52,6 +52,7 @@ def main():
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--dropless", action="store_true", help="dropless mode (permute + split-size all-to-all)")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (torchrun's default)")
     args = parser.parse_args()
 
     group = None
@@ -60,7 +61,7 @@ def main():
         group = dist.group.WORLD
     rank = dist.get_rank() if group else 0
     world = dist.get_world_size() if group else 1
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # one core's share per rank
+    torch.set_num_threads(args.threads)
 
     d, h, E, k = args.d_model, args.d_hidden, args.experts, args.k
     g = torch.Generator().manual_seed(0)  # the same full model and teacher on every rank
