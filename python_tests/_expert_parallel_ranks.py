@@ -26,6 +26,7 @@ from moe_kernels.ops import capacity_for, capacity_positions, topk_softmax
 from moe_kernels.parallel import (
     RemoteRankError,
     expert_parallel_moe,
+    expert_parallel_route,
     gather_state_dict,
     route_global_batch,
     shard_experts,
@@ -49,9 +50,12 @@ def global_data(token_counts, num_experts, seed):
     return xs, logits, w1, w2, grads
 
 
-def single_process_moe(x, experts, weights, kept, w1, w2):
-    """y[t] = sum_s kept[t, s] * weights[t, s] * gelu(x[t] @ w1[e]) @ w2[e], e = experts[t, s]."""
-    every = torch.einsum("teh,ehd->ted", F.gelu(torch.einsum("td,edh->teh", x, w1)), w2)  # [T, E, D]
+def single_process_moe(x, experts, weights, kept, w1, w2, b1=None, b2=None):
+    """y[t] = sum_s kept[t, s] * weights[t, s] * FFN_e(x[t]), e = experts[t, s], with
+    FFN_e(v) = gelu(v @ w1[e] + b1[e]) @ w2[e] + b2[e] (biases [E, H] / [E, D], default 0)."""
+    b1 = 0.0 if b1 is None else b1.unsqueeze(0)
+    b2 = 0.0 if b2 is None else b2.unsqueeze(0)
+    every = torch.einsum("teh,ehd->ted", F.gelu(torch.einsum("td,edh->teh", x, w1) + b1), w2) + b2  # [T, E, D]
     chosen = every.gather(1, experts.clamp(min=0).unsqueeze(-1).expand(-1, -1, x.shape[1]))  # [T, k, D]
     return (chosen * (weights * kept).unsqueeze(-1)).sum(1)
 
@@ -64,6 +68,21 @@ def topk_routing(logits, k=K):
     weights, experts = topk_softmax(logits.float(), k)  # the kernel takes fp32/fp16/bf16 logits
     weights = torch.softmax(logits.gather(1, experts), -1)  # same choices, float64 weights (renormalised)
     return Routing(experts=experts, weights=weights, num_experts=logits.shape[1], aux_loss=logits.new_zeros(()))
+
+
+class BiasedExperts:
+    """The experts interface of expert_parallel_route (forward_buffer / forward_expert) with biases:
+    a capacity buffer's empty slots then produce non-zero outputs, which must never reach a token."""
+
+    def __init__(self, w1, b1, w2, b2):
+        self.w1, self.b1, self.w2, self.b2 = w1, b1, w2, b2
+        self.num_experts = w1.shape[0]
+
+    def forward_buffer(self, buffer):
+        return torch.bmm(F.gelu(torch.bmm(buffer, self.w1) + self.b1[:, None]), self.w2) + self.b2[:, None]
+
+    def forward_expert(self, e, rows):
+        return F.gelu(rows @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
 
 
 # ---------------------------------------------------------------- gates solved over a whole batch
@@ -105,30 +124,36 @@ def balanced_gate(logits):
 
 # ---------------------------------------------------------------- checks
 def check_equal_to_single_process(
-    group, token_counts, num_experts, *, dropless, capacity_factor=None, gate=None, seed=0
+    group, token_counts, num_experts, *, dropless, capacity_factor=None, gate=None, bias=False, seed=0
 ):
-    """EP outputs and gradients (x, logits, w1, w2) equal the single-process MoE's slice."""
+    """EP outputs and gradients (x, logits, w1, w2, biases) equal the single-process MoE's slice."""
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     xs, logits, w1, w2, grads = global_data(token_counts, num_experts, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    b1, b2 = (torch.randn(num_experts, n, generator=g, dtype=torch.float64) for n in (H, D))
     E_l = num_experts // W
 
     # expert-parallel step on this rank's tokens and experts
     x, lg = leaves(xs[rank], logits[rank])
-    w1_l, w2_l = leaves(shard_experts(w1, group), shard_experts(w2, group))
+    w1_l, w2_l, b1_l, b2_l = leaves(*(shard_experts(t, group) for t in (w1, w2, b1, b2)))
     routing = topk_routing(lg) if gate is None else route_global_batch(lg, gate, group)
     opts = {"dropless": True} if dropless else {"capacity_factor": capacity_factor}
-    y, stats = expert_parallel_moe(x, routing, w1_l, w2_l, group, **opts)
+    if bias:  # the duck-typed experts interface (what the MoE layer's expert modules provide)
+        y, stats = expert_parallel_route(x, routing, BiasedExperts(w1_l, b1_l, w2_l, b2_l), group, **opts)
+    else:
+        y, stats = expert_parallel_moe(x, routing, w1_l, w2_l, group, **opts)
     (y * grads[rank]).sum().backward()
 
     # the same computation in one process: every rank's tokens, all experts
     ref_x, ref_lg = leaves(torch.cat(xs), torch.cat(logits))
-    ref_w1, ref_w2 = leaves(w1, w2)
+    ref_w1, ref_w2, ref_b1, ref_b2 = leaves(w1, w2, b1, b2)
+    biases = (ref_b1, ref_b2) if bias else ()
     start = sum(token_counts[:rank])
     rows = slice(start, start + token_counts[rank])
     if gate is not None:  # one routing problem over the global batch
         ref_routing = gate(ref_lg)
         kept = (ref_routing.experts >= 0).double()
-        ref_y = single_process_moe(ref_x, ref_routing.experts, ref_routing.weights, kept, ref_w1, ref_w2)
+        ref_y = single_process_moe(ref_x, ref_routing.experts, ref_routing.weights, kept, ref_w1, ref_w2, *biases)
         assert torch.equal(routing.experts, ref_routing.experts[rows]), "global routing differs"
         expected_dropped = 0
     else:  # each rank's batch routed on its own (top-k is per token), capacity per source rank
@@ -146,7 +171,7 @@ def check_equal_to_single_process(
                 kept = (positions >= 0).double()
                 drops.append(int((positions < 0).sum()))
                 assert stats["capacity"] == C, f"agreed capacity {stats['capacity']} != {C}"
-            outs.append(single_process_moe(ref_x[s], r.experts, r.weights, kept, ref_w1, ref_w2))
+            outs.append(single_process_moe(ref_x[s], r.experts, r.weights, kept, ref_w1, ref_w2, *biases))
         ref_y = torch.cat(outs)
         expected_dropped = 0 if dropless else drops[rank]
     (ref_y * torch.cat(grads)).sum().backward()
@@ -157,6 +182,9 @@ def check_equal_to_single_process(
     local = slice(rank * E_l, (rank + 1) * E_l)
     torch.testing.assert_close(w1_l.grad, ref_w1.grad[local], **TOL)
     torch.testing.assert_close(w2_l.grad, ref_w2.grad[local], **TOL)
+    if bias:
+        torch.testing.assert_close(b1_l.grad, ref_b1.grad[local], **TOL)
+        torch.testing.assert_close(b2_l.grad, ref_b2.grad[local], **TOL)
     assert int(stats["dropped"]) == expected_dropped, (int(stats["dropped"]), expected_dropped)
     if gate is None and not dropless and capacity_factor is not None and sum(token_counts):
         assert sum(drops) > 0, "capacity case should drop some choices (test data too small?)"
@@ -327,6 +355,10 @@ PLANS = {
          {"token_counts": [6, 3], "num_experts": 4, "dropless": True, "gate": expert_choice_gate}),
         ("global_balanced_assignment", check_equal_to_single_process,
          {"token_counts": [5, 0], "num_experts": 2, "dropless": True, "gate": balanced_gate}),
+        ("capacity_experts_with_bias", check_equal_to_single_process,
+         {"token_counts": [6, 2], "num_experts": 4, "dropless": False, "capacity_factor": 1.0, "bias": True}),
+        ("dropless_experts_with_bias", check_equal_to_single_process,
+         {"token_counts": [3, 0], "num_experts": 4, "dropless": True, "bias": True}),
         ("state_dict_round_trip", check_state_dict_round_trip, {"num_experts": 4}),
         ("indivisible_experts", check_indivisible_experts, {}),
         ("capacity_must_agree", check_capacity_must_agree, {}),

@@ -17,7 +17,13 @@ from moe_kernels.parallel.exchange import (
     return_capacity,
     send_capacity,
 )
-from moe_kernels.parallel.expert_parallel import expert_ffn, expert_parallel_moe, grouped_expert_ffn
+from moe_kernels.parallel.expert_parallel import (
+    LocalFFN,
+    expert_ffn,
+    expert_parallel_moe,
+    expert_parallel_route,
+    grouped_expert_ffn,
+)
 from moe_kernels.parallel.global_routing import all_gather_rows, batch_offsets, local_routing, route_global_batch
 from moe_kernels.parallel.sharding import (
     gather_experts,
@@ -29,6 +35,7 @@ from moe_kernels.parallel.sharding import (
 
 __all__ = [
     "ExchangeClock",
+    "LocalFFN",
     "RemoteRankError",
     "agree_capacity",
     "all_gather_rows",
@@ -37,6 +44,7 @@ __all__ = [
     "exchange_counts",
     "expert_ffn",
     "expert_parallel_moe",
+    "expert_parallel_route",
     "gather_experts",
     "gather_state_dict",
     "grouped_expert_ffn",

@@ -25,7 +25,7 @@ from moe_kernels.parallel.exchange import (
 )
 from moe_kernels.routing import Routing
 
-__all__ = ["expert_ffn", "expert_parallel_moe", "grouped_expert_ffn"]
+__all__ = ["LocalFFN", "expert_ffn", "expert_parallel_moe", "expert_parallel_route", "grouped_expert_ffn"]
 
 
 def expert_ffn(buffer: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation=F.gelu) -> torch.Tensor:
@@ -44,17 +44,23 @@ def grouped_expert_ffn(
     return torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[-1])
 
 
-def _check_inputs(x, routing, w1, w2, E_l):
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a [T, d] tensor, got {getattr(x, 'shape', type(x).__name__)}")
-    if not isinstance(routing, Routing):
-        raise TypeError(f"routing must be a moe_kernels.routing.Routing, got {type(routing).__name__}")
-    T, d = x.shape
-    if routing.experts.shape[0] != T or routing.weights.shape != routing.experts.shape:
-        raise ValueError(
-            f"routing must have experts and weights [T, k] with T = x.shape[0] = {T}, "
-            f"got {tuple(routing.experts.shape)} and {tuple(routing.weights.shape)}"
-        )
+class LocalFFN:
+    """The experts interface expert_parallel_route calls, over plain weight tensors:
+    forward_buffer(buffer [E_l, N, d]) -> [E_l, N, d] and forward_expert(e, rows [n, d]) -> [n, d]
+    (the same two methods as the single-process layer's expert modules)."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, activation=F.gelu):
+        self.w1, self.w2, self.activation = w1, w2, activation
+        self.num_experts = w1.shape[0] if w1.dim() == 3 else None
+
+    def forward_buffer(self, buffer: torch.Tensor) -> torch.Tensor:
+        return expert_ffn(buffer, self.w1, self.w2, self.activation)
+
+    def forward_expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.activation(rows @ self.w1[e]) @ self.w2[e]
+
+
+def _check_weights(w1, w2, d, E_l):
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != E_l or w2.shape[0] != E_l:
         raise ValueError(
             f"w1 / w2 must be the local experts' weights [E/W = {E_l}, d, h] / [E/W, h, d], "
@@ -62,6 +68,21 @@ def _check_inputs(x, routing, w1, w2, E_l):
         )
     if w1.shape[1] != d or w2.shape[2] != d or w1.shape[2] != w2.shape[1]:
         raise ValueError(f"w1 [E_l, d, h] / w2 [E_l, h, d] with d = {d}, got {tuple(w1.shape)} / {tuple(w2.shape)}")
+
+
+def _check_inputs(x, routing, experts, E_l):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a [T, d] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    T = x.shape[0]
+    if routing.experts.shape[0] != T or routing.weights.shape != routing.experts.shape:
+        raise ValueError(
+            f"routing must have experts and weights [T, k] with T = x.shape[0] = {T}, "
+            f"got {tuple(routing.experts.shape)} and {tuple(routing.weights.shape)}"
+        )
+    if not (hasattr(experts, "forward_buffer") and hasattr(experts, "forward_expert")):
+        raise TypeError(f"experts must have forward_buffer and forward_expert, got {type(experts).__name__}")
+    if getattr(experts, "num_experts", E_l) != E_l:
+        raise ValueError(f"experts must hold this rank's E/W = {E_l} experts, got {experts.num_experts}")
 
 
 def _source_to_expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -77,25 +98,25 @@ def _source_to_expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     return dest_source_start[segment] + torch.arange(segment.numel()) - dest_start
 
 
-def _capacity_step(x, routing, w1, w2, group, E, E_l, error, capacity, capacity_factor, min_capacity, priority, act):
+def _capacity_step(x, routing, experts_fn, group, E, error, capacity, capacity_factor, min_capacity, priority):
     experts, weights = routing.experts, routing.weights
     T, k = experts.shape
     counts = torch.bincount(experts[experts >= 0], minlength=E) if error is None else torch.zeros(E, dtype=torch.int64)
     if capacity is None and capacity_factor is not None:
-        need = capacity_for(T, E, max(k, 1), capacity_factor, min_capacity) if T else min_capacity
+        need = capacity_for(T, E, max(k, 1), capacity_factor, min_capacity)
     else:  # drop-free capacity: the largest per-expert count this rank has
         need = max(int(counts.max()) if E else 0, min_capacity)
     C = agree_capacity(need, group, capacity=capacity, error=error)
     positions, counts = capacity_positions(experts, E, C, priority=priority)
     buffer = dispatch(x, experts, positions, E, C)  # [E, C, d]
     local = send_capacity(buffer, group)  # [E_l, W*C, d]
-    out = return_capacity(expert_ffn(local, w1, w2, act), group)  # [E, C, d]
+    out = return_capacity(experts_fn.forward_buffer(local).to(x.dtype), group)  # [E, C, d]
     y = combine(out, experts, positions, weights.to(out.dtype))
     dropped = ((positions < 0) & (experts >= 0)).sum()
     return y, {"mode": "capacity", "capacity": C, "counts": counts, "dropped": dropped, "received_rows": local.shape[1]}
 
 
-def _dropless_step(x, routing, w1, w2, group, E, E_l, error, act):
+def _dropless_step(x, routing, experts_fn, group, E, E_l, error):
     experts, weights = routing.experts, routing.weights
     T, k = experts.shape
     _, W = rank_and_world(group)
@@ -110,7 +131,9 @@ def _dropless_step(x, routing, w1, w2, group, E, E_l, error, act):
     kept = int(offsets[E])
     received = all_to_all(x_sorted[:kept], recv_splits, send_splits, group)  # source-rank-major
     to_experts = _source_to_expert_major(recv_counts)
-    out = grouped_expert_ffn(received[to_experts], recv_counts.sum(0).tolist(), w1, w2, act)
+    grouped = torch.split(received[to_experts], recv_counts.sum(0).tolist())
+    out = [experts_fn.forward_expert(e, rows).to(x.dtype) for e, rows in enumerate(grouped)]
+    out = torch.cat(out) if out else received.new_zeros(0, x.shape[1])
     out = out[torch.argsort(to_experts)]  # back to source-rank-major
     back = all_to_all(out, send_splits, recv_splits, group)  # [kept, d], permute's row order
     y_sorted = torch.cat([back, back.new_zeros(T * k - kept, back.shape[1])])  # + empty choices' rows
@@ -119,11 +142,10 @@ def _dropless_step(x, routing, w1, w2, group, E, E_l, error, act):
                "received_rows": int(recv_counts.sum())}  # fmt: skip
 
 
-def expert_parallel_moe(
+def expert_parallel_route(
     x: torch.Tensor,
     routing: Routing,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
+    experts,
     group=None,
     *,
     dropless: bool = False,
@@ -131,7 +153,6 @@ def expert_parallel_moe(
     capacity_factor: float | None = None,
     min_capacity: int = 0,
     priority: torch.Tensor | None = None,
-    activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
 ) -> tuple[torch.Tensor, dict]:
     """y = sum_s weights[t, s] * Expert_{experts[t, s]}(x[t]), with the experts spread over `group`.
 
@@ -148,33 +169,78 @@ def expert_parallel_moe(
 
     Args:
       x: [T_r, d] float tokens of this rank.
-      routing: Routing of these tokens over all E experts (token view `experts` / `weights` [T_r, k]).
-      w1: [E_l, d, h], w2: [E_l, h, d]: this rank's experts (shard_experts of the full [E, ...]).
+      routing: Routing of these tokens over all E experts; its token view (experts / weights
+        [T_r, k], -1 = empty choice) is used whatever the layout.
+      experts: this rank's E_l experts, any object with forward_buffer(buffer [E_l, N, d]) ->
+        [E_l, N, d] (capacity mode) and forward_expert(e, rows [n, d]) -> [n, d] for local index
+        e in [0, E_l) (dropless mode); e.g. LocalFFN(w1, w2) or the layer's expert module built
+        with E_l experts. A capacity buffer's empty slots are zero rows; their outputs are never
+        read back.
       group: torch.distributed process group (None = the default group, or one process if none).
       priority: optional [T_r, k] slot priority for capacity_positions (capacity mode).
-      activation: the experts' nonlinearity; must map 0 to 0 (empty capacity slots stay empty).
 
     Returns (y [T_r, d] in x's dtype, stats): stats["dropped"] counts this rank's dropped choices
     (never silent), stats["counts"] [E] its choices per expert, stats["capacity"] the agreed C
     (capacity mode), stats["received_rows"] the rows its experts processed.
-    Differentiable with respect to x, routing.weights, w1 and w2 (the backward exchanges run the
-    reverse all_to_all). A rank whose inputs are invalid raises its own error; its peers raise
-    RemoteRankError from the same collective instead of waiting for it.
+
+    Differentiable with respect to x, routing.weights and the experts' parameters (the backward
+    of each exchange is the reverse all_to_all). Every rank must run the backward through the same
+    steps (a rank with T_r = 0 included): the backward exchanges are collectives too.
+    A rank whose inputs are invalid raises its own error and its peers raise RemoteRankError
+    from the same collective; a rank that dies or stops mid-step makes its peers fail within the
+    process group's timeout.
     """
+    options = (dropless, capacity, capacity_factor, min_capacity, priority)
+    return _route(x, routing, experts, group, None, *options)
+
+
+def _route(x, routing, experts, group, error, dropless, capacity, capacity_factor, min_capacity, priority):
+    """expert_parallel_route; `error`: a failure this rank already hit (reported to the peers)."""
     _, W = rank_and_world(group)
-    E = routing.num_experts if isinstance(routing, Routing) else None
-    E_l = local_experts(E, W)  # same on every rank: raising here leaves no peer waiting
+    # Option errors are the same on every rank: raising before any collective leaves no peer waiting.
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a moe_kernels.routing.Routing, got {type(routing).__name__}")
+    E = routing.num_experts
+    E_l = local_experts(E, W)
     if dropless and (capacity is not None or capacity_factor is not None):
         raise ValueError("dropless=True takes no capacity or capacity_factor")
     if capacity is not None and capacity_factor is not None:
         raise ValueError("give capacity or capacity_factor, not both")
-    error = None
-    try:  # input errors may differ between ranks: report them through the first collective
-        _check_inputs(x, routing, w1, w2, E_l)
-    except (ValueError, TypeError) as e:
-        error = e
+    if error is None:
+        try:  # input errors may differ between ranks: report them through the first collective
+            _check_inputs(x, routing, experts, E_l)
+        except (ValueError, TypeError) as e:
+            error = e
     if dropless:
-        return _dropless_step(x, routing, w1, w2, group, E, E_l, error, activation)
-    return _capacity_step(
-        x, routing, w1, w2, group, E, E_l, error, capacity, capacity_factor, min_capacity, priority, activation
-    )
+        return _dropless_step(x, routing, experts, group, E, E_l, error)
+    return _capacity_step(x, routing, experts, group, E, error, capacity, capacity_factor, min_capacity, priority)
+
+
+def expert_parallel_moe(
+    x: torch.Tensor,
+    routing: Routing,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    group=None,
+    *,
+    activation: Callable[[torch.Tensor], torch.Tensor] = F.gelu,
+    dropless: bool = False,
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
+    min_capacity: int = 0,
+    priority: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """expert_parallel_route with feed-forward experts activation(x @ w1[e]) @ w2[e].
+
+    w1: [E_l, d, h], w2: [E_l, h, d]: this rank's experts (shard_experts of the full [E, ...]).
+    Other options as in expert_parallel_route. Returns (y [T_r, d], stats).
+    """
+    error = None
+    if isinstance(routing, Routing) and routing.num_experts % rank_and_world(group)[1] == 0:
+        try:  # weights' shapes may differ between ranks: reported like an input error
+            d = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
+            _check_weights(w1, w2, d, routing.num_experts // rank_and_world(group)[1])
+        except ValueError as e:
+            error = e
+    options = (dropless, capacity, capacity_factor, min_capacity, priority)
+    return _route(x, routing, LocalFFN(w1, w2, activation), group, error, *options)
