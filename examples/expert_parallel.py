@@ -117,7 +117,7 @@ def main():
     share = exchange_seconds / step_seconds if step_seconds else float("nan")
     line = (
         f"rank {rank}: {rate:,.0f} tokens/s, {100 * share:.1f}% of step time in the exchange "
-        f"(all_to_all + capacity agreement, incl. waiting for peers), {dropped} choices dropped"
+        f"(all-to-alls + their agreement collective, incl. waiting for peers), {dropped} choices dropped"
     )
     if group:  # print in rank order
         lines = [None] * world
