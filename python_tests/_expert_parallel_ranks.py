@@ -18,6 +18,7 @@ import os
 import time
 import traceback
 
+import tolerances
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -191,6 +192,34 @@ def check_equal_to_single_process(
     return f"T={token_counts[rank]} dropped={int(stats['dropped'])}"
 
 
+def check_low_precision(group, token_counts, num_experts):
+    """float32 and bfloat16 through the exchange (both modes, forward): float32 within the table's
+    tolerance of the float64 computation, bfloat16 by flash-attention's rule against it."""
+    rank = dist.get_rank(group)
+    xs, logits, w1, w2, _ = global_data(token_counts, num_experts, seed=11)
+    routing = topk_routing(logits[rank])
+    start = sum(token_counts[:rank])
+    rows = slice(start, start + token_counts[rank])
+    every = [topk_routing(lq) for lq in logits]
+    experts, weights = torch.cat([r.experts for r in every]), torch.cat([r.weights for r in every])
+    kept = torch.ones_like(weights)
+    ref = single_process_moe(torch.cat(xs), experts, weights, kept, w1, w2)[rows]
+    for dtype in (torch.float32, torch.bfloat16):
+        low = Routing(routing.experts, routing.weights.to(dtype), num_experts, routing.aux_loss)
+        local = [shard_experts(w, group).to(dtype) for w in (w1, w2)]
+        eager = single_process_moe(
+            torch.cat(xs).to(dtype), experts, weights.to(dtype), kept.to(dtype), w1.to(dtype), w2.to(dtype)
+        )[rows]
+        for opts in ({"dropless": True}, {}):  # {}: drop-free capacity, so both equal the reference
+            y, _ = expert_parallel_moe(xs[rank].to(dtype), low, *local, group, **opts)
+            assert y.dtype == dtype
+            if dtype == torch.float32:
+                tolerances.assert_close(y, ref)
+            else:
+                tolerances.assert_lowp_close(y, ref.float(), eager)
+    return "ok"
+
+
 def check_state_dict_round_trip(group, num_experts):
     """shard_state_dict then gather_state_dict gives back the full state dict on every rank."""
     _, _, w1, w2, _ = global_data([1], num_experts, seed=7)
@@ -359,6 +388,7 @@ PLANS = {
          {"token_counts": [6, 2], "num_experts": 4, "dropless": False, "capacity_factor": 1.0, "bias": True}),
         ("dropless_experts_with_bias", check_equal_to_single_process,
          {"token_counts": [3, 0], "num_experts": 4, "dropless": True, "bias": True}),
+        ("float32_and_bfloat16", check_low_precision, {"token_counts": [7, 4], "num_experts": 4}),
         ("state_dict_round_trip", check_state_dict_round_trip, {"num_experts": 4}),
         ("indivisible_experts", check_indivisible_experts, {}),
         ("capacity_must_agree", check_capacity_must_agree, {}),
