@@ -22,7 +22,6 @@ from moe_kernels.parallel.expert_parallel import (
     expert_ffn,
     expert_parallel_moe,
     expert_parallel_route,
-    grouped_expert_ffn,
 )
 from moe_kernels.parallel.global_routing import all_gather_rows, batch_offsets, local_routing, route_global_batch
 from moe_kernels.parallel.sharding import (
@@ -47,7 +46,6 @@ __all__ = [
     "expert_parallel_route",
     "gather_experts",
     "gather_state_dict",
-    "grouped_expert_ffn",
     "local_experts",
     "local_routing",
     "return_capacity",

@@ -3,7 +3,8 @@
 
 Terms: W ranks, E experts, E_l = E / W local experts (rank r owns experts r*E_l .. (r+1)*E_l - 1),
 T_r tokens on rank r (may differ between ranks, may be 0), k choices per token, d hidden size,
-h expert hidden size. Each expert is the feed-forward network y = activation(x @ w1[e]) @ w2[e].
+h expert hidden size. expert_parallel_route runs any experts object (forward_buffer /
+forward_expert); expert_parallel_moe the feed-forward experts activation(x @ w1[e]) @ w2[e].
 """
 
 from __future__ import annotations
@@ -25,23 +26,15 @@ from moe_kernels.parallel.exchange import (
 )
 from moe_kernels.routing import Routing
 
-__all__ = ["LocalFFN", "expert_ffn", "expert_parallel_moe", "expert_parallel_route", "grouped_expert_ffn"]
+__all__ = ["LocalFFN", "expert_ffn", "expert_parallel_moe", "expert_parallel_route"]
 
 
 def expert_ffn(buffer: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation=F.gelu) -> torch.Tensor:
     """Every local expert on its capacity buffer: [E_l, N, d] -> [E_l, N, d] (batched matmuls).
 
-    w1: [E_l, d, h]; w2: [E_l, h, d]. Empty (zero) slots stay zero only if activation(0) = 0.
+    w1: [E_l, d, h]; w2: [E_l, h, d]. Empty slots are computed too (combine never reads them).
     """
     return torch.bmm(activation(torch.bmm(buffer, w1)), w2)
-
-
-def grouped_expert_ffn(
-    rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, activation=F.gelu
-) -> torch.Tensor:
-    """Rows grouped by local expert (counts[e] rows of expert e, in order): [N, d] -> [N, d]."""
-    outs = [activation(part @ w1[e]) @ w2[e] for e, part in enumerate(torch.split(rows, counts))]
-    return torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[-1])
 
 
 class LocalFFN:
@@ -104,7 +97,7 @@ def _capacity_step(x, routing, experts_fn, group, E, error, capacity, capacity_f
     counts = torch.bincount(experts[experts >= 0], minlength=E) if error is None else torch.zeros(E, dtype=torch.int64)
     if capacity is None and capacity_factor is not None:
         need = capacity_for(T, E, max(k, 1), capacity_factor, min_capacity)
-    else:  # drop-free capacity: the largest per-expert count this rank has
+    else:  # drop-free capacity: the largest per-expert count this rank has (ignored if capacity is given)
         need = max(int(counts.max()) if E else 0, min_capacity)
     C = agree_capacity(need, group, capacity=capacity, error=error)
     positions, counts = capacity_positions(experts, E, C, priority=priority)
