@@ -16,10 +16,12 @@ import _expert_parallel_ranks as ranks
 import pytest
 import torch.distributed as dist
 
+from moe_kernels.ops import capacity_for, capacity_positions
 from moe_kernels.parallel import (
     ExchangeClock,
     agree_capacity,
     all_gather_rows,
+    expert_parallel_moe,
     local_experts,
     shard_experts,
 )
@@ -130,3 +132,30 @@ def test_single_process_fallbacks():
     assert torch.equal(shard_experts(x, None), x)
     ExchangeClock.reset()
     assert ExchangeClock.seconds == 0.0
+
+
+@pytest.mark.parametrize("dropless", [False, True])
+def test_one_process_equals_the_definition(dropless):
+    """W = 1 (no process group): the same step, outputs and gradients equal the dense definition;
+    capacity mode with a small capacity factor drops choices and counts them."""
+    import torch
+
+    xs, logits, w1, w2, grads = ranks.global_data([11], 4, seed=5)
+    x, lg, a, b = ranks.leaves(xs[0], logits[0], w1, w2)
+    routing = ranks.topk_routing(lg)
+    opts = {"dropless": True} if dropless else {"capacity_factor": 0.5}
+    y, stats = expert_parallel_moe(x, routing, a, b, None, **opts)
+    (y * grads[0]).sum().backward()
+
+    rx, rlg, ra, rb = ranks.leaves(xs[0], logits[0], w1, w2)
+    r = ranks.topk_routing(rlg)
+    kept = torch.ones_like(r.weights)
+    if not dropless:
+        positions, _ = capacity_positions(r.experts, 4, stats["capacity"])
+        kept = (positions >= 0).double()
+        assert stats["capacity"] == capacity_for(11, 4, 2, 0.5) and int(stats["dropped"]) == int((kept == 0).sum()) > 0
+    ref = ranks.single_process_moe(rx, r.experts, r.weights, kept, ra, rb)
+    (ref * grads[0]).sum().backward()
+    torch.testing.assert_close(y, ref.detach(), **ranks.TOL)
+    for got, want in ((x, rx), (lg, rlg), (a, ra), (b, rb)):
+        torch.testing.assert_close(got.grad, want.grad, **ranks.TOL)
