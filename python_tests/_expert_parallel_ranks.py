@@ -125,7 +125,7 @@ def balanced_gate(logits):
 
 # ---------------------------------------------------------------- checks
 def check_equal_to_single_process(
-    group, token_counts, num_experts, *, dropless, capacity_factor=None, gate=None, bias=False, seed=0
+    group, token_counts, num_experts, *, dropless, capacity_factor=None, gate=None, bias=False, priority=False, seed=0
 ):
     """EP outputs and gradients (x, logits, w1, w2, biases) equal the single-process MoE's slice."""
     rank, W = dist.get_rank(group), dist.get_world_size(group)
@@ -139,6 +139,8 @@ def check_equal_to_single_process(
     w1_l, w2_l, b1_l, b2_l = leaves(*(shard_experts(t, group) for t in (w1, w2, b1, b2)))
     routing = topk_routing(lg) if gate is None else route_global_batch(lg, gate, group)
     opts = {"dropless": True} if dropless else {"capacity_factor": capacity_factor}
+    if priority:  # slots to the highest gate values first (Megatron's "probs" policy)
+        opts["priority"] = routing.weights.detach()
     if bias:  # the duck-typed experts interface (what the MoE layer's expert modules provide)
         y, stats = expert_parallel_route(x, routing, BiasedExperts(w1_l, b1_l, w2_l, b2_l), group, **opts)
     else:
@@ -168,7 +170,8 @@ def check_equal_to_single_process(
             r = topk_routing(ref_lg[s])
             kept = torch.ones(t, K, dtype=torch.float64)
             if not dropless:
-                positions, _ = capacity_positions(r.experts, num_experts, C)
+                prio = r.weights.detach() if priority else None
+                positions, _ = capacity_positions(r.experts, num_experts, C, priority=prio)
                 kept = (positions >= 0).double()
                 drops.append(int((positions < 0).sum()))
                 assert stats["capacity"] == C, f"agreed capacity {stats['capacity']} != {C}"
@@ -372,6 +375,8 @@ PLANS = {
     "two_ranks": [
         ("capacity_unequal", check_equal_to_single_process,
          {"token_counts": [9, 4], "num_experts": 4, "dropless": False, "capacity_factor": 1.0}),
+        ("capacity_priority", check_equal_to_single_process,
+         {"token_counts": [8, 5], "num_experts": 4, "dropless": False, "capacity_factor": 0.75, "priority": True}),
         ("capacity_zero_tokens_dropfree", check_equal_to_single_process,
          {"token_counts": [6, 0], "num_experts": 4, "dropless": False}),
         ("capacity_all_zero", check_equal_to_single_process,
