@@ -3,6 +3,7 @@
 from moe_kernels.ops.capacity_positions import capacity_for, capacity_positions
 from moe_kernels.ops.combine import combine
 from moe_kernels.ops.dispatch import dispatch
+from moe_kernels.ops.load_probabilities import load_probabilities
 from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.topk_softmax import topk_softmax
 
@@ -14,4 +15,5 @@ __all__ = [
     "permute",
     "topk_softmax",
     "unpermute",
+    "load_probabilities",
 ]

@@ -3,6 +3,7 @@
 from moe_kernels.reference.capacity_positions import capacity_for, capacity_positions
 from moe_kernels.reference.combine import combine
 from moe_kernels.reference.dispatch import dispatch
+from moe_kernels.reference.load_probabilities import load_probabilities
 from moe_kernels.reference.permute import permute, unpermute
 from moe_kernels.reference.topk_softmax import topk_softmax
 
@@ -14,4 +15,5 @@ __all__ = [
     "permute",
     "topk_softmax",
     "unpermute",
+    "load_probabilities",
 ]

@@ -1,0 +1,114 @@
+// Smooth load estimator P(x, i) (eqs 8-9 of Shazeer et al. 2017, Appendix A) on CPU. One pass
+// over a row of noisy logits keeps its k+1 best (value, index) pairs; a second pass over the
+// row's three inputs writes P: element i is compared with the (k+1)-th largest when it is itself
+// in the top k, else with the k-th (kth_excluding).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "moe_kernels/load_probabilities.h"
+#include "moe_kernels/topk_softmax.h"
+
+namespace moe_kernels {
+namespace {
+
+// Above this many kept pairs an insertion list costs O(E * k) on ascending rows; a partial sort
+// of all pairs is O(E log k) and wins (the same limit as topk_softmax).
+constexpr int64_t kInsertionMax = 16;
+
+struct Strided {
+  const void* data;
+  int64_t stride_t, stride_e;
+};
+
+template <typename scalar_t>
+float at(const Strided& s, int64_t t, int64_t e) {
+  return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
+}
+
+template <typename scalar_t>
+void load_probabilities_rows(const Strided& clean,   // [T, E]
+                             const Strided& noisy,   // [T, E]
+                             const Strided& stddev,  // [T, E]
+                             int64_t begin, int64_t end, int64_t E, int64_t k,
+                             scalar_t* probs,  // [T, E] contiguous
+                             int64_t* top) {   // [T, k+1] contiguous
+  using load_probabilities::normal_cdf;
+  using load_probabilities::z_score;
+  const int64_t kept = std::min(k + 1, E);  // pairs needed: k+1, or all E when k = E
+  std::vector<int64_t> best(kept > kInsertionMax ? E : kept);
+  for (int64_t t = begin; t < end; ++t) {
+    // Phase 1: the `kept` largest rank pairs of the noisy row, descending.
+    if (kept <= kInsertionMax) {
+      int filled = 0;
+      for (int64_t e = 0; e < E; ++e)
+        filled = topk_softmax::insert_pair(best.data(), filled, (int)kept, rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e));
+    } else {
+      for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e);
+      std::partial_sort(best.begin(), best.begin() + kept, best.end(), std::greater<int64_t>());
+    }
+    // The two thresholds, re-read from the row (not decoded from the key: NaN payloads and -0).
+    const int64_t kth_pair = best[k - 1];
+    const float kth = at<scalar_t>(noisy, t, pair_index(kth_pair));
+    const float k1th = k < E ? at<scalar_t>(noisy, t, pair_index(best[k])) : -INFINITY;
+    for (int64_t s = 0; s <= k; ++s) top[t * (k + 1) + s] = s < kept ? pair_index(best[s]) : -1;
+
+    // Phase 2: P = Phi((clean - kth_excluding) / stddev) for every expert of the row.
+    for (int64_t e = 0; e < E; ++e) {
+      const bool selected = rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e) >= kth_pair;
+      const float z = z_score(at<scalar_t>(clean, t, e), selected ? k1th : kth, at<scalar_t>(stddev, t, e));
+      probs[t * E + e] = (scalar_t)normal_cdf(z);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> load_probabilities_cpu(const at::Tensor& clean_logits,
+                                                          const at::Tensor& noisy_logits,
+                                                          const at::Tensor& noise_stddev, int64_t k) {
+  TORCH_CHECK(noisy_logits.dim() == 2 && clean_logits.sizes() == noisy_logits.sizes() &&
+                  noise_stddev.sizes() == noisy_logits.sizes(),
+              "load_probabilities: clean_logits, noisy_logits and noise_stddev must be [T, E] of one shape");
+  const int64_t T = noisy_logits.size(0), E = noisy_logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= E, "load_probabilities: need 1 <= k <= E, got k=", k, ", E=", E);
+  TORCH_CHECK(E <= INT32_MAX, "load_probabilities: E too large");
+  const auto dtype = noisy_logits.scalar_type();
+  TORCH_CHECK(clean_logits.scalar_type() == dtype && noise_stddev.scalar_type() == dtype,
+              "load_probabilities: the three inputs must share one dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "load_probabilities: inputs must be float32, float16 or bfloat16, got ", dtype);
+  auto probs = at::empty({T, E}, noisy_logits.options());
+  auto top = at::empty({T, k + 1}, noisy_logits.options().dtype(at::kLong));
+  if (T == 0) return {probs, top};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "load_probabilities", [&] {
+    const Strided c{clean_logits.const_data_ptr(), clean_logits.stride(0), clean_logits.stride(1)};
+    const Strided n{noisy_logits.const_data_ptr(), noisy_logits.stride(0), noisy_logits.stride(1)};
+    const Strided s{noise_stddev.const_data_ptr(), noise_stddev.stride(0), noise_stddev.stride(1)};
+    scalar_t* p = probs.mutable_data_ptr<scalar_t>();
+    int64_t* tp = top.mutable_data_ptr<int64_t>();
+    // About 16k elements (of three inputs) per task: balances without a costly fork per row.
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1));
+    at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+      load_probabilities_rows<scalar_t>(c, n, s, begin, end, E, k, p, tp);
+    });
+  });
+  return {probs, top};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
+  m.def(
+      "load_probabilities(Tensor clean_logits, Tensor noisy_logits, Tensor noise_stddev, int k) -> "
+      "(Tensor probabilities, Tensor top)");
+}
+
+TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) { m.impl("load_probabilities", &load_probabilities_cpu); }
+
+}  // namespace moe_kernels
