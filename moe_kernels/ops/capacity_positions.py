@@ -1,8 +1,7 @@
 """moe_kernels.ops.capacity_positions: the slot of every (token, choice) in its expert's buffer.
 
-Implementations: reference (moe_kernels/reference/capacity_positions.py); kernels are added per
-backend in csrc/cpu/capacity_positions.cpp, moe_kernels/triton/capacity_positions.py,
-csrc/cuda/capacity_positions.cu as they land. backends.py chooses among them.
+Implementations: reference (moe_kernels/reference/capacity_positions.py), C++ CPU
+(csrc/cpu/capacity_positions.cpp). backends.py chooses among them.
 """
 
 import torch
@@ -11,7 +10,18 @@ from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 from moe_kernels.reference.capacity_positions import capacity_for
 
-backends.register("capacity_positions", torch=reference.capacity_positions)
+_cpp = None
+if backends._extension.LOADED:
+
+    @torch.library.register_fake("moe_kernels::capacity_positions")
+    def _fake(experts, num_experts, capacity, priority=None):
+        return experts.new_empty(experts.shape), experts.new_empty(num_experts)
+
+    def _cpp(experts, num_experts, capacity, *, priority=None):
+        return torch.ops.moe_kernels.capacity_positions(experts, num_experts, capacity, priority)
+
+
+backends.register("capacity_positions", torch=reference.capacity_positions, cpu=_cpp)
 
 __all__ = ["capacity_for", "capacity_positions"]
 

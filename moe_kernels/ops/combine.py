@@ -1,6 +1,8 @@
 """moe_kernels.ops.combine: gather expert outputs back to their tokens, weighted.
 
-Implementations: reference (moe_kernels/reference/combine.py); kernels per backend as they land.
+Implementations: reference (moe_kernels/reference/combine.py), C++ CPU (csrc/cpu/combine.cpp, with
+its backward combine_backward: grad_buffer a weighted gather, grad_weights row dot products).
+backends.py chooses among them.
 """
 
 import torch
@@ -8,7 +10,29 @@ import torch
 from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 
-backends.register("combine", torch=reference.combine)
+_cpp = None
+if backends._extension.LOADED:
+    _cpp = torch.ops.moe_kernels.combine
+
+    @torch.library.register_fake("moe_kernels::combine")
+    def _fake(buffer, experts, positions, weights):
+        return buffer.new_empty(experts.shape[0], buffer.shape[2])
+
+    @torch.library.register_fake("moe_kernels::combine_backward")
+    def _fake_backward(grad_y, buffer, experts, positions, weights):
+        return buffer.new_empty(buffer.shape), weights.new_empty(weights.shape)
+
+    def _setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def _backward(ctx, grad_y):
+        buffer, experts, positions, weights = ctx.saved_tensors
+        grad_buffer, grad_weights = torch.ops.moe_kernels.combine_backward(grad_y, buffer, experts, positions, weights)
+        return grad_buffer, None, None, grad_weights
+
+    torch.library.register_autograd("moe_kernels::combine", _backward, setup_context=_setup_context)
+
+backends.register("combine", torch=reference.combine, cpu=_cpp)
 
 
 def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor):

@@ -1,6 +1,7 @@
 """moe_kernels.ops.dispatch: scatter tokens into the [E, C, d] expert buffers.
 
-Implementations: reference (moe_kernels/reference/dispatch.py); kernels per backend as they land.
+Implementations: reference (moe_kernels/reference/dispatch.py), C++ CPU (csrc/cpu/dispatch.cpp, with
+its backward dispatch_backward, the gather-sum). backends.py chooses among them.
 """
 
 import torch
@@ -8,7 +9,30 @@ import torch
 from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 
-backends.register("dispatch", torch=reference.dispatch)
+_cpp = None
+if backends._extension.LOADED:
+    _cpp = torch.ops.moe_kernels.dispatch
+
+    @torch.library.register_fake("moe_kernels::dispatch")
+    def _fake(x, experts, positions, num_experts, capacity):
+        return x.new_empty(num_experts, capacity, x.shape[1])
+
+    @torch.library.register_fake("moe_kernels::dispatch_backward")
+    def _fake_backward(grad_buffer, experts, positions):
+        return grad_buffer.new_empty(experts.shape[0], grad_buffer.shape[2])
+
+    def _setup_context(ctx, inputs, output):
+        _, experts, positions, _, _ = inputs
+        ctx.save_for_backward(experts, positions)
+
+    def _backward(ctx, grad_buffer):
+        experts, positions = ctx.saved_tensors
+        grad_x = torch.ops.moe_kernels.dispatch_backward(grad_buffer, experts, positions)
+        return grad_x, None, None, None, None
+
+    torch.library.register_autograd("moe_kernels::dispatch", _backward, setup_context=_setup_context)
+
+backends.register("dispatch", torch=reference.dispatch, cpu=_cpp)
 
 
 def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, num_experts: int, capacity: int):

@@ -1,6 +1,7 @@
 """moe_kernels.ops.permute / unpermute: dropless routing, rows grouped by expert.
 
-Implementations: reference (moe_kernels/reference/permute.py); kernels per backend as they land.
+Implementations: reference (moe_kernels/reference/permute.py), C++ CPU (csrc/cpu/permute.cpp, with
+unpermute_backward; permute's backward is unpermute with unit weights). backends.py chooses.
 """
 
 import torch
@@ -8,8 +9,51 @@ import torch
 from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 
-backends.register("permute", torch=reference.permute)
-backends.register("unpermute", torch=reference.unpermute)
+_cpp_permute = _cpp_unpermute = None
+if backends._extension.LOADED:
+    _cpp_permute = torch.ops.moe_kernels.permute
+    _cpp_unpermute = torch.ops.moe_kernels.unpermute
+
+    @torch.library.register_fake("moe_kernels::permute")
+    def _fake_permute(x, experts, num_experts):
+        n = experts.shape[0] * experts.shape[1]
+        return x.new_empty(n, x.shape[1]), experts.new_empty(num_experts + 1), experts.new_empty(n)
+
+    @torch.library.register_fake("moe_kernels::unpermute")
+    def _fake_unpermute(y_sorted, order, weights, num_tokens):
+        return y_sorted.new_empty(num_tokens, y_sorted.shape[1])
+
+    @torch.library.register_fake("moe_kernels::unpermute_backward")
+    def _fake_unpermute_backward(grad_y, y_sorted, order, weights):
+        return y_sorted.new_empty(y_sorted.shape), weights.new_empty(weights.shape)
+
+    def _permute_setup_context(ctx, inputs, output):
+        x, experts, _ = inputs
+        ctx.save_for_backward(output[2])
+        ctx.num_tokens, ctx.k = x.shape[0], experts.shape[1]
+
+    def _permute_backward(ctx, grad_x_sorted, grad_offsets, grad_order):
+        (order,) = ctx.saved_tensors
+        # grad_x[t] = sum over s of grad_x_sorted[row of (t, s)]: unpermute with unit weights.
+        ones = grad_x_sorted.new_ones(ctx.num_tokens, ctx.k)
+        return torch.ops.moe_kernels.unpermute(grad_x_sorted, order, ones, ctx.num_tokens), None, None
+
+    def _unpermute_setup_context(ctx, inputs, output):
+        y_sorted, order, weights, _ = inputs
+        ctx.save_for_backward(y_sorted, order, weights)
+
+    def _unpermute_backward(ctx, grad_y):
+        y_sorted, order, weights = ctx.saved_tensors
+        grad_y_sorted, grad_weights = torch.ops.moe_kernels.unpermute_backward(grad_y, y_sorted, order, weights)
+        return grad_y_sorted, None, grad_weights, None
+
+    torch.library.register_autograd("moe_kernels::permute", _permute_backward, setup_context=_permute_setup_context)
+    torch.library.register_autograd(
+        "moe_kernels::unpermute", _unpermute_backward, setup_context=_unpermute_setup_context
+    )
+
+backends.register("permute", torch=reference.permute, cpu=_cpp_permute)
+backends.register("unpermute", torch=reference.unpermute, cpu=_cpp_unpermute)
 
 
 def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int):

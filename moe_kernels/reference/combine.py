@@ -16,6 +16,8 @@ def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor
     """
     acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
     kept = positions >= 0
+    if buffer.shape[1] == 0:  # capacity 0: every choice is dropped, but reading slot 0 below must be legal
+        buffer = torch.nn.functional.pad(buffer, (0, 0, 0, 1))
     gathered = buffer[experts.clamp(min=0), positions.clamp(min=0)].to(acc)  # [T, k, d]
     gathered = torch.where(kept.unsqueeze(-1), gathered, 0.0)
     w = torch.where(kept, weights.to(acc), 0.0)
