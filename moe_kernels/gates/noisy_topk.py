@@ -12,6 +12,30 @@ from moe_kernels.ops import load_probabilities, topk_softmax
 from moe_kernels.routing import Routing
 
 
+def noisy_topk_routing(clean, raw_noise_stddev, noise, k, w_importance, w_load, noise_epsilon=1e-2, mask=None):
+    """The gate's math from its logits: (experts [T, k], weights [T, k], aux_loss, stats).
+
+    clean: [T, E] x W_g; raw_noise_stddev: [T, E] x W_noise, or None for no noise (eval);
+    noise: [T, E] StandardNormal() samples (None when raw_noise_stddev is None).
+    """
+    E = clean.shape[1]
+    if raw_noise_stddev is not None:
+        stddev = torch.nn.functional.softplus(raw_noise_stddev) + noise_epsilon
+        noisy = clean + noise * stddev  # H(x), eq 4
+        # One kernel pass gives P(x, i) (eq 9) and the top k+1 of H(x); the top k are the gate's
+        # experts (the same ones topk_softmax would pick), weighted by the softmax over them (eq 3).
+        P, top = load_probabilities(clean, noisy, stddev, k, return_topk=True)
+        experts = top[:, :k]
+        weights = torch.softmax(noisy.gather(1, experts).float(), dim=-1).to(clean.dtype)
+        load = losses.load(P, mask)
+    else:
+        weights, experts = topk_softmax(clean, k)
+        load = losses.importance(experts, torch.ones_like(weights), E, mask).detach()
+    importance = losses.importance(experts, weights, E, mask)
+    aux_loss = w_importance * losses.cv_squared(importance) + w_load * losses.cv_squared(load)
+    return experts, weights, aux_loss, {"importance": importance.detach(), "load": load.detach()}
+
+
 class NoisyTopKGate(nn.Module):
     """G(x) = Softmax(KeepTopK(H(x), k)),  H(x)_i = (x W_g)_i + StandardNormal() * Softplus((x W_noise)_i).
 
@@ -53,24 +77,17 @@ class NoisyTopKGate(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         check_input(x, self.d_model, mask)
-        E, k = self.num_experts, self.k
+        k = self.k
         clean = x @ self.w_gate.to(x.dtype)
         if self.noisy and self.training:
-            stddev = torch.nn.functional.softplus(x @ self.w_noise.to(x.dtype)) + self.noise_epsilon
-            noisy = clean + torch.randn_like(clean) * stddev
-            # One kernel pass gives P(x, i) and the top k+1 of H(x); the top k are the gate's
-            # experts (the same ones topk_softmax would pick), weighted by the softmax over them.
-            P, top = load_probabilities(clean, noisy, stddev, k, return_topk=True)
-            experts = top[:, :k]
-            weights = torch.softmax(noisy.gather(1, experts).float(), dim=-1).to(x.dtype)
-            load = losses.load(P, mask)
+            raw_noise_stddev = x @ self.w_noise.to(x.dtype)
+            noise = torch.randn_like(clean)
         else:
-            weights, experts = topk_softmax(clean, k)
-            load = losses.importance(experts, torch.ones_like(weights), E, mask).detach()
-        importance = losses.importance(experts, weights, E, mask)
-        aux_loss = self.w_importance * losses.cv_squared(importance) + self.w_load * losses.cv_squared(load)
-        stats = {"importance": importance.detach(), "load": load.detach()}
-        return Routing(experts=experts, weights=weights, num_experts=E, aux_loss=aux_loss, stats=stats)
+            raw_noise_stddev = noise = None
+        experts, weights, aux_loss, stats = noisy_topk_routing(
+            clean, raw_noise_stddev, noise, k, self.w_importance, self.w_load, self.noise_epsilon, mask
+        )
+        return Routing(experts=experts, weights=weights, num_experts=self.num_experts, aux_loss=aux_loss, stats=stats)
 
     def extra_repr(self) -> str:
         return (

@@ -60,7 +60,8 @@ class MoE(nn.Module):
     to no expert and get y = 0. After a call, `self.aux_loss` is the gate's auxiliary loss for
     the step and `self.stats` holds load [E], importance [E], cv_importance, cv_load,
     max_mean_load and dropped_fraction (of the routed choices; for expert-choice routing, of the
-    tokens no expert picked), plus "capacity" (None when dropless) and the gate's own stats.
+    tokens no expert picked), "capacity" (None when dropless) and "gate", the gate's own stats
+    (for NoisyTopKGate, "load" there is the smooth Load(X) of eq 10).
     """
 
     def __init__(
@@ -128,7 +129,7 @@ class MoE(nn.Module):
         else:
             raise ValueError(f"unknown Routing layout {routing.layout!r}; expected 'topk' or 'expert_choice'")
         importance = losses.importance(routing.experts, routing.weights, self.num_experts, mask)
-        self.stats = {**routing.stats, **balance_stats(load, importance, dropped, routed), "capacity": capacity}
+        self.stats = {**balance_stats(load, importance, dropped, routed), "capacity": capacity, "gate": routing.stats}
         return y
 
     def _capacity(self, xf, experts, weights):
