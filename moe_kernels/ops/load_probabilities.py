@@ -1,7 +1,8 @@
 """moe_kernels.ops.load_probabilities: the smooth load estimator P(x, i) of Shazeer et al. 2017.
 
 Implementations: reference (moe_kernels/reference/load_probabilities.py), C++ CPU
-(csrc/cpu/load_probabilities.cpp), Triton (moe_kernels/triton/load_probabilities.py).
+(csrc/cpu/load_probabilities.cpp), Triton (moe_kernels/triton/load_probabilities.py), CUDA
+(csrc/cuda/load_probabilities.cu).
 backends.py chooses among them. Every implementation returns (P, top); the public function
 returns P, and (P, top) with return_topk=True.
 """
@@ -82,7 +83,7 @@ def _reference(clean_logits, noisy_logits, noise_stddev, k):
     return reference.load_probabilities(clean_logits, noisy_logits, noise_stddev, k, return_topk=True)
 
 
-backends.register("load_probabilities", torch=_reference, cpu=_cpp, triton=_triton)
+backends.register("load_probabilities", torch=_reference, cpu=_cpp, triton=_triton, cuda=_cpp)
 
 
 def load_probabilities(
