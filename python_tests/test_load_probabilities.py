@@ -293,3 +293,32 @@ def test_load_is_differentiable_through_topk_softmax_gate(backend):
         load = load_probabilities(clean, n, stddev, 2).sum(0)
     (w.sum() + load.pow(2).sum()).backward()
     assert n.grad is not None and torch.isfinite(n.grad).all()
+
+
+def test_backward_kernel_opcheck():
+    if not moe_kernels._extension.has_kernel("load_probabilities_backward", "CPU"):
+        pytest.skip("no C++ backward kernel in this build")
+    op = torch.ops.moe_kernels.load_probabilities_backward
+    for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5), (4, 40, 20)]:
+        clean, noisy, stddev = inputs(T, E)
+        _, top = reference.load_probabilities(clean, noisy, stddev, k, return_topk=True)
+        torch.library.opcheck(op, (torch.randn(T, E), clean, noisy, stddev, top, k))
+
+
+def test_backward_kernel_matches_the_torch_formula():
+    """The C++ backward against the backward written in torch ops (used by Triton), adversarial."""
+    if not moe_kernels._extension.has_kernel("load_probabilities_backward", "CPU"):
+        pytest.skip("no C++ backward kernel in this build")
+    from moe_kernels.ops.load_probabilities import _backward_from_inputs
+
+    for kind in ADVERSARIAL_KINDS:
+        for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 40, 3)]:
+            noisy = adversarial_logits(kind, T, E, seed=0)
+            clean = adversarial_logits(kind, T, E, seed=1)
+            stddev = torch.rand(T, E, generator=torch.Generator().manual_seed(2)) + 0.1
+            _, top = reference.load_probabilities(clean, noisy, stddev, k, return_topk=True)
+            g = torch.randn(T, E, generator=torch.Generator().manual_seed(3))
+            got = torch.ops.moe_kernels.load_probabilities_backward(g, clean, noisy, stddev, top, k)
+            want = _backward_from_inputs(clean, noisy, stddev, top, k, g)
+            for a, b in zip(got, want):
+                assert_close(a, b, msg=kind)

@@ -60,6 +60,17 @@ def _backward(ctx, grad_p, grad_top):
     return (*_backward_from_inputs(clean_logits, noisy_logits, noise_stddev, top, ctx.k, grad_p), None)
 
 
+def _backward_kernel(ctx, grad_p, grad_top):
+    """Backward of the extension op: its fused one-pass backward kernel where the device has one."""
+    clean_logits, noisy_logits, noise_stddev, top = ctx.saved_tensors
+    if grad_p is None:
+        return None, None, None, None
+    kernel = backends.extension_kernel("load_probabilities_backward", noisy_logits)
+    if kernel is None:
+        return _backward(ctx, grad_p, grad_top)
+    return (*kernel(grad_p, clean_logits, noisy_logits, noise_stddev, top, ctx.k), None)
+
+
 def _fake(clean_logits, noisy_logits, noise_stddev, k):
     T, E = noisy_logits.shape
     return noisy_logits.new_empty((T, E)), noisy_logits.new_empty((T, k + 1), dtype=torch.int64)
@@ -69,7 +80,16 @@ _cpp = None
 if backends._extension.has_kernel("load_probabilities", "CPU"):
     _cpp = torch.ops.moe_kernels.load_probabilities
     torch.library.register_fake("moe_kernels::load_probabilities")(_fake)
-    torch.library.register_autograd("moe_kernels::load_probabilities", _backward, setup_context=_setup_context)
+    torch.library.register_autograd("moe_kernels::load_probabilities", _backward_kernel, setup_context=_setup_context)
+
+    @torch.library.register_fake("moe_kernels::load_probabilities_backward")
+    def _fake_backward(grad_p, clean_logits, noisy_logits, noise_stddev, top, k):
+        return (
+            torch.empty_like(clean_logits, memory_format=torch.contiguous_format),
+            torch.empty_like(noisy_logits, memory_format=torch.contiguous_format),
+            torch.empty_like(noise_stddev, memory_format=torch.contiguous_format),
+        )
+
 
 _triton = None
 if backends.triton_importable():
