@@ -2,6 +2,8 @@
 
 from moe_kernels.gates.balanced_assignment import BalancedAssignmentGate
 from moe_kernels.gates.dselect_k import DSelectKGate
+from moe_kernels.gates.noisy_topk import NoisyTopKGate
 from moe_kernels.gates.sinkhorn import SinkhornGate
+from moe_kernels.gates.topk import TopKGate
 
-__all__ = ["BalancedAssignmentGate", "DSelectKGate", "SinkhornGate"]
+__all__ = ["BalancedAssignmentGate", "DSelectKGate", "SinkhornGate", "NoisyTopKGate", "TopKGate"]

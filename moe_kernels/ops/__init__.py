@@ -6,6 +6,7 @@ from moe_kernels.ops.combine import combine
 from moe_kernels.ops.dispatch import dispatch
 from moe_kernels.ops.dselect_k import dselect_k
 from moe_kernels.ops.gumbel_matching import gumbel_matching
+from moe_kernels.ops.load_probabilities import load_probabilities
 from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.sinkhorn import sinkhorn
 from moe_kernels.ops.skip_sample import skip_sample
@@ -26,4 +27,5 @@ __all__ = [
     "smooth_step",
     "topk_softmax",
     "unpermute",
+    "load_probabilities",
 ]

@@ -6,6 +6,7 @@ from moe_kernels.reference.combine import combine
 from moe_kernels.reference.dispatch import dispatch
 from moe_kernels.reference.dselect_k import dselect_k
 from moe_kernels.reference.gumbel_matching import gumbel_matching
+from moe_kernels.reference.load_probabilities import load_probabilities
 from moe_kernels.reference.permute import permute, unpermute
 from moe_kernels.reference.sinkhorn import sinkhorn
 from moe_kernels.reference.skip_sample import skip_sample
@@ -26,4 +27,5 @@ __all__ = [
     "smooth_step",
     "topk_softmax",
     "unpermute",
+    "load_probabilities",
 ]
