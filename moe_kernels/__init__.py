@@ -11,4 +11,7 @@ from moe_kernels.layers import HierarchicalMoE, MoE
 
 __all__ = ["backends", "ops", "reference", "use_backend"]
 __all__ += ["NoisyTopKGate", "TopKGate", "MoE", "HierarchicalMoE"]
+from moe_kernels.layers import MultiGateMoE  # noqa: E402
+
+__all__ += ["MultiGateMoE"]
 __version__ = "0.1.0"

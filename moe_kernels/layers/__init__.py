@@ -2,3 +2,4 @@
 
 from moe_kernels.layers.hierarchical import HierarchicalMoE  # noqa: F401
 from moe_kernels.layers.moe import MoE  # noqa: F401
+from moe_kernels.layers.multigate import MultiGateMoE  # noqa: F401
