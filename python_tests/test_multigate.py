@@ -267,3 +267,34 @@ def test_multigate_bad_arguments():
         mg(torch.randn(3, D), mask=torch.ones(4, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="task gates"):
         mg.shared(torch.randn(3, D))
+
+
+def test_multigate_dselect_tasks_learn_their_own_experts():
+    """Two tasks, frozen shared experts, task t's target made by expert (1, 3)[t]: training only the
+    static DSelect-k gates (k = 1) makes each converge (S(Z) binary) onto its task's expert; the
+    shared experts then run only where a task selected them (15 steps at this seed; 300 allowed)."""
+    torch.manual_seed(0)
+    experts = recording_experts(4)
+    for e in experts:
+        e.w.requires_grad_(False)
+    gates = [DSelectKGate(4, 1), DSelectKGate(4, 1)]
+    mg = MultiGateMoE(D, 4, gates, experts=experts, capacity_factor=None)
+    opt = torch.optim.Adam([p for g in gates for p in g.parameters()], lr=0.05)
+    x = tokens(64, seed=1)
+    with torch.no_grad():
+        targets = [experts[1](x), experts[3](x)]
+    for _ in range(300):
+        loss = sum((y - t).square().mean() for y, t in zip(mg(x), targets)) + mg.aux_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if all(g.is_converged() for g in gates):
+            break
+    assert [g.is_converged() for g in gates] == [True, True]
+    assert [g.selected_experts().tolist() for g in gates] == [[1], [3]]
+    reset(experts)
+    ys = mg(x)
+    for y, t in zip(ys, targets):
+        assert_close(y, t)
+    assert [e.rows().shape[0] for e in experts] == [0, 64, 0, 64]
+    assert mg.stats["load"].tolist() == [0.0, 64.0, 0.0, 64.0]
