@@ -243,7 +243,7 @@ def test_multigate_gradients_reach_shared_experts_and_only_own_gate():
         assert_close(t, a + b)
 
 
-def test_multigate_mask_and_default_experts():
+def test_multigate_mask_empty_batch_and_default_experts():
     mg = MultiGateMoE(D, E, task_gates(), d_hidden=H, capacity_factor=None).eval()
     x = tokens(10)
     mask = torch.tensor([True, False] * 5)
@@ -251,6 +251,8 @@ def test_multigate_mask_and_default_experts():
     for y, f in zip(ys, full):
         assert (y[~mask] == 0).all()
         assert_close(y[mask], f[mask])
+    empty = mg(torch.empty(2, 0, D))
+    assert [y.shape for y in empty] == [(2, 0, D)] * 4 and (mg.stats["load"] == 0).all()
 
 
 def test_multigate_bad_arguments():
