@@ -52,6 +52,28 @@ void gather_rows(scalar_t* __restrict out, int64_t n_rows, const scalar_t* __res
   });
 }
 
+// The same result as gather_rows(out, n_rows, src, source, k, nullptr, d), for source = invert(row):
+// out[r] = src[source[r] / k], zero where source[r] < 0, but visiting the sources in order, so each
+// source row is read once (and sequentially) however many of its choices are kept. A choice writes
+// its row only if it owns it (source[row[j]] == j), so every output row still has one writer.
+template <typename scalar_t>
+void scatter_rows(scalar_t* __restrict out, int64_t n_rows, const scalar_t* __restrict src, int64_t T, int64_t k,
+                  const int64_t* __restrict row, const int64_t* __restrict source, int64_t d) {
+  at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      if (source[r] < 0) std::fill(out + r * d, out + (r + 1) * d, scalar_t(0));
+  });
+  at::parallel_for(0, T, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* __restrict s = src + t * d;
+      for (int64_t j = t * k; j < (t + 1) * k; ++j) {
+        const int64_t r = row[j];
+        if (r >= 0 && source[r] == j) std::copy(s, s + d, out + r * d);
+      }
+    }
+  });
+}
+
 // out[t] = sum over s with row[t*k+s] >= 0 of w[t*k+s] * src[row[t*k+s]] (weight 1 when w is
 // null), accumulated in acc_t in the order s = 0, 1, ...; zero when no choice contributes.
 template <typename scalar_t>
@@ -119,7 +141,7 @@ void row_dots(out_t* __restrict g, int64_t n, int64_t k, const scalar_t* __restr
 // chunks, then each chunk ranks its items from its own offsets (no shared counters).
 template <typename ColFn, typename EmitFn>
 void stable_column_ranks(int64_t n, int64_t ncols, ColFn col, EmitFn emit, int64_t* counts) {
-  constexpr int64_t kItemsPerChunk = 1 << 14;
+  constexpr int64_t kItemsPerChunk = 1 << 16;  // below this a fork costs more than it saves
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((n + kItemsPerChunk - 1) / kItemsPerChunk,
                                                                 4 * at::get_num_threads()));
   const int64_t per = (n + chunks - 1) / chunks;
