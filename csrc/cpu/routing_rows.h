@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "moe_kernels/dispatch.h"
+
 namespace moe_kernels {
 namespace routing_rows {
 
@@ -182,8 +184,7 @@ inline std::vector<int64_t> kept_slots(const int64_t* experts, const int64_t* po
   std::vector<int64_t> slot(n);
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t e = experts[j], p = positions[j];
-      slot[j] = (e >= 0 && e < E && p >= 0 && p < C) ? e * C + p : -1;
+      slot[j] = dispatch::kept_slot(experts[j], positions[j], E, C);
     }
   });
   return slot;
