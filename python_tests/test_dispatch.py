@@ -16,8 +16,7 @@ DROPLESS_OPS = ("permute", "unpermute")
 
 
 def use(backend, ops=CAPACITY_OPS):
-    """The backend's context; skips a kernel backend that has no kernel for some of `ops`
-    (Triton has no permute / unpermute kernels yet)."""
+    """The backend's context; skips a kernel backend that has no kernel for some of `ops`."""
     missing = [op for op in ops if backend != "torch" and getattr(backends._REGISTRY[op], backend) is None]
     if missing:
         pytest.skip(f"no {backend} kernels for {missing}")
@@ -304,6 +303,11 @@ def test_opcheck(kernel_backend):
             torch.library.opcheck(ops.capacity_positions, (experts, E, C, torch.rand(T, k)))
             torch.library.opcheck(ops.dispatch, (x, experts, positions, E, C, None))
             torch.library.opcheck(ops.combine, (buffer, experts, positions, w))
+            torch.library.opcheck(ops.permute, (x, experts, E))
+            order = reference.permute(x, experts, E)[2]
+            ys = torch.randn(T * k, d, requires_grad=True)
+            torch.library.opcheck(ops.unpermute, (ys, order, w, T))
+            torch.library.opcheck(ops.unpermute_backward, (torch.randn(T, d), ys.detach(), order, w.detach()))
             continue
         ops = torch.ops.moe_kernels
         torch.library.opcheck(ops.capacity_positions, (experts, E, C, None))

@@ -99,22 +99,11 @@ def _grid(rows, d):
     return (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(d, _BLOCK_D))
 
 
-@torch.library.custom_op("moe_kernels_triton::dispatch", mutates_args=())
-def dispatch(
-    x: torch.Tensor,
-    experts: torch.Tensor,
-    positions: torch.Tensor,
-    num_experts: int,
-    capacity: int,
-    weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """buffer [E, C, d] (weighted by weights[t, s] when given: combine's backward to the buffer)."""
-    T, d = x.shape
-    k = experts.shape[1]
-    S = num_experts * capacity
-    out = x.new_empty(num_experts, capacity, d)
+def gather_rows(x: torch.Tensor, source: torch.Tensor, k: int, weights: torch.Tensor | None) -> torch.Tensor:
+    """out [S, d]: out[r] = weights[source[r]] * x[source[r] // k] (weight 1 if None), 0 where -1."""
+    S, d = source.numel(), x.shape[1]
+    out = x.new_empty(S, d)
     if out.numel():
-        source = slot_sources(kept_slots(experts, positions, num_experts, capacity), S)
         acc, acc_tl = acc_dtype(x.dtype)
         w = (weights if weights is not None else source.new_empty(0)).to(acc).contiguous().reshape(-1)
         dispatch_kernel[_grid(S, d)](
@@ -133,6 +122,43 @@ def dispatch(
     return out
 
 
+def gather_sum(src: torch.Tensor, row: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out [T, d]: out[t] = sum over s with row[t*k+s] >= 0 of weights[t, s] * src[row[t*k+s]]."""
+    T, k = weights.shape
+    d = src.shape[1]
+    out = src.new_empty(T, d)
+    if out.numel():
+        acc, acc_tl = acc_dtype(src.dtype)
+        combine_kernel[_grid(T, d)](
+            src.contiguous(),
+            row,
+            weights.to(acc).contiguous().reshape(-1),
+            out,
+            T,
+            d,
+            k,
+            ACC=acc_tl,
+            BLOCK_ROWS=_BLOCK_ROWS,
+            BLOCK_D=_BLOCK_D,
+        )
+    return out
+
+
+@torch.library.custom_op("moe_kernels_triton::dispatch", mutates_args=())
+def dispatch(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    positions: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """buffer [E, C, d] (weighted by weights[t, s] when given: combine's backward to the buffer)."""
+    S = num_experts * capacity
+    source = slot_sources(kept_slots(experts, positions, num_experts, capacity), S)
+    return gather_rows(x, source, experts.shape[1], weights).view(num_experts, capacity, x.shape[1])
+
+
 @dispatch.register_fake
 def _(x, experts, positions, num_experts, capacity, weights=None):
     return x.new_empty(num_experts, capacity, x.shape[1])
@@ -144,24 +170,7 @@ def combine(
 ) -> torch.Tensor:
     """y [T, d] = sum over kept s of weights[t, s] * buffer[experts[t, s], positions[t, s]]."""
     E, C, d = buffer.shape
-    T, k = experts.shape
-    out = buffer.new_empty(T, d)
-    if out.numel():
-        slot = kept_slots(experts, positions, E, C)
-        acc, acc_tl = acc_dtype(buffer.dtype)
-        combine_kernel[_grid(T, d)](
-            buffer.contiguous(),
-            slot,
-            weights.to(acc).contiguous().reshape(-1),
-            out,
-            T,
-            d,
-            k,
-            ACC=acc_tl,
-            BLOCK_ROWS=_BLOCK_ROWS,
-            BLOCK_D=_BLOCK_D,
-        )
-    return out
+    return gather_sum(buffer.reshape(E * C, d), kept_slots(experts, positions, E, C), weights)
 
 
 @combine.register_fake
