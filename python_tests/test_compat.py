@@ -83,8 +83,6 @@ def megatron_direct(logits, k, capacity_factor, drop_policy, use_pre_softmax):
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("capacity_factor, min_capacity", [(1.0, 4), (0.5, 1), (2.0, 0), (0.1, 4)])
 def test_deepspeed_matches_direct(backend, k, capacity_factor, min_capacity):
-    if backend not in ("torch", "cpu"):
-        pytest.skip("compat runs on the ops' CPU backends")
     for S, E in [(64, 8), (37, 5), (16, 1)]:
         if k > E:
             continue
@@ -107,8 +105,6 @@ def test_deepspeed_matches_direct(backend, k, capacity_factor, min_capacity):
 @pytest.mark.parametrize("drop_policy", ["probs", "position"])
 @pytest.mark.parametrize("capacity_factor", [None, 1.0, 0.5, 3.0])
 def test_megatron_matches_direct(backend, capacity_factor, drop_policy, use_pre_softmax):
-    if backend not in ("torch", "cpu"):
-        pytest.skip("compat runs on the ops' CPU backends")
     for T, E, k in [(64, 8, 2), (33, 6, 3), (10, 4, 1), (12, 3, 3)]:
         logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).requires_grad_()
         with moe_kernels.use_backend(backend):
