@@ -136,6 +136,46 @@ void row_dots(out_t* __restrict g, int64_t n, int64_t k, const scalar_t* __restr
   });
 }
 
+// combine's backward in one pass over the buffer slots, reading each grad_y row once for both
+// outputs: for every slot r filled by choice j = source[r] (t = j / k),
+//   grad_buffer[r] = w[j] * grad_y[t]   and   g[j] = <grad_y[t], buffer[r]>;
+// unfilled slots get zero rows. g must be zero-filled by the caller (choices owning no slot keep 0);
+// each g[j] is written by the one slot j owns.
+template <typename scalar_t>
+void scatter_grad_and_dots(scalar_t* __restrict grad_buffer, acc_t<scalar_t>* __restrict g, int64_t n_rows,
+                           const scalar_t* __restrict grad_y, const scalar_t* __restrict buffer,
+                           const int64_t* __restrict source, int64_t k, const acc_t<scalar_t>* __restrict w,
+                           int64_t d) {
+  using acc = acc_t<scalar_t>;
+  at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* __restrict o = grad_buffer + r * d;
+      const int64_t j = source[r];
+      if (j < 0) {
+        std::fill(o, o + d, scalar_t(0));
+        continue;
+      }
+      const scalar_t* __restrict x = grad_y + (j / k) * d;
+      const scalar_t* __restrict b = buffer + r * d;
+      const acc wj = w[j];
+      acc part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8)
+        for (int l = 0; l < 8; ++l) {
+          const acc xv = acc(x[i + l]);
+          o[i + l] = scalar_t(wj * xv);
+          part[l] += xv * acc(b[i + l]);
+        }
+      for (; i < d; ++i) {
+        const acc xv = acc(x[i]);
+        o[i] = scalar_t(wj * xv);
+        part[0] += xv * acc(b[i]);
+      }
+      g[j] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    }
+  });
+}
+
 // Stable ranks within columns, in parallel and deterministic: items i = 0..n-1 are visited in
 // order; item i belongs to column col(i) in [0, ncols) or to none (col < 0). Calls
 // emit(i, column, rank) with rank = the number of earlier items of the same column, and fills
