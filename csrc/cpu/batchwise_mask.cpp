@@ -30,6 +30,7 @@ using batchwise_mask::select_digit;
 // At most this many experts' columns are gathered together: 16 floats are one 64-byte cache line
 // of a row. Fewer when there are few experts, so that every thread still gets a group.
 constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMinTaskElements = 1 << 18;
 
 // Scratch space of one thread, reused across its experts.
 struct Scratch {
@@ -142,7 +143,10 @@ std::tuple<at::Tensor, at::Tensor> batchwise_mask_cpu(const at::Tensor& scores, 
     const int64_t threads = at::get_num_threads();
     const int64_t group = std::clamp<int64_t>(E / threads, 1, kMaxGroup);
     const int64_t groups = (E + group - 1) / group;
-    const int64_t per_task = std::max<int64_t>(1, (groups + threads - 1) / threads);
+    // Tasks of at least kMinTaskElements scores: below that, waking a second thread costs more
+    // than it saves (and far more on a loaded machine).
+    const int64_t min_groups = (kMinTaskElements + group * T - 1) / (group * T);
+    const int64_t per_task = std::max<int64_t>({1, (groups + threads - 1) / threads, min_groups});
     at::parallel_for(0, groups, per_task, [&](int64_t gb, int64_t ge) {
       batchwise_experts<scalar_t>(x, st, se, T, m, gb * group, std::min(E, ge * group), group, tk);
     });
@@ -152,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> batchwise_mask_cpu(const at::Tensor& scores, 
   // a range's entries start at a binary-searched position.
   bool* mk = mask.mutable_data_ptr<bool>();
   const int64_t* tk = tokens.const_data_ptr<int64_t>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 65536 / E), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, std::max<int64_t>(1, kMinTaskElements / E), [&](int64_t begin, int64_t end) {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t* list = tk + e * m;
       for (const int64_t* p = std::lower_bound(list, list + m, begin); p != list + m && *p < end; ++p)
