@@ -89,6 +89,9 @@ void select_column(const uint32_t* keys, int64_t T, int64_t m, Scratch& s, int64
     const uint32_t k = s.boundary_keys[i];
     if (k > threshold || (k == threshold && ties++ < remaining)) s.picked.push_back(s.boundary[i]);
   }
+  // Never write past the expert's m slots, whatever happened above.
+  TORCH_CHECK((int64_t)(s.above.size() + s.picked.size()) == m, "batchwise_mask: internal error, selected ",
+              s.above.size() + s.picked.size(), " tokens instead of m=", m);
   std::merge(s.above.begin(), s.above.end(), s.picked.begin(), s.picked.end(), tokens);
 }
 
