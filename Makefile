@@ -34,6 +34,7 @@ build: $(EXT)
 # The suite runs twice: kernels and AOT/nvcc compiles, then the Triton kernels in the interpreter
 # (TRITON_INTERPRET must be set before triton decorates any kernel, so it needs its own process).
 test: $(EXT)
+	$(BIN)/ruff check .
 	MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) -m pytest python_tests -p no:cacheprovider
 	TRITON_INTERPRET=1 MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) -m pytest python_tests -m triton -p no:cacheprovider
 

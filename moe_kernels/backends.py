@@ -118,6 +118,18 @@ def implementation(op: str, tensor: torch.Tensor) -> Callable:
     return getattr(_REGISTRY[op], choose(op, tensor.device.type))
 
 
+def extension_kernel(op: str, tensor: torch.Tensor):
+    """torch.ops.moe_kernels.<op> if the extension has a kernel for `tensor`'s device, else None.
+
+    For internal helper ops (e.g. a fused backward) that follow the public op's backend: the
+    public op's choice was already made by `choose`; this only asks whether the kernel exists.
+    """
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(tensor.device.type)
+    if key is None or not _extension.has_kernel(op, key):
+        return None
+    return getattr(torch.ops.moe_kernels, op)
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
     """Force `name` for every op called inside the block (validated at each call)."""

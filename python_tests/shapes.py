@@ -45,6 +45,40 @@ def adversarial_logits(kind: str, T: int, E: int, dtype=torch.float32, seed: int
 
 ADVERSARIAL_KINDS = ["random", "ties", "all_equal", "neg_inf", "all_neg_inf", "signed_zero", "large"]
 
+# Capacity routing (issue 3): (T, E, k, d).
+DISPATCH_SHAPES = [
+    (1, 1, 1, 4),  # one token, one expert
+    (7, 8, 2, 5),  # odd d, the common k = 2
+    (33, 13, 3, 16),  # prime E, odd T
+    (16, 4, 4, 3),  # k = E
+    (40, 1, 1, 8),  # E = 1: every token to one expert
+    (0, 8, 2, 4),  # empty batch
+]
+SMALL_DISPATCH_SHAPES = [(1, 1, 1, 4), (7, 8, 2, 5), (16, 4, 4, 3), (0, 4, 1, 2)]
+
+
+def routing_choices(kind: str, T: int, E: int, k: int, seed: int = 0) -> torch.Tensor:
+    """[T, k] int64 expert choices of a named kind (-1 = empty choice)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":  # distinct experts per token, as top-k gives
+        return torch.rand(T, E, generator=g).argsort(dim=1)[:, :k].contiguous()
+    if kind == "empties":  # some empty choices (dropped upstream, or padding tokens)
+        e = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k].contiguous()
+        return torch.where(torch.rand(T, k, generator=g) < 0.3, -1, e)
+    if kind == "one_expert":  # every token's first choice to expert 0: maximal overflow
+        e = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k].contiguous()
+        if E > 1:
+            e = torch.where(e == 0, e[:, :1], e)  # keep choices distinct: swap 0 into slot 0
+        e[:, 0] = 0
+        return e
+    if kind == "all_empty":
+        return torch.full((T, k), -1, dtype=torch.int64)
+    raise ValueError(kind)
+
+
+ROUTING_KINDS = ["random", "empties", "one_expert", "all_empty"]
+
+
 # (T, E, m) for batchwise_mask (eq 18 of Appendix F): m tokens kept per expert.
 BATCHWISE_SHAPES = [
     (1, 1, 1),  # one token, one expert, m = T

@@ -48,7 +48,8 @@ def test_matches_reference_random(backend, dtype, renormalize):
 @pytest.mark.parametrize("kind", ADVERSARIAL_KINDS)
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_adversarial(backend, kind, renormalize):
-    for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 1, 1)]:
+    # (5, 40, 3): rows longer than the C++ kernel's 16-wide chunks, so skipped chunks are exercised
+    for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 1, 1), (5, 40, 3)]:
         logits = adversarial_logits(kind, T, E)
         w, e = run(backend, logits, k, renormalize)
         w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
@@ -77,6 +78,17 @@ def test_nan_ranks_first_and_poisons_its_row(backend):
     w, e = run(backend, logits, 2)
     assert e.tolist() == [[1, 3], [3, 2]]
     assert torch.isnan(w[0]).all() and not torch.isnan(w[1]).any()
+
+
+def test_nan_late_in_a_long_row(backend):
+    logits = torch.randn(3, 40)
+    logits[0, 35] = float("nan")
+    logits[2, 17] = float("nan")
+    logits[2, 39] = float("nan")
+    _, e = run(backend, logits, 2)
+    _, e_ref = reference.topk_softmax(logits, 2)
+    assert torch.equal(e, e_ref)
+    assert e[0, 0] == 35 and e[2].tolist() == [17, 39]
 
 
 def test_non_contiguous(backend):
@@ -173,6 +185,17 @@ def test_opcheck(kernel_backend):
         for renormalize in (True, False):
             logits = torch.randn(T, E, requires_grad=True)
             torch.library.opcheck(op, (logits, k, renormalize))
+
+
+def test_backward_kernel_opcheck():
+    if not moe_kernels._extension.has_kernel("topk_softmax_backward", "CPU"):
+        pytest.skip("no C++ backward kernel in this build")
+    op = torch.ops.moe_kernels.topk_softmax_backward
+    for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5), (4, 40, 20)]:
+        logits = torch.randn(T, E)
+        _, experts = reference.topk_softmax(logits, k)
+        for renormalize in (True, False):
+            torch.library.opcheck(op, (torch.randn(T, k), logits, experts, renormalize))
 
 
 def test_torch_compile_fullgraph(kernel_backend):

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <vector>
 
@@ -18,6 +19,40 @@ namespace {
 // Above this k the insertion list costs O(E*k) on adversarial (ascending) rows; a partial sort
 // of all pairs is O(E log k) and wins.
 constexpr int64_t kInsertionMaxK = 16;
+
+// Logits converted and scanned per chunk: a chunk whose max cannot enter the full top-k list is
+// skipped with one vectorisable max, which is most chunks once the list is warm.
+constexpr int64_t kChunk = 16;
+
+// Scan one row into `best` (the k largest rank pairs, descending). Insertion list for k <= 16.
+template <typename scalar_t>
+void select_insertion(const scalar_t* row, int64_t stride_e, int64_t E, int k, int64_t* best) {
+  int filled = 0;
+  float chunk[kChunk];
+  for (int64_t start = 0; start < E; start += kChunk) {
+    const int64_t n = std::min(kChunk, E - start);
+    float m = -INFINITY;
+    float poison = 0.0f;  // v - v is NaN for NaN (and inf) elements: then the chunk is not skipped
+    if (stride_e == 1) {  // the common layout: a loop the compiler vectorises
+      for (int64_t j = 0; j < n; ++j) chunk[j] = (float)row[start + j];
+    } else {
+      for (int64_t j = 0; j < n; ++j) chunk[j] = (float)row[(start + j) * stride_e];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      m = chunk[j] > m ? chunk[j] : m;
+      poison += chunk[j] - chunk[j];
+    }
+    const bool nan = poison != poison;
+    // With a full list, an element that is not above the k-th value cannot enter: equal values
+    // lose the tie (higher index), smaller ones lose outright. NaN always ranks first.
+    if (filled == k && !nan) {
+      const float kth = (float)row[pair_index(best[k - 1]) * stride_e];
+      if (m <= kth && !(kth != kth)) continue;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      filled = topk_softmax::insert_pair(best, filled, k, rank_pair(chunk[j], (int32_t)(start + j)));
+  }
+}
 
 template <typename scalar_t>
 void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, stride_e)
@@ -31,10 +66,7 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
   for (int64_t t = begin; t < end; ++t) {
     const scalar_t* row = logits + t * stride_t;
     if (k <= kInsertionMaxK) {
-      int filled = 0;
-      for (int64_t e = 0; e < E; ++e)
-        filled = topk_softmax::insert_pair(best.data(), filled, (int)k,
-                                           rank_pair((float)row[e * stride_e], (int32_t)e));
+      select_insertion(row, stride_e, E, (int)k, best.data());
     } else {
       for (int64_t e = 0; e < E; ++e) best[e] = rank_pair((float)row[e * stride_e], (int32_t)e);
       std::partial_sort(best.begin(), best.begin() + k, best.end(), std::greater<int64_t>());
@@ -52,6 +84,47 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
       const int32_t e = pair_index(best[s]);
       experts[t * k + s] = e;
       weights[t * k + s] = (scalar_t)weight((float)row[e * stride_e], vmax, denom);
+    }
+  }
+}
+
+// Backward: d loss / d logits [T, E] from d loss / d weights [T, k], one pass per row (two for
+// the full softmax), recomputing the weights in float32 from the logits.
+//   renormalize: grad_j = w_j (g_j - sum_s g_s w_s) at the selected j, 0 elsewhere;
+//   full softmax: grad_j = [j selected] g_j p_j - p_j sum_s g_s p_s.
+template <typename scalar_t, typename grad_t>
+void topk_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
+                                const grad_t* grad_w,     // [T, k] contiguous
+                                const int64_t* experts,   // [T, k] contiguous
+                                int64_t begin, int64_t end, int64_t E, int64_t k, bool renormalize,
+                                scalar_t* grad) {         // [T, E] contiguous
+  using topk_softmax::exp_term;
+  std::vector<float> w(k);
+  for (int64_t t = begin; t < end; ++t) {
+    const scalar_t* row = logits + t * stride_t;
+    const int64_t* ex = experts + t * k;
+    const grad_t* g = grad_w + t * k;
+    scalar_t* out = grad + t * E;
+    const float vmax = (float)row[ex[0] * stride_e];  // experts[t, 0] is the row max
+    float denom = 0.0f;
+    if (renormalize) {
+      for (int64_t s = 0; s < k; ++s) denom += exp_term((float)row[ex[s] * stride_e], vmax);
+    } else {
+      for (int64_t e = 0; e < E; ++e) denom += exp_term((float)row[e * stride_e], vmax);
+    }
+    float dot = 0.0f;
+    for (int64_t s = 0; s < k; ++s) {
+      w[s] = vmax == -INFINITY ? 0.0f : exp_term((float)row[ex[s] * stride_e], vmax) / denom;
+      dot += (float)g[s] * w[s];
+    }
+    if (renormalize) {
+      for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)0.0f;
+      for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)(w[s] * ((float)g[s] - dot));
+    } else {
+      const bool masked = vmax == -INFINITY;
+      for (int64_t e = 0; e < E; ++e)
+        out[e] = (scalar_t)(masked ? 0.0f : -exp_term((float)row[e * stride_e], vmax) / denom * dot);
+      for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((float)out[ex[s]] + (float)g[s] * w[s]);
     }
   }
 }
@@ -82,12 +155,40 @@ std::tuple<at::Tensor, at::Tensor> topk_softmax_cpu(const at::Tensor& logits, in
   return {weights, experts};
 }
 
+at::Tensor topk_softmax_backward_cpu(const at::Tensor& grad_weights, const at::Tensor& logits,
+                                     const at::Tensor& experts, bool renormalize) {
+  TORCH_CHECK(logits.dim() == 2 && experts.dim() == 2 && grad_weights.sizes() == experts.sizes() &&
+                  experts.size(0) == logits.size(0) && experts.scalar_type() == at::kLong,
+              "topk_softmax_backward: bad shapes");
+  const int64_t T = logits.size(0), E = logits.size(1), k = experts.size(1);
+  auto grad = at::empty({T, E}, logits.options());
+  if (T == 0) return grad;
+  const auto g = grad_weights.contiguous();
+  const auto ex = experts.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "topk_softmax_backward", [&] {
+    using logit_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "topk_softmax_backward_g", [&] {
+      const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(E, 1));
+      at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+        topk_softmax_backward_rows<logit_t, scalar_t>(
+            logits.const_data_ptr<logit_t>(), logits.stride(0), logits.stride(1), g.const_data_ptr<scalar_t>(),
+            ex.const_data_ptr<int64_t>(), begin, end, E, k, renormalize, grad.mutable_data_ptr<logit_t>());
+      });
+    });
+  });
+  return grad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
   m.def("topk_softmax(Tensor logits, int k, bool renormalize) -> (Tensor weights, Tensor experts)");
+  m.def("topk_softmax_backward(Tensor grad_weights, Tensor logits, Tensor experts, bool renormalize) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) { m.impl("topk_softmax", &topk_softmax_cpu); }
+TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
+  m.impl("topk_softmax", &topk_softmax_cpu);
+  m.impl("topk_softmax_backward", &topk_softmax_backward_cpu);
+}
 
 }  // namespace moe_kernels

@@ -67,7 +67,62 @@ __global__ void topk_softmax_kernel(const scalar_t* __restrict__ logits,  // [T,
   }
 }
 
+// Backward, one warp per row: grad [T, E] from grad_weights [T, k] (same dtype as logits),
+// recomputing the selected weights in float32 (see csrc/cpu/topk_softmax.cpp for the formulas).
+template <typename scalar_t>
+__global__ void topk_softmax_backward_kernel(const scalar_t* __restrict__ grad_weights,  // [T, k]
+                                             const scalar_t* __restrict__ logits,  // [T, E] strided
+                                             const int64_t* __restrict__ experts,  // [T, k]
+                                             int64_t T, int64_t E, int64_t stride_t, int64_t stride_e,
+                                             int64_t k, bool renormalize,
+                                             scalar_t* __restrict__ grad) {  // [T, E]
+  const int lane = threadIdx.x % kWarp;
+  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (row >= T) return;
+  const scalar_t* x = logits + row * stride_t;
+  const int64_t* ex = experts + row * k;
+  const scalar_t* g = grad_weights + row * k;
+  scalar_t* out = grad + row * E;
+  const float vmax = to_float(x[ex[0] * stride_e]);  // experts[t, 0] is the row max
+  float partial = 0.0f;
+  if (renormalize) {
+    for (int64_t s = lane; s < k; s += kWarp) partial += topk_softmax::exp_term(to_float(x[ex[s] * stride_e]), vmax);
+  } else {
+    for (int64_t e = lane; e < E; e += kWarp) partial += topk_softmax::exp_term(to_float(x[e * stride_e]), vmax);
+  }
+  const float denom = warp_sum(partial);
+  float dot_part = 0.0f;
+  for (int64_t s = lane; s < k; s += kWarp)
+    dot_part += to_float(g[s]) * topk_softmax::weight(to_float(x[ex[s] * stride_e]), vmax, denom);
+  const float dot = warp_sum(dot_part);
+  const bool masked = vmax == -INFINITY;
+  for (int64_t e = lane; e < E; e += kWarp) {
+    const float p = renormalize || masked ? 0.0f : topk_softmax::weight(to_float(x[e * stride_e]), vmax, denom);
+    out[e] = from_float<scalar_t>(-p * dot);
+  }
+  __syncwarp();  // the selected entries below overwrite / add to the row written above
+  for (int64_t s = lane; s < k; s += kWarp) {
+    const float w = topk_softmax::weight(to_float(x[ex[s] * stride_e]), vmax, denom);
+    const float base = renormalize ? -w * dot : to_float(out[ex[s]]);
+    out[ex[s]] = from_float<scalar_t>(base + to_float(g[s]) * w);
+  }
+}
+
 }  // namespace
+
+cudaError_t topk_softmax_backward_cuda(const void* grad_weights, const void* logits, DType dtype, int64_t T,
+                                       int64_t E, int64_t stride_t, int64_t stride_e, const int64_t* experts,
+                                       int64_t k, bool renormalize, void* grad, cudaStream_t stream) {
+  if (T == 0) return cudaSuccess;
+  const dim3 block(kWarp * kWarpsPerBlock);
+  const dim3 grid((unsigned)((T + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  return MK_DISPATCH_FLOAT(dtype, [&] {
+    topk_softmax_backward_kernel<scalar_t><<<grid, block, 0, stream>>>(
+        static_cast<const scalar_t*>(grad_weights), static_cast<const scalar_t*>(logits), experts, T, E,
+        stride_t, stride_e, k, renormalize, static_cast<scalar_t*>(grad));
+    return cudaGetLastError();
+  });
+}
 
 cudaError_t topk_softmax_cuda(const void* logits, DType dtype, int64_t T, int64_t E, int64_t stride_t,
                               int64_t stride_e, int64_t k, bool renormalize, void* weights,

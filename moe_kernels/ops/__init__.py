@@ -1,6 +1,20 @@
 """The public ops. Each validates its arguments and asks moe_kernels.backends for a kernel."""
 
 from moe_kernels.ops.batchwise_mask import batchwise_mask, threshold_mask
+from moe_kernels.ops.capacity_positions import capacity_for, capacity_positions
+from moe_kernels.ops.combine import combine
+from moe_kernels.ops.dispatch import dispatch
+from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.topk_softmax import topk_softmax
 
-__all__ = ["topk_softmax", "batchwise_mask", "threshold_mask"]
+__all__ = [
+    "capacity_for",
+    "capacity_positions",
+    "combine",
+    "dispatch",
+    "permute",
+    "topk_softmax",
+    "unpermute",
+    "batchwise_mask",
+    "threshold_mask",
+]

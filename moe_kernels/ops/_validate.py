@@ -27,3 +27,33 @@ def integer(name: str, value, *, low: int | None = None, high: int | None = None
         hi = "inf" if high is None else high
         raise ValueError(f"{name} must be in [{lo}, {hi}]{what}, got {value}")
     return value
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def routing_indices(name: str, value, *, shape: tuple[int, int] | None = None, high: int | None = None):
+    """An int64 [T, k] index tensor (experts or positions), -1 allowed as "empty".
+
+    Values are range-checked against [-1, high) only where that costs no device sync (CPU
+    tensors, outside torch.compile tracing); the kernels never read or write out of bounds anyway.
+    """
+    tensor(name, value, dim=2, shape="[T, k]", dtypes=(torch.int64,))
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must be [T, k] = {list(shape)}, got shape {tuple(value.shape)}")
+    if high is not None and value.numel() and backends_can_read(value):
+        lo, hi = int(value.min()), int(value.max())
+        if lo < -1 or hi >= high:
+            raise ValueError(f"{name} values must be in [-1, {high}), got min {lo} max {hi}")
+    return value
+
+
+def backends_can_read(value: torch.Tensor) -> bool:
+    """True when reading a value of `value` costs no device sync and is not being traced."""
+    return value.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_fake(value)
+
+
+def _is_fake(value: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor) or value.device.type == "meta"

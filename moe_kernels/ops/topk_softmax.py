@@ -49,6 +49,17 @@ def _backward(ctx, grad_weights, grad_experts):
     return _backward_from_logits(logits, experts, grad_weights, ctx.renormalize), None, None
 
 
+def _backward_kernel(ctx, grad_weights, grad_experts):
+    """Backward of the extension op: its fused backward kernel where the device has one."""
+    logits, experts = ctx.saved_tensors
+    if grad_weights is None:
+        return None, None, None
+    kernel = backends.extension_kernel("topk_softmax_backward", logits)
+    if kernel is None:
+        return _backward(ctx, grad_weights, grad_experts)
+    return kernel(grad_weights, logits, experts, ctx.renormalize), None, None
+
+
 _cpp = None
 if backends._extension.LOADED:
     _cpp = torch.ops.moe_kernels.topk_softmax
@@ -58,7 +69,11 @@ if backends._extension.LOADED:
         T = logits.shape[0]
         return logits.new_empty((T, k)), logits.new_empty((T, k), dtype=torch.int64)
 
-    torch.library.register_autograd("moe_kernels::topk_softmax", _backward, setup_context=_setup_context)
+    @torch.library.register_fake("moe_kernels::topk_softmax_backward")
+    def _fake_backward(grad_weights, logits, experts, renormalize):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    torch.library.register_autograd("moe_kernels::topk_softmax", _backward_kernel, setup_context=_setup_context)
 
 _triton = None
 if backends.triton_importable():

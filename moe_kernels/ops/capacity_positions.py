@@ -1,0 +1,53 @@
+"""moe_kernels.ops.capacity_positions: the slot of every (token, choice) in its expert's buffer.
+
+Implementations: reference (moe_kernels/reference/capacity_positions.py), C++ CPU
+(csrc/cpu/capacity_positions.cpp). backends.py chooses among them.
+"""
+
+import torch
+
+from moe_kernels import backends, reference
+from moe_kernels.ops import _validate
+from moe_kernels.reference.capacity_positions import capacity_for
+
+_cpp = None
+if backends._extension.LOADED:
+
+    @torch.library.register_fake("moe_kernels::capacity_positions")
+    def _fake(experts, num_experts, capacity, priority=None):
+        return experts.new_empty(experts.shape), experts.new_empty(num_experts)
+
+    def _cpp(experts, num_experts, capacity, *, priority=None):
+        return torch.ops.moe_kernels.capacity_positions(experts, num_experts, capacity, priority)
+
+
+backends.register("capacity_positions", torch=reference.capacity_positions, cpu=_cpp)
+
+__all__ = ["capacity_for", "capacity_positions"]
+
+
+def capacity_positions(experts: torch.Tensor, num_experts: int, capacity: int, *, priority=None):
+    """Assign each choice a slot in its expert's buffer of `capacity` slots; overflow is dropped.
+
+    Args:
+      experts: [T, k] int64 expert of each choice, -1 = empty choice (e.g. from topk_softmax).
+      num_experts: E >= 1.
+      capacity: C >= 0 slots per expert (a Python int: no host sync; see capacity_for).
+      priority: optional [T, k] float. Default order (GShard / Switch): every token's first
+        choice before any second choice, by token index within a choice. With priority: by
+        descending priority, ties in the default order (Megatron's "probs" policy; batch
+        prioritised routing of V-MoE is priority = max_gate[t] - 2 * s).
+
+    Returns:
+      positions: [T, k] int64 slot in [0, C), -1 if the choice is empty or overflowed.
+      counts: [E] int64 choices routed to each expert before dropping. Dropped choices =
+        (positions < 0) & (experts >= 0); per expert, max(counts - C, 0).
+    """
+    _validate.integer("num_experts", num_experts, low=1)
+    _validate.integer("capacity", capacity, low=0)
+    _validate.routing_indices("experts", experts, high=num_experts)
+    if priority is not None:
+        _validate.tensor("priority", priority, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
+        if priority.shape != experts.shape:
+            raise ValueError(f"priority must be [T, k] = {list(experts.shape)}, got {tuple(priority.shape)}")
+    return backends.implementation("capacity_positions", experts)(experts, num_experts, capacity, priority=priority)

@@ -1,0 +1,56 @@
+"""moe_kernels.ops.combine: gather expert outputs back to their tokens, weighted.
+
+Implementations: reference (moe_kernels/reference/combine.py), C++ CPU (csrc/cpu/combine.cpp, with
+its backward combine_backward: grad_buffer a weighted gather, grad_weights row dot products).
+backends.py chooses among them.
+"""
+
+import torch
+
+from moe_kernels import backends, reference
+from moe_kernels.ops import _validate
+
+_cpp = None
+if backends._extension.LOADED:
+    _cpp = torch.ops.moe_kernels.combine
+
+    @torch.library.register_fake("moe_kernels::combine")
+    def _fake(buffer, experts, positions, weights):
+        return buffer.new_empty(experts.shape[0], buffer.shape[2])
+
+    @torch.library.register_fake("moe_kernels::combine_backward")
+    def _fake_backward(grad_y, buffer, experts, positions, weights):
+        return buffer.new_empty(buffer.shape), weights.new_empty(weights.shape)
+
+    def _setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def _backward(ctx, grad_y):
+        buffer, experts, positions, weights = ctx.saved_tensors
+        grad_buffer, grad_weights = torch.ops.moe_kernels.combine_backward(grad_y, buffer, experts, positions, weights)
+        return grad_buffer, None, None, grad_weights
+
+    torch.library.register_autograd("moe_kernels::combine", _backward, setup_context=_setup_context)
+
+backends.register("combine", torch=reference.combine, cpu=_cpp)
+
+
+def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor):
+    """y [T, d] = sum over kept choices s of weights[t, s] * buffer[experts[t, s], positions[t, s]].
+
+    Args:
+      buffer: [E, C, d] expert outputs, float32 / float16 / bfloat16 / float64.
+      experts, positions: [T, k] int64 from capacity_positions.
+      weights: [T, k] float gate values.
+    Dropped (positions -1) and empty choices add nothing: a token whose choices were all dropped
+    gets y = 0 (the caller's residual carries it). Accumulated in float32; y in buffer's dtype.
+    Deterministic (no atomics). Differentiable with respect to buffer and weights.
+    """
+    _validate.tensor("buffer", buffer, dim=3, shape="[E, C, d]", dtypes=_validate.FLOAT_DTYPES)
+    E, C, _ = buffer.shape
+    _validate.routing_indices("experts", experts, high=E)
+    _validate.routing_indices("positions", positions, shape=experts.shape, high=max(C, 1))
+    _validate.tensor("weights", weights, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
+    if weights.shape != experts.shape:
+        raise ValueError(f"weights must be [T, k] = {list(experts.shape)}, got {tuple(weights.shape)}")
+    return backends.implementation("combine", buffer)(buffer, experts, positions, weights)

@@ -1,0 +1,55 @@
+"""moe_kernels.ops.dispatch: scatter tokens into the [E, C, d] expert buffers.
+
+Implementations: reference (moe_kernels/reference/dispatch.py), C++ CPU (csrc/cpu/dispatch.cpp, with
+its backward dispatch_backward, the gather-sum). backends.py chooses among them.
+"""
+
+import torch
+
+from moe_kernels import backends, reference
+from moe_kernels.ops import _validate
+
+_cpp = None
+if backends._extension.LOADED:
+    _cpp = torch.ops.moe_kernels.dispatch
+
+    @torch.library.register_fake("moe_kernels::dispatch")
+    def _fake(x, experts, positions, num_experts, capacity):
+        return x.new_empty(num_experts, capacity, x.shape[1])
+
+    @torch.library.register_fake("moe_kernels::dispatch_backward")
+    def _fake_backward(grad_buffer, experts, positions):
+        return grad_buffer.new_empty(experts.shape[0], grad_buffer.shape[2])
+
+    def _setup_context(ctx, inputs, output):
+        _, experts, positions, _, _ = inputs
+        ctx.save_for_backward(experts, positions)
+
+    def _backward(ctx, grad_buffer):
+        experts, positions = ctx.saved_tensors
+        grad_x = torch.ops.moe_kernels.dispatch_backward(grad_buffer, experts, positions)
+        return grad_x, None, None, None, None
+
+    torch.library.register_autograd("moe_kernels::dispatch", _backward, setup_context=_setup_context)
+
+backends.register("dispatch", torch=reference.dispatch, cpu=_cpp)
+
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, num_experts: int, capacity: int):
+    """buffer [E, C, d] with buffer[experts[t, s], positions[t, s]] = x[t] for every kept choice
+    (positions >= 0); slots nobody fills are zero.
+
+    Args:
+      x: [T, d] float32 / float16 / bfloat16 / float64.
+      experts, positions: [T, k] int64 from capacity_positions.
+      num_experts: E; capacity: C (as given to capacity_positions).
+    Differentiable with respect to x (the backward is the gather).
+    """
+    _validate.tensor("x", x, dim=2, shape="[T, d]", dtypes=_validate.FLOAT_DTYPES)
+    _validate.integer("num_experts", num_experts, low=1)
+    _validate.integer("capacity", capacity, low=0)
+    _validate.routing_indices("experts", experts, high=num_experts)
+    _validate.routing_indices("positions", positions, shape=experts.shape, high=max(capacity, 1))
+    if experts.shape[0] != x.shape[0]:
+        raise ValueError(f"experts must be [T, k] with T = x.shape[0] = {x.shape[0]}, got {tuple(experts.shape)}")
+    return backends.implementation("dispatch", x)(x, experts, positions, num_experts, capacity)

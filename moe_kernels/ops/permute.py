@@ -1,0 +1,96 @@
+"""moe_kernels.ops.permute / unpermute: dropless routing, rows grouped by expert.
+
+Implementations: reference (moe_kernels/reference/permute.py), C++ CPU (csrc/cpu/permute.cpp, with
+unpermute_backward; permute's backward is unpermute with unit weights). backends.py chooses.
+"""
+
+import torch
+
+from moe_kernels import backends, reference
+from moe_kernels.ops import _validate
+
+_cpp_permute = _cpp_unpermute = None
+if backends._extension.LOADED:
+    _cpp_permute = torch.ops.moe_kernels.permute
+    _cpp_unpermute = torch.ops.moe_kernels.unpermute
+
+    @torch.library.register_fake("moe_kernels::permute")
+    def _fake_permute(x, experts, num_experts):
+        n = experts.shape[0] * experts.shape[1]
+        return x.new_empty(n, x.shape[1]), experts.new_empty(num_experts + 1), experts.new_empty(n)
+
+    @torch.library.register_fake("moe_kernels::unpermute")
+    def _fake_unpermute(y_sorted, order, weights, num_tokens):
+        return y_sorted.new_empty(num_tokens, y_sorted.shape[1])
+
+    @torch.library.register_fake("moe_kernels::unpermute_backward")
+    def _fake_unpermute_backward(grad_y, y_sorted, order, weights):
+        return y_sorted.new_empty(y_sorted.shape), weights.new_empty(weights.shape)
+
+    def _permute_setup_context(ctx, inputs, output):
+        x, experts, _ = inputs
+        ctx.save_for_backward(output[2])
+        ctx.num_tokens, ctx.k = x.shape[0], experts.shape[1]
+
+    def _permute_backward(ctx, grad_x_sorted, grad_offsets, grad_order):
+        (order,) = ctx.saved_tensors
+        # grad_x[t] = sum over s of grad_x_sorted[row of (t, s)]: unpermute with unit weights.
+        ones = grad_x_sorted.new_ones(ctx.num_tokens, ctx.k)
+        return torch.ops.moe_kernels.unpermute(grad_x_sorted, order, ones, ctx.num_tokens), None, None
+
+    def _unpermute_setup_context(ctx, inputs, output):
+        y_sorted, order, weights, _ = inputs
+        ctx.save_for_backward(y_sorted, order, weights)
+
+    def _unpermute_backward(ctx, grad_y):
+        y_sorted, order, weights = ctx.saved_tensors
+        grad_y_sorted, grad_weights = torch.ops.moe_kernels.unpermute_backward(grad_y, y_sorted, order, weights)
+        return grad_y_sorted, None, grad_weights, None
+
+    torch.library.register_autograd("moe_kernels::permute", _permute_backward, setup_context=_permute_setup_context)
+    torch.library.register_autograd(
+        "moe_kernels::unpermute", _unpermute_backward, setup_context=_unpermute_setup_context
+    )
+
+backends.register("permute", torch=reference.permute, cpu=_cpp_permute)
+backends.register("unpermute", torch=reference.unpermute, cpu=_cpp_unpermute)
+
+
+def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
+    """Group the rows of all choices by expert, with no capacity and no drops.
+
+    Args:
+      x: [T, d] float; experts: [T, k] int64 (-1 = empty); num_experts: E.
+    Returns:
+      x_sorted [T*k, d] (expert 0's rows first, stable by token; empty choices' rows last, zero),
+      expert_offsets [E+1] int64 (rows of expert e: offsets[e]:offsets[e+1]),
+      order [T*k] int64 (order[r] = t*k + s, the choice of row r; -1 for empty choices' rows).
+    Differentiable with respect to x.
+    """
+    _validate.tensor("x", x, dim=2, shape="[T, d]", dtypes=_validate.FLOAT_DTYPES)
+    _validate.integer("num_experts", num_experts, low=1)
+    _validate.routing_indices("experts", experts, high=num_experts)
+    if experts.shape[0] != x.shape[0]:
+        raise ValueError(f"experts must be [T, k] with T = x.shape[0] = {x.shape[0]}, got {tuple(experts.shape)}")
+    return backends.implementation("permute", x)(x, experts, num_experts)
+
+
+def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int):
+    """y [T, d] = sum over rows r with order[r] = t*k + s of weights[t, s] * y_sorted[r].
+
+    Args:
+      y_sorted: [T*k, d] float (expert outputs in permute's row order); order: [T*k] int64 from
+      permute; weights: [T, k] float; num_tokens: T.
+    Differentiable with respect to y_sorted and weights. Accumulated in float32.
+    """
+    _validate.tensor("y_sorted", y_sorted, dim=2, shape="[T*k, d]", dtypes=_validate.FLOAT_DTYPES)
+    _validate.integer("num_tokens", num_tokens, low=0)
+    _validate.tensor("weights", weights, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
+    _validate.tensor("order", order, dim=1, shape="[T*k]", dtypes=(torch.int64,))
+    T, k = weights.shape
+    if T != num_tokens or order.shape[0] != T * k or y_sorted.shape[0] != T * k:
+        raise ValueError(
+            f"unpermute: need weights [T, k] with T = num_tokens = {num_tokens}, order [T*k] and y_sorted [T*k, d]; "
+            f"got weights {tuple(weights.shape)}, order {tuple(order.shape)}, y_sorted {tuple(y_sorted.shape)}"
+        )
+    return backends.implementation("unpermute", y_sorted)(y_sorted, order, weights, num_tokens)

@@ -1,0 +1,372 @@
+"""Capacity routing (capacity_positions, dispatch, combine) and dropless permute / unpermute: every
+backend against the reference and against a dense one-hot formulation, forward and backward, on
+adversarial routings; invariants; opcheck; torch.compile; bad arguments."""
+
+import pytest
+import torch
+from shapes import DISPATCH_SHAPES, DTYPES, ROUTING_KINDS, SMALL_DISPATCH_SHAPES, routing_choices
+from tolerances import assert_close
+
+import moe_kernels
+from moe_kernels import backends, reference
+from moe_kernels.ops import capacity_for, capacity_positions, combine, dispatch, permute, unpermute
+
+OPS = ("capacity_positions", "dispatch", "combine", "permute", "unpermute")
+
+
+def use(backend):
+    """The backend's context; skips a kernel backend that has no kernel for these ops yet."""
+    if backend != "torch" and any(getattr(backends._REGISTRY[op], backend) is None for op in OPS):
+        pytest.skip(f"no {backend} kernels for the capacity routing ops")
+    return moe_kernels.use_backend(backend)
+
+
+def shapes_for(backend):
+    return SMALL_DISPATCH_SHAPES if backend == "triton" else DISPATCH_SHAPES
+
+
+def capacities(T, E, k):
+    """0, 1, the capacity factor 1 size, and one that can never overflow (>= T)."""
+    return sorted({0, 1, capacity_for(T, E, k, 1.0), T + 1})
+
+
+def priorities(kind, T, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "random":
+        return torch.rand(T, k, generator=g)
+    if kind == "ties":  # three values: ties fall back to the default order
+        return torch.randint(0, 3, (T, k), generator=g).float()
+    if kind == "special":  # NaN (last), +-inf, -0.0 == +0.0, in float16
+        p = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1.0])
+        return p[torch.randint(0, 6, (T, k), generator=g)].half()
+    if kind == "vmoe":  # batch prioritised routing: max gate, then first choices before second
+        gates = torch.rand(T, k, generator=g).sort(dim=1, descending=True).values
+        return gates[:, :1] - 2 * torch.arange(k).float()
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------------------- capacity_positions
+
+
+@pytest.mark.parametrize("priority", [None, "random", "ties", "special", "vmoe"])
+@pytest.mark.parametrize("kind", ROUTING_KINDS)
+def test_positions_match_reference_and_invariants(backend, kind, priority):
+    for T, E, k, _ in shapes_for(backend):
+        experts = routing_choices(kind, T, E, k, seed=T + E)
+        p = priorities(priority, T, k, seed=T)
+        for C in capacities(T, E, k):
+            with use(backend):
+                positions, counts = capacity_positions(experts, E, C, priority=p)
+            ref_positions, ref_counts = reference.capacity_positions(experts, E, C, priority=p)
+            assert torch.equal(positions, ref_positions), (T, E, k, C, kind, priority)
+            assert torch.equal(counts, ref_counts)
+            # Invariants, independent of the reference.
+            kept = positions >= 0
+            empty = experts < 0
+            dropped = ~kept & ~empty
+            assert not (kept & empty).any()
+            assert int(kept.sum() + dropped.sum() + empty.sum()) == T * k
+            assert ((positions >= -1) & (positions < max(C, 1))).all() and (positions < C)[kept].all()
+            slots = experts[kept] * max(C, 1) + positions[kept]
+            assert slots.unique().numel() == slots.numel(), "two choices share a slot"
+            assert torch.equal(counts, torch.bincount(experts[~empty], minlength=E))
+            per_expert_kept = torch.bincount(experts[kept], minlength=E)
+            assert torch.equal(per_expert_kept, counts.clamp(max=C))
+            # Slots are filled from 0 without gaps.
+            for e in range(E):
+                got = positions[kept & (experts == e)].sort().values
+                assert torch.equal(got, torch.arange(got.numel()))
+
+
+def test_positions_default_order_by_hand(backend):
+    experts = torch.tensor([[0, 1], [0, 2], [0, -1], [1, 0]])
+    with use(backend):
+        positions, counts = capacity_positions(experts, 3, 2)
+    assert positions.tolist() == [[0, 1], [1, 0], [-1, -1], [0, -1]]
+    assert counts.tolist() == [4, 2, 1]
+
+
+def test_positions_priority_ties_by_hand(backend):
+    # All priorities equal except token 2's first choice: it goes first, then the default order.
+    experts = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    priority = torch.tensor([[1.0, 1.0], [1.0, 1.0], [2.0, 1.0]])
+    with use(backend):
+        positions, _ = capacity_positions(experts, 2, 2, priority=priority)
+    assert positions.tolist() == [[1, 0], [-1, 1], [0, -1]]
+
+
+def test_positions_large_parallel_path(backend):
+    # More choices than one chunk of the C++ kernel (16384): the chunked prefix must agree.
+    T, E, k = 20000, 64, 2
+    experts = routing_choices("empties", T, E, k, seed=3)
+    for p in (None, priorities("ties", T, k)):
+        with use(backend):
+            positions, counts = capacity_positions(experts, E, capacity_for(T, E, k, 1.0), priority=p)
+        ref = reference.capacity_positions(experts, E, capacity_for(T, E, k, 1.0), priority=p)
+        assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
+
+
+def test_capacity_for():
+    assert capacity_for(16384, 64, 2, 1.0) == 512
+    assert capacity_for(10, 4, 1, 1.25) == 4  # ceil(3.125)
+    assert capacity_for(0, 4, 2, 1.0, min_capacity=3) == 3
+    assert capacity_for(5, 8, 1, 1.0) == 1
+
+
+# ---------------------------------------------------------------------------- dispatch / combine
+
+
+def dense_route(x, w, experts, positions, E, C):
+    """The dense one-hot formulation (GShard): mask [T, k, E, C]; buffer = einsum, y = einsum."""
+    kept = positions >= 0
+    mask = torch.zeros(*experts.shape, E, C, dtype=x.dtype)
+    t, s = kept.nonzero(as_tuple=True)
+    mask[t, s, experts[kept], positions[kept]] = 1
+    buffer = torch.einsum("tsec,td->ecd", mask, x)
+    return buffer, lambda b: torch.einsum("tsec,ts,ecd->td", mask, w, b)
+
+
+@pytest.mark.parametrize("kind", ROUTING_KINDS)
+def test_dispatch_combine_against_dense_one_hot(backend, kind):
+    for T, E, k, d in shapes_for(backend):
+        experts = routing_choices(kind, T, E, k, seed=T)
+        for C in capacities(T, E, k):
+            positions, _ = reference.capacity_positions(experts, E, C)
+            x = torch.randn(T, d, dtype=torch.float64, requires_grad=True)
+            w = torch.rand(T, k, dtype=torch.float64, requires_grad=True)
+            with use(backend):
+                buffer = dispatch(x, experts, positions, E, C)
+                expert_out = buffer * torch.linspace(0.5, 1.5, d, dtype=torch.float64)  # a per-feature expert
+                y = combine(expert_out, experts, positions, w)
+            dense_buffer, dense_combine = dense_route(x, w, experts, positions, E, C)
+            y_dense = dense_combine(dense_buffer * torch.linspace(0.5, 1.5, d, dtype=torch.float64))
+            assert_close(buffer, dense_buffer)
+            assert_close(y, y_dense)
+            g = torch.randn(T, d, dtype=torch.float64)
+            if y.requires_grad:
+                grads = torch.autograd.grad(y, (x, w), g, allow_unused=True)
+                dense = torch.autograd.grad(y_dense, (x, w), g, allow_unused=True)
+                for a, b in zip(grads, dense, strict=True):
+                    assert_close(
+                        a if a is not None else torch.zeros_like(b), b if b is not None else torch.zeros_like(a)
+                    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_dispatch_combine_match_reference(backend, dtype):
+    for T, E, k, d in shapes_for(backend):
+        experts = routing_choices("empties", T, E, k, seed=T + 1)
+        for C in capacities(T, E, k):
+            positions, _ = reference.capacity_positions(experts, E, C)
+            x = torch.randn(T, d).to(dtype).requires_grad_()
+            w = torch.rand(T, k).requires_grad_()  # float32 gates with low-precision activations
+            with use(backend):
+                buffer = dispatch(x, experts, positions, E, C)
+                y = combine(buffer * 2, experts, positions, w)
+            ref_buffer = reference.dispatch(x, experts, positions, E, C)
+            ref_y = reference.combine(ref_buffer * 2, experts, positions, w)
+            assert buffer.dtype == dtype and y.dtype == dtype and buffer.shape == (E, C, d)
+            assert torch.equal(buffer, ref_buffer), "dispatch is a copy: it must be exact"
+            assert_close(y, ref_y)
+            if T and d:
+                g = torch.randn(T, d).to(dtype)
+                grads = torch.autograd.grad(y, (x, w), g)
+                ref_grads = torch.autograd.grad(ref_y, (x, w), g)
+                for a, b in zip(grads, ref_grads, strict=True):
+                    assert a.dtype == b.dtype
+                    assert_close(a, b, dtype=dtype)
+
+
+def test_gradcheck_kernels(kernel_backend):
+    experts = routing_choices("empties", 6, 4, 2, seed=1)
+    positions, _ = reference.capacity_positions(experts, 4, 2)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(6, 2, dtype=torch.float64, requires_grad=True)
+    with use(kernel_backend):
+        assert torch.autograd.gradcheck(
+            lambda x, w: combine(dispatch(x, experts, positions, 4, 2) ** 2, experts, positions, w), (x, w)
+        )
+        assert torch.autograd.gradcheck(
+            lambda x, w: unpermute(permute(x, experts, 4)[0] ** 2, permute(x, experts, 4)[2], w, 6), (x, w)
+        )
+
+
+def test_round_trip_keeps_kept_tokens(backend):
+    T, E, k, d = 64, 8, 2, 6
+    experts = routing_choices("one_expert", T, E, k)  # expert 0 overflows: some tokens lose every choice
+    positions, _ = reference.capacity_positions(experts, E, 4)
+    x = torch.randn(T, d)
+    w = torch.rand(T, k)
+    with use(backend):
+        y = combine(dispatch(x, experts, positions, E, 4), experts, positions, w)
+    kept_weight = torch.where(positions >= 0, w, 0.0).sum(1, keepdim=True)
+    assert_close(y, x * kept_weight)
+    all_dropped = (positions < 0).all(1)
+    assert all_dropped.any() and (y[all_dropped] == 0).all(), "a dropped token's output must be zero"
+
+
+def test_noncontiguous_inputs(backend):
+    T, E, k, d = 9, 5, 2, 7
+    experts = routing_choices("empties", T, E, k).t().contiguous().t()  # column-major
+    positions, counts = reference.capacity_positions(experts.contiguous(), E, 2)
+    positions = positions.t().contiguous().t()
+    x = torch.randn(d, T).t()
+    w = torch.rand(k, T).t()
+    priority = torch.rand(k, T).t()
+    with use(backend):
+        got = capacity_positions(experts, E, 2, priority=priority)
+        buffer = dispatch(x, experts, positions, E, 2)
+        y = combine(buffer.transpose(0, 1).contiguous().transpose(0, 1), experts, positions, w)
+        xs, off, order = permute(x, experts, E)
+        yu = unpermute(xs.t().contiguous().t(), order, w, T)
+    ref = reference.capacity_positions(experts.contiguous(), E, 2, priority=priority.contiguous())
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert torch.equal(buffer, reference.dispatch(x.contiguous(), experts, positions, E, 2))
+    assert_close(y, reference.combine(buffer, experts, positions, w))
+    assert_close(yu, reference.unpermute(xs, order, w, T))
+
+
+def test_deterministic(backend):
+    T, E, k, d = 3000, 16, 2, 33
+    experts = routing_choices("one_expert", T, E, k)
+    positions, _ = reference.capacity_positions(experts, E, 300)
+    x, w = torch.randn(T, d, requires_grad=True), torch.rand(T, k, requires_grad=True)
+    outs = []
+    for _ in range(2):
+        with use(backend):
+            y = combine(dispatch(x, experts, positions, E, 300) * 3, experts, positions, w)
+        outs.append((y, *torch.autograd.grad(y.square().sum(), (x, w))))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------- permute / unpermute
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("kind", ROUTING_KINDS)
+def test_permute_unpermute_match_reference(backend, kind, dtype):
+    for T, E, k, d in shapes_for(backend):
+        experts = routing_choices(kind, T, E, k, seed=T + 2)
+        x = torch.randn(T, d).to(dtype).requires_grad_()
+        w = torch.rand(T, k).requires_grad_()
+        with use(backend):
+            xs, offsets, order = permute(x, experts, E)
+            y = unpermute(xs * 2, order, w, T)
+        ref_xs, ref_offsets, ref_order = reference.permute(x, experts, E)
+        ref_y = reference.unpermute(ref_xs * 2, ref_order, w, T)
+        assert torch.equal(order, ref_order) and torch.equal(offsets, ref_offsets)
+        assert torch.equal(xs, ref_xs) and xs.dtype == dtype
+        assert_close(y, ref_y)
+        # Rows are grouped by expert and stable by (token, choice) inside a group.
+        for e in range(E):
+            rows = order[offsets[e] : offsets[e + 1]]
+            assert (experts.reshape(-1)[rows] == e).all() and (rows.diff() > 0).all()
+        if T and d:
+            g = torch.randn(T, d).to(dtype)
+            for a, b in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(ref_y, (x, w), g), strict=True):
+                assert_close(a, b, dtype=dtype)
+
+
+def test_permute_equals_dropless_dispatch_combine(backend):
+    T, E, k, d = 30, 6, 3, 5
+    experts = routing_choices("empties", T, E, k, seed=5)
+    positions, _ = reference.capacity_positions(experts, E, T)  # capacity T: nothing drops
+    x, w = torch.randn(T, d, dtype=torch.float64), torch.rand(T, k, dtype=torch.float64)
+    with use(backend):
+        xs, _, order = permute(x, experts, E)
+        y = unpermute(torch.tanh(xs), order, w, T)
+        y_capacity = combine(torch.tanh(dispatch(x, experts, positions, E, T)), experts, positions, w)
+    assert_close(y, y_capacity)
+
+
+# ---------------------------------------------------------------------------- torch.library / compile
+
+
+def test_opcheck(kernel_backend):
+    if kernel_backend != "cpu":
+        pytest.skip("opcheck of the Triton ops runs with their kernels")
+    ops = torch.ops.moe_kernels
+    for T, E, k, d in [(7, 4, 2, 5), (0, 3, 1, 2), (6, 3, 3, 4)]:
+        experts = routing_choices("empties", T, E, k, seed=T)
+        C = capacity_for(T, E, k, 1.0)
+        positions, _ = reference.capacity_positions(experts, E, C)
+        x = torch.randn(T, d, requires_grad=True)
+        w = torch.rand(T, k, requires_grad=True)
+        torch.library.opcheck(ops.capacity_positions, (experts, E, C, None))
+        torch.library.opcheck(ops.capacity_positions, (experts, E, C, torch.rand(T, k)))
+        torch.library.opcheck(ops.dispatch, (x, experts, positions, E, C))
+        buffer = torch.randn(E, C, d, requires_grad=True)
+        torch.library.opcheck(ops.combine, (buffer, experts, positions, w))
+        torch.library.opcheck(ops.dispatch_backward, (buffer.detach(), experts, positions))
+        torch.library.opcheck(
+            ops.combine_backward, (torch.randn(T, d), buffer.detach(), experts, positions, w.detach())
+        )
+        torch.library.opcheck(ops.permute, (x, experts, E))
+        order = reference.permute(x, experts, E)[2]
+        ys = torch.randn(T * k, d, requires_grad=True)
+        torch.library.opcheck(ops.unpermute, (ys, order, w, T))
+        torch.library.opcheck(ops.unpermute_backward, (torch.randn(T, d), ys.detach(), order, w.detach()))
+
+
+def test_torch_compile_fullgraph(kernel_backend):
+    E, k = 8, 2
+
+    def step(x, logits):
+        weights, experts = moe_kernels.ops.topk_softmax(logits, k)
+        C = capacity_for(x.shape[0], E, k, 1.0)
+        positions, counts = capacity_positions(experts, E, C, priority=weights)
+        y = combine(dispatch(x, experts, positions, E, C) * 2, experts, positions, weights)
+        xs, _, order = permute(x, experts, E)
+        return y + unpermute(xs, order, weights, x.shape[0]), counts
+
+    x, logits = torch.randn(32, 6, requires_grad=True), torch.randn(32, E)
+    with use(kernel_backend):
+        compiled = torch.compile(
+            step, fullgraph=True, backend="aot_eager" if kernel_backend == "triton" else "inductor"
+        )
+        y, counts = compiled(x, logits)
+        y_eager, counts_eager = step(x, logits)
+        assert_close(y, y_eager)
+        assert torch.equal(counts, counts_eager)
+        g = torch.randn_like(y)
+        assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_eager, x, g)[0])
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+E_ = torch.zeros(4, 2, dtype=torch.int64)
+X_ = torch.randn(4, 3)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: capacity_positions(E_.float(), 2, 1), TypeError, "experts"),
+        (lambda: capacity_positions(E_[0], 2, 1), ValueError, "experts"),
+        (lambda: capacity_positions(E_ + 2, 2, 1), ValueError, "experts"),  # expert out of range
+        (lambda: capacity_positions(E_ - 2, 2, 1), ValueError, "experts"),  # below -1
+        (lambda: capacity_positions(E_, 0, 1), ValueError, "num_experts"),
+        (lambda: capacity_positions(E_, 2, -1), ValueError, "capacity"),
+        (lambda: capacity_positions(E_, 2, 1.5), TypeError, "capacity"),
+        (lambda: capacity_positions(E_, 2, 1, priority=torch.rand(4, 3)), ValueError, "priority"),
+        (lambda: capacity_positions(E_, 2, 1, priority=torch.ones(4, 2, dtype=torch.int64)), TypeError, "priority"),
+        (lambda: dispatch(X_[0], E_, E_, 2, 1), ValueError, "x"),
+        (lambda: dispatch(X_.int(), E_, E_, 2, 1), TypeError, "x"),
+        (lambda: dispatch(X_, E_[:3], E_[:3], 2, 1), ValueError, "experts"),
+        (lambda: dispatch(X_, E_, E_[:, :1], 2, 1), ValueError, "positions"),
+        (lambda: dispatch(X_, E_, E_ + 1, 2, 1), ValueError, "positions"),  # position >= capacity
+        (lambda: combine(torch.randn(2, 1, 3), E_, E_, torch.rand(4, 3)), ValueError, "weights"),
+        (lambda: combine(torch.randn(2, 3), E_, E_, torch.rand(4, 2)), ValueError, "buffer"),
+        (lambda: combine(torch.randn(1, 1, 3), E_ + 1, E_, torch.rand(4, 2)), ValueError, "experts"),
+        (lambda: permute(X_, E_, 0), ValueError, "num_experts"),
+        (lambda: permute(X_, E_[:2], 2), ValueError, "experts"),
+        (lambda: unpermute(torch.randn(8, 3), torch.arange(8), torch.rand(4, 2), 5), ValueError, "num_tokens"),
+        (lambda: unpermute(torch.randn(8, 3), torch.arange(8).float(), torch.rand(4, 2), 4), TypeError, "order"),
+    ],
+)
+def test_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
