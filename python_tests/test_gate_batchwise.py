@@ -163,3 +163,33 @@ def test_torch_compile():
     r1, r2 = compiled(x), gate(x)
     assert torch.equal(r1.expert_tokens, r2.expert_tokens)
     assert_close(r1.dense(), r2.dense())
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_routing_through_dropless_permute(training):
+    """The gate's token view goes through main's dropless permute / unpermute (what the MoE layer
+    will use) with nothing dropped: in training every expert gets exactly its m rows, in the
+    expert lists' order, and the combined output equals the expert-choice sum computed directly."""
+    from moe_kernels.ops import permute, unpermute
+
+    gate = make_gate(E=4, k=2).train(training)
+    x = torch.randn(19, 8)
+    r = gate(x)
+    x_sorted, offsets, order = permute(x, r.experts, 4)
+    sizes = offsets.diff()
+    assert int(sizes.sum()) == int((r.experts >= 0).sum())  # every chosen (token, expert) has a row
+    if training:
+        assert sizes.tolist() == [r.stats["m"]] * 4
+        for e in range(4):  # rows of expert e, stable by token = its ascending token list
+            rows = order[offsets[e] : offsets[e + 1]] // r.k
+            assert torch.equal(rows, r.expert_tokens[e])
+    w_exp = torch.randn(4, 8, 3, generator=torch.Generator().manual_seed(0))
+    y_sorted = torch.zeros(x_sorted.shape[0], 3)
+    for e in range(4):
+        y_sorted[offsets[e] : offsets[e + 1]] = x_sorted[offsets[e] : offsets[e + 1]] @ w_exp[e]
+    y = unpermute(y_sorted, order, r.weights, 19)
+    expected = torch.zeros(19, 3)
+    dense = r.dense()
+    for e in range(4):
+        expected += dense[:, e : e + 1] * (x @ w_exp[e])
+    assert_close(y, expected)
