@@ -78,6 +78,11 @@ def routing_choices(kind: str, T: int, E: int, k: int, seed: int = 0) -> torch.T
 
 ROUTING_KINDS = ["random", "empties", "one_expert", "all_empty"]
 
+# DSelect-k (B, k, n): B = 0 (empty batch), one expert (m = 0), n a power of two and not (B.2
+# entries past n), k > n (more selectors than experts), n = 256 (8 bits).
+DSELECT_SHAPES = [(5, 2, 4), (7, 4, 6), (3, 1, 1), (0, 3, 5), (4, 3, 2), (2, 5, 3), (6, 4, 37), (2, 2, 256)]
+# A few for slow paths (Triton interpreter).
+SMALL_DSELECT_SHAPES = [(5, 2, 4), (3, 3, 6), (2, 1, 1), (0, 2, 3), (3, 2, 9)]
 
 # (T, E, m) for batchwise_mask (eq 18 of Appendix F): m tokens kept per expert.
 BATCHWISE_SHAPES = [

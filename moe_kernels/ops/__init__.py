@@ -18,3 +18,8 @@ __all__ = [
     "batchwise_mask",
     "threshold_mask",
 ]
+
+from moe_kernels.ops.dselect_k import dselect_k  # noqa: E402
+from moe_kernels.ops.smooth_step import smooth_step  # noqa: E402
+
+__all__ += ["dselect_k", "smooth_step"]
