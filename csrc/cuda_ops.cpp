@@ -78,3 +78,33 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
 }
 
 }  // namespace moe_kernels
+
+// load_probabilities (csrc/cuda/load_probabilities.cu).
+namespace moe_kernels {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> load_probabilities(const at::Tensor& clean, const at::Tensor& noisy,
+                                                      const at::Tensor& stddev, int64_t k) {
+  TORCH_CHECK(noisy.dim() == 2 && clean.sizes() == noisy.sizes() && stddev.sizes() == noisy.sizes() && k >= 1 &&
+                  k <= noisy.size(1) && clean.scalar_type() == noisy.scalar_type() &&
+                  stddev.scalar_type() == noisy.scalar_type(),
+              "load_probabilities: bad arguments");
+  const c10::cuda::CUDAGuard guard(noisy.device());
+  const int64_t T = noisy.size(0), E = noisy.size(1);
+  auto probs = at::empty({T, E}, noisy.options());
+  auto top = at::empty({T, k + 1}, noisy.options().dtype(at::kLong));
+  const LoadProbabilitiesStrides strides{clean.stride(0), clean.stride(1), noisy.stride(0),
+                                         noisy.stride(1), stddev.stride(0), stddev.stride(1)};
+  check_launch(load_probabilities_cuda(clean.const_data_ptr(), noisy.const_data_ptr(), stddev.const_data_ptr(),
+                                       dtype_of(noisy, "load_probabilities"), strides, T, E, k,
+                                       probs.mutable_data_ptr(), top.mutable_data_ptr<int64_t>(),
+                                       c10::cuda::getCurrentCUDAStream()),
+               "load_probabilities");
+  return {probs, top};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("load_probabilities", &load_probabilities); }
+
+}  // namespace moe_kernels

@@ -18,4 +18,7 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
     """True when the extension registered a kernel for torch.ops.moe_kernels.<op> on the key."""
     if not LOADED:
         return False
+    # A stale build (older than the Python package) may lack the op altogether: that is "no kernel".
+    if not hasattr(torch.ops.moe_kernels, op):
+        return False
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_kernels::{op}", dispatch_key)

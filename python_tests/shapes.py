@@ -84,6 +84,17 @@ DSELECT_SHAPES = [(5, 2, 4), (7, 4, 6), (3, 1, 1), (0, 3, 5), (4, 3, 2), (2, 5, 
 # A few for slow paths (Triton interpreter).
 SMALL_DSELECT_SHAPES = [(5, 2, 4), (3, 3, 6), (2, 1, 1), (0, 2, 3), (3, 2, 9)]
 
+# Balanced assignment (n tokens, k experts, capacity; None = ceil(n / k)).
+ASSIGNMENT_SHAPES = [
+    (12, 3, None),  # k divides n: exactly n / k per expert, no free slot
+    (13, 4, None),  # n not divisible by k: free slots (the F node)
+    (20, 4, 7),  # capacity > n / k
+    (9, 1, None),  # k = 1: everything to expert 0
+    (6, 6, None),  # k = n: a permutation
+    (5, 8, 1),  # k > n: more slots than tokens
+    (0, 3, None),  # empty batch
+]
+
 # (T, E, m) for batchwise_mask (eq 18 of Appendix F): m tokens kept per expert.
 BATCHWISE_SHAPES = [
     (1, 1, 1),  # one token, one expert, m = T

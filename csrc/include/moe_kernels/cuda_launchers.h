@@ -27,3 +27,18 @@ cudaError_t batchwise_mask_cuda(const void* scores, DType dtype, int64_t T, int6
                                 cudaStream_t stream);
 
 }  // namespace moe_kernels
+
+namespace moe_kernels {
+
+// Element strides (token, expert) of the three [T, E] inputs of load_probabilities.
+struct LoadProbabilitiesStrides {
+  int64_t clean_t, clean_e, noisy_t, noisy_e, stddev_t, stddev_e;
+};
+
+// clean / noisy / stddev [T, E] strided, one dtype; probs [T, E] contiguous, same dtype;
+// top [T, k+1] contiguous int64 (indices of the k+1 largest noisy logits, -1 past E).
+cudaError_t load_probabilities_cuda(const void* clean, const void* noisy, const void* stddev, DType dtype,
+                                    LoadProbabilitiesStrides strides, int64_t T, int64_t E, int64_t k, void* probs,
+                                    int64_t* top, cudaStream_t stream);
+
+}  // namespace moe_kernels

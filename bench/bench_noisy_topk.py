@@ -1,0 +1,98 @@
+"""Noisy top-k gating (Shazeer et al. 2017, eqs 3-5 and 8-11) forward + backward on CPU: the
+fused path of NoisyTopKGate (moe_kernels.gates.noisy_topk.noisy_topk_routing: one
+load_probabilities pass gives P and the top k+1) against a plain-PyTorch gate doing the same math
+the way the authors' tensor2tensor code and FastMoE write it (topk(k+1), scatter to a dense [T, E]
+gate matrix, two threshold CDFs and a select).
+
+Both start from the same clean logits x W_g, raw noise logits x W_noise and noise sample [T, E]
+(the two matmuls with the input are identical for both and left out), and end with
+loss = sum(weights * g) + w_importance CV(Importance)^2 + w_load CV(Load)^2, backpropagated to
+both logit tensors.
+
+    .venv/bin/python bench/bench_noisy_topk.py [--quick]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import measure, report  # noqa: E402
+
+import moe_kernels  # noqa: E402
+from moe_kernels.gates.noisy_topk import noisy_topk_routing  # noqa: E402
+
+W_IMPORTANCE = W_LOAD = 0.1
+EPS = 1e-2
+
+
+def cv_squared(x):
+    return x.var(unbiased=False) / (x.mean() ** 2 + 1e-10)
+
+
+def plain_torch(clean, raw, noise, k):
+    """The paper's gate in plain PyTorch (tensor2tensor / FastMoE structure)."""
+    T, E = clean.shape
+    stddev = torch.nn.functional.softplus(raw) + EPS
+    noisy = clean + noise * stddev
+    top_values, top_indices = noisy.topk(min(k + 1, E), dim=1)
+    weights = torch.softmax(top_values[:, :k], dim=1)
+    experts = top_indices[:, :k]
+    gates = torch.zeros_like(noisy).scatter(1, experts, weights)
+    importance = gates.sum(0)
+    # P(x, i): the (k+1)-th value is the threshold of the top k, the k-th that of the others.
+    threshold_in = top_values[:, k : k + 1]
+    threshold_out = top_values[:, k - 1 : k]
+    normal = torch.distributions.Normal(0.0, 1.0)
+    is_in = noisy > threshold_in
+    prob = torch.where(is_in, normal.cdf((clean - threshold_in) / stddev), normal.cdf((clean - threshold_out) / stddev))
+    load = prob.sum(0)
+    aux = W_IMPORTANCE * cv_squared(importance) + W_LOAD * cv_squared(load)
+    return experts, weights, aux
+
+
+def fused(clean, raw, noise, k):
+    experts, weights, aux, _ = noisy_topk_routing(clean, raw, noise, k, W_IMPORTANCE, W_LOAD, EPS)
+    return experts, weights, aux
+
+
+PROVIDERS = {"moe_kernels": fused, "plain torch": plain_torch}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
+    args = parser.parse_args()
+    grid = [(4096, 64, 2)] if args.quick else [(16384, E, k) for E in (16, 64, 256) for k in (2, 4)]
+    print(f"backend: {moe_kernels.backends()['load_probabilities']}")
+    rows = []
+    for T, E, k in grid:
+        g = torch.Generator().manual_seed(0)
+        clean = torch.randn(T, E, generator=g)
+        raw = torch.randn(T, E, generator=g)
+        noise = torch.randn(T, E, generator=g)
+        upstream = torch.randn(T, k, generator=g)
+        config = {"T": T, "E": E, "k": k}
+        for name, fn in PROVIDERS.items():
+            c = clean.clone().requires_grad_()
+            r = raw.clone().requires_grad_()
+
+            def step(fn=fn, c=c, r=r):
+                c.grad = r.grad = None
+                _, weights, aux = fn(c, r, noise, k)
+                ((weights * upstream).sum() + aux).backward()
+
+            rows.append(measure("noisy_topk", name, step, config=config, mode="fwd+bwd"))
+    report(
+        "noisy_topk" + ("_quick" if args.quick else ""),
+        rows,
+        baseline="plain torch",
+        providers=list(PROVIDERS),
+        command=".venv/bin/python bench/bench_noisy_topk.py",
+    )
+
+
+if __name__ == "__main__":
+    main()

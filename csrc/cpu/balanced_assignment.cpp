@@ -1,0 +1,289 @@
+// Exact balanced assignment on CPU: an epsilon-scaled auction warm start, then cycle cancelling
+// with Floyd-Warshall over the k experts (+ one node for the free slots when capacity * k > n).
+// Same algorithm, visiting order, tie rules and float64 arithmetic as the reference
+// (moe_kernels/reference/balanced_assignment.py); docs/balanced_assignment.md explains it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "moe_kernels/balanced_assignment.h"
+
+namespace moe_kernels {
+namespace {
+
+namespace ba = balanced_assignment;
+
+// Keep in sync with the reference's EPS_* and TOL_REL constants.
+constexpr double kEpsStartDiv = 16.0;
+constexpr double kEpsFactor = 512.0;
+constexpr int kEpsPhases = 2;
+constexpr double kTolRel = 1e-12;
+
+using Holder = std::pair<double, int64_t>;  // (bid, -token): a min-heap evicts the lowest bid,
+                                            // the higher token index on equal bids.
+
+template <typename scalar_t>
+struct Solver {
+  const scalar_t* s;  // [n, k] contiguous
+  int64_t n, k, capacity;
+  double tol;
+  std::vector<int64_t> z;
+
+  // One auction phase; see reference.auction.
+  void auction(std::vector<double>& prices, double eps) {
+    std::vector<std::vector<Holder>> holders(k);
+    std::vector<int64_t> queue(n);
+    queue.reserve(4 * n);
+    for (int64_t i = 0; i < n; ++i) queue[i] = i;
+    std::fill(z.begin(), z.end(), -1);
+    const auto later = std::greater<Holder>();
+    for (size_t head = 0; head < queue.size(); ++head) {
+      const int64_t i = queue[head];
+      int64_t j1;
+      double v1, v2;
+      ba::best_two(s + i * k, prices.data(), k, &j1, &v1, &v2);
+      const double b = ba::bid(prices[j1], v1, v2, k, eps);
+      auto& h = holders[j1];
+      h.emplace_back(b, -i);
+      std::push_heap(h.begin(), h.end(), later);
+      z[i] = j1;
+      if ((int64_t)h.size() > capacity) {
+        std::pop_heap(h.begin(), h.end(), later);
+        const int64_t out = -h.back().second;
+        h.pop_back();
+        z[out] = -1;
+        queue.push_back(out);
+      }
+      if ((int64_t)h.size() == capacity) prices[j1] = h.front().first;
+    }
+  }
+
+  // d[j][j'] = min over the tokens of j of s[i][j] - s[i][j'], one expert per task. Only the rows
+  // of the experts in `rows` are recomputed: the others' token sets did not change. The argmin
+  // token is looked up only for the edges of the cycles (argmin_token), so this loop is a plain
+  // vectorisable min.
+  void move_costs(std::vector<double>& d, const std::vector<int64_t>& start, const std::vector<int64_t>& tokens,
+                  const std::vector<int64_t>& rows) {
+    at::parallel_for(0, (int64_t)rows.size(), 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const int64_t j = rows[r];
+        double* dj = d.data() + j * k;
+        std::fill(dj, dj + k, ba::inf());
+        for (int64_t t = start[j]; t < start[j + 1]; ++t) {
+          const scalar_t* row = s + tokens[t] * k;
+          const double sj = (double)row[j];
+          for (int64_t jp = 0; jp < k; ++jp) dj[jp] = std::min(dj[jp], ba::move_cost(sj, (double)row[jp]));
+        }
+        dj[j] = 0.0;
+      }
+    });
+  }
+
+  // The token of expert a that attains d[a][b]: the first in increasing token order (the
+  // reference's strict-< scan), found by recomputing the same float64 costs.
+  int64_t argmin_token(const std::vector<double>& d, const std::vector<int64_t>& start,
+                       const std::vector<int64_t>& tokens, int64_t a, int64_t b) const {
+    for (int64_t t = start[a]; t < start[a + 1]; ++t) {
+      const scalar_t* row = s + tokens[t] * k;
+      if (ba::move_cost((double)row[a], (double)row[b]) == d[a * k + b]) return tokens[t];
+    }
+    return -1;  // unreachable: d[a][b] is finite on a cycle, so some token attains it
+  }
+};
+
+// Nodes of the recorded path u -> v, without v (appended to out).
+void path(const std::vector<int32_t>& nxt, int64_t N, int64_t u, int64_t v, std::vector<int64_t>& out) {
+  out.push_back(u);
+  while (nxt[u * N + v] != v) {
+    u = nxt[u * N + v];
+    out.push_back(u);
+  }
+}
+
+// See reference.split_negative_cycle.
+bool split_negative_cycle(const std::vector<int64_t>& walk, const std::vector<double>& w, int64_t N,
+                          double tol, std::vector<int64_t>& cycle) {
+  std::vector<int64_t> stack, pos(N, -1);
+  for (size_t t = 0; t <= walk.size(); ++t) {
+    const int64_t v = walk[t % walk.size()];
+    if (pos[v] >= 0) {
+      cycle.assign(stack.begin() + pos[v], stack.end());
+      double cost = 0.0;
+      for (size_t q = 0; q < cycle.size(); ++q) cost += w[cycle[q] * N + cycle[(q + 1) % cycle.size()]];
+      if (cost < -tol) return true;
+      for (size_t q = 1; q < cycle.size(); ++q) pos[cycle[q]] = -1;
+      stack.resize(pos[v] + 1);
+    } else {
+      pos[v] = (int64_t)stack.size();
+      stack.push_back(v);
+    }
+  }
+  return false;
+}
+
+// See reference.floyd_warshall_cycles. dist / nxt are filled in place from w.
+void floyd_warshall_cycles(const std::vector<double>& w, int64_t N, double tol, std::vector<double>& dist,
+                           std::vector<int32_t>& nxt, std::vector<std::vector<int64_t>>& cycles) {
+  dist = w;
+  nxt.assign(N * N, -1);
+  for (int64_t u = 0; u < N; ++u)
+    for (int64_t v = 0; v < N; ++v)
+      if (w[u * N + v] < ba::inf()) nxt[u * N + v] = (int32_t)v;
+  std::vector<char> blocked(N, 0);
+  std::vector<int64_t> walk, cyc;
+  for (int64_t m = 0; m < N; ++m) {
+    if (blocked[m]) continue;
+    bool closing = false;
+    for (int64_t u = 0; u < N; ++u) {
+      if (u == m || blocked[u] || !ba::closes_negative_cycle(dist.data(), N, u, m, tol)) continue;
+      closing = true;
+      walk.clear();
+      path(nxt, N, u, m, walk);
+      path(nxt, N, m, u, walk);
+      bool touches = false;
+      for (int64_t v : walk) touches |= blocked[v] != 0;
+      if (touches) continue;
+      if (split_negative_cycle(walk, w, N, tol, cyc)) {
+        for (int64_t v : cyc) blocked[v] = 1;
+        cycles.push_back(cyc);
+        break;
+      }
+    }
+    if (closing) {
+      blocked[m] = 1;
+      continue;
+    }
+    // Relax every cell of row u through m (strict <: ties keep the earlier path), branch-free.
+    const double* dm = dist.data() + m * N;
+    for (int64_t u = 0; u < N; ++u) {
+      const double dum = dist[u * N + m];
+      if (dum == ba::inf()) continue;
+      double* du = dist.data() + u * N;
+      int32_t* nu = nxt.data() + u * N;
+      const int32_t num = nu[m];
+      // Two single-width loops vectorise where one mixed double/int32 loop does not.
+      for (int64_t v = 0; v < N; ++v) nu[v] = dum + dm[v] < du[v] ? num : nu[v];
+      for (int64_t v = 0; v < N; ++v) du[v] = std::min(du[v], dum + dm[v]);
+    }
+  }
+}
+
+template <typename scalar_t>
+double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t* z_out, double* dist_out) {
+  Solver<scalar_t> S{s, n, k, capacity, 0.0, std::vector<int64_t>(n, -1)};
+  double lo = ba::inf(), hi = -ba::inf(), amax = 0.0;
+  for (int64_t t = 0; t < n * k; ++t) {
+    const double x = (double)s[t];
+    lo = std::min(lo, x);
+    hi = std::max(hi, x);
+    amax = std::max(amax, std::abs(x));
+  }
+  double spread = hi - lo;
+  if (!(spread > 0)) spread = 1.0;
+  S.tol = kTolRel * std::max(1.0, amax);
+  std::vector<double> prices(k, 0.0);
+  double eps = spread / kEpsStartDiv;
+  for (int phase = 0; phase < kEpsPhases; ++phase) {
+    S.auction(prices, eps);
+    eps /= kEpsFactor;
+  }
+  const bool slack = n < capacity * k;
+  const int64_t N = slack ? k + 1 : k;
+  std::vector<double> d(k * k), w(N * N), dist;
+  std::vector<std::pair<int64_t, int64_t>> moves;
+  std::vector<int64_t> counts(k), start(k + 1), tokens(n), fill(k);
+  std::vector<int32_t> nxt;
+  std::vector<std::vector<int64_t>> cycles;
+  std::vector<int64_t> rows(k);
+  for (int64_t j = 0; j < k; ++j) rows[j] = j;
+  while (true) {
+    std::fill(counts.begin(), counts.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++counts[S.z[i]];
+    start[0] = 0;
+    for (int64_t j = 0; j < k; ++j) start[j + 1] = start[j] + counts[j];
+    std::copy(start.begin(), start.end() - 1, fill.begin());
+    for (int64_t i = 0; i < n; ++i) tokens[fill[S.z[i]]++] = i;
+    S.move_costs(d, start, tokens, rows);
+    for (int64_t a = 0; a < k; ++a)
+      for (int64_t b = 0; b < k; ++b) w[a * N + b] = d[a * k + b];
+    if (slack) {
+      for (int64_t j = 0; j < k; ++j) {
+        w[j * N + k] = counts[j] < capacity ? 0.0 : ba::inf();
+        w[k * N + j] = counts[j] > 0 ? 0.0 : ba::inf();
+      }
+      w[k * N + k] = 0.0;
+    }
+    cycles.clear();
+    floyd_warshall_cycles(w, N, S.tol, dist, nxt, cycles);
+    if (cycles.empty()) break;
+    // All movers are looked up before any move: the token lists describe the assignment the
+    // costs were computed on.
+    rows.clear();
+    moves.clear();
+    for (const auto& cyc : cycles) {
+      for (int64_t v : cyc)
+        if (v < k) rows.push_back(v);
+      for (size_t t = 0; t < cyc.size(); ++t) {
+        const int64_t a = cyc[t], b = cyc[(t + 1) % cyc.size()];
+        if (a < k && b < k) moves.emplace_back(S.argmin_token(d, start, tokens, a, b), b);
+      }
+    }
+    for (const auto& mv : moves) S.z[mv.first] = mv.second;
+  }
+  double value = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    z_out[i] = S.z[i];
+    value += (double)s[i * k + S.z[i]];
+  }
+  for (int64_t a = 0; a < k; ++a)
+    for (int64_t b = 0; b < k; ++b) dist_out[a * k + b] = dist[a * N + b];
+  return value;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_cpu(const at::Tensor& scores,
+                                                                       int64_t capacity) {
+  TORCH_CHECK(scores.dim() == 2, "balanced_assignment: scores must be [n, k], got ", scores.sizes());
+  const int64_t n = scores.size(0), k = scores.size(1);
+  TORCH_CHECK(k >= 1, "balanced_assignment: need k >= 1 experts");
+  TORCH_CHECK(capacity >= 1 && capacity * k >= n, "balanced_assignment: need capacity * k >= n, got capacity=",
+              capacity, ", k=", k, ", n=", n);
+  TORCH_CHECK(k < INT32_MAX, "balanced_assignment: k too large");
+  auto experts = at::empty({n}, scores.options().dtype(at::kLong));
+  auto dist = at::full({k, k}, ba::inf(), scores.options().dtype(at::kDouble));
+  for (int64_t j = 0; j < k; ++j) dist[j][j] = 0.0;
+  if (n == 0) return {experts, at::scalar_tensor(0.0, scores.options().dtype(at::kDouble)), dist};
+  double value;
+  if (scores.scalar_type() == at::kDouble) {
+    const auto x = scores.contiguous();
+    value = solve<double>(x.const_data_ptr<double>(), n, k, capacity, experts.mutable_data_ptr<int64_t>(),
+                          dist.mutable_data_ptr<double>());
+  } else {
+    TORCH_CHECK(scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kHalf ||
+                    scores.scalar_type() == at::kBFloat16,
+                "balanced_assignment: scores must be float64, float32, float16 or bfloat16, got ",
+                scores.scalar_type());
+    const auto x = scores.to(at::kFloat).contiguous();  // exact for float16 / bfloat16
+    value = solve<float>(x.const_data_ptr<float>(), n, k, capacity, experts.mutable_data_ptr<int64_t>(),
+                         dist.mutable_data_ptr<double>());
+  }
+  return {experts, at::scalar_tensor(value, scores.options().dtype(at::kDouble)), dist};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
+  m.def("balanced_assignment(Tensor scores, int capacity) -> (Tensor experts, Tensor value, Tensor distances)");
+}
+
+TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) { m.impl("balanced_assignment", &balanced_assignment_cpu); }
+
+}  // namespace moe_kernels

@@ -1,0 +1,259 @@
+// Smooth load estimator P(x, i) (eqs 8-9 of Shazeer et al. 2017, Appendix A) on CPU. One pass
+// over a row of noisy logits keeps its k+1 best (value, index) pairs; a second pass over the
+// row's three inputs writes P: element i is compared with the (k+1)-th largest when it is itself
+// in the top k, else with the k-th (kth_excluding).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "moe_kernels/load_probabilities.h"
+#include "moe_kernels/topk_softmax.h"
+
+namespace moe_kernels {
+namespace {
+
+// Above this many kept pairs an insertion list costs O(E * k) on ascending rows; a partial sort
+// of all pairs is O(E log k) and wins (the same limit as topk_softmax).
+constexpr int64_t kInsertionMax = 16;
+
+struct Strided {
+  const void* data;
+  int64_t stride_t, stride_e;
+};
+
+template <typename scalar_t>
+float at(const Strided& s, int64_t t, int64_t e) {
+  return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
+}
+
+// exp(x) without libm, written so that the row loops below auto-vectorise (SSE2 at the default
+// -O3): round-to-nearest n by the 1.5 * 2^23 trick, r = x - n ln2 in two parts, a degree-6
+// polynomial for e^r (the minimax coefficients of Cephes' expf), 2^n through the exponent bits.
+// Relative error ~1e-7. Below x = -80 (e^x < 2e-35) the result is 0: far tails of Phi would
+// otherwise produce denormals, whose arithmetic is ~100x slower on x86. NaN stays NaN.
+// The ternaries are selects only if the compiler may evaluate both sides: without
+// -fno-trapping-math GCC keeps them as branches and does not vectorise. Scoped to these helpers.
+#define MK_VECTORISE __attribute__((optimize("no-trapping-math")))
+
+MK_VECTORISE inline float vec_exp(float x) {
+  const bool underflow = x < -80.0f;
+  x = underflow ? -80.0f : (x > 88.0f ? 88.0f : x);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float value = p * __builtin_bit_cast(float, (int32_t)(((int32_t)n + 127) << 23));
+  return underflow ? 0.0f : value;
+}
+
+// Phi(z) = erfc(-z / sqrt 2) / 2 with the erfc formula of load_probabilities::fast_erfc and
+// vec_exp, branch-free (ternaries become blends). +-inf give exactly 1 / 0, NaN stays NaN.
+MK_VECTORISE inline float vec_normal_cdf(float z) {
+  const float x = -z * 0.70710678118654752f;
+  const float ax = x < 0.0f ? -x : x;
+  const float t = 1.0f / (1.0f + 0.5f * ax);
+  const float poly =
+      -ax * ax - 1.26551223f +
+      t * (1.00002368f +
+           t * (0.37409196f +
+                t * (0.09678418f +
+                     t * (-0.18628806f +
+                          t * (0.27886807f +
+                               t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f))))))));
+  const float r = t * vec_exp(poly);
+  const float erfc = x >= 0.0f ? r : 2.0f - r;
+  const float p = 0.5f * erfc;
+  return z == INFINITY ? 1.0f : (z == -INFINITY ? 0.0f : p);
+}
+
+// out[e] = Phi(z[e]) for a row (vectorised).
+MK_VECTORISE void normal_cdf_row(const float* z, float* out, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) out[e] = vec_normal_cdf(z[e]);
+}
+
+// gc[e] = g[e] phi(z[e]) / s[e], 0 where z is infinite (vectorised).
+MK_VECTORISE void density_row(const float* g, const float* z, const float* s, float* gc, int64_t n) {
+  constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+  for (int64_t e = 0; e < n; ++e) {
+    const bool infinite = z[e] == INFINITY || z[e] == -INFINITY;
+    const float value = g[e] * kInvSqrt2Pi * vec_exp(-0.5f * z[e] * z[e]) / s[e];
+    gc[e] = infinite ? 0.0f : value;
+  }
+}
+
+template <typename scalar_t>
+void load_probabilities_rows(const Strided& clean,   // [T, E]
+                             const Strided& noisy,   // [T, E]
+                             const Strided& stddev,  // [T, E]
+                             int64_t begin, int64_t end, int64_t E, int64_t k,
+                             scalar_t* probs,  // [T, E] contiguous
+                             int64_t* top) {   // [T, k+1] contiguous
+  using load_probabilities::z_score;
+  const int64_t kept = std::min(k + 1, E);  // pairs needed: k+1, or all E when k = E
+  std::vector<int64_t> best(kept > kInsertionMax ? E : kept);
+  std::vector<float> zs(E), ps(E);
+  for (int64_t t = begin; t < end; ++t) {
+    // Phase 1: the `kept` largest rank pairs of the noisy row, descending.
+    if (kept <= kInsertionMax) {
+      int filled = 0;
+      for (int64_t e = 0; e < E; ++e)
+        filled = topk_softmax::insert_pair(best.data(), filled, (int)kept, rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e));
+    } else {
+      for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e);
+      std::partial_sort(best.begin(), best.begin() + kept, best.end(), std::greater<int64_t>());
+    }
+    // The two thresholds, re-read from the row (not decoded from the key: NaN payloads and -0).
+    const int64_t kth_pair = best[k - 1];
+    const float kth = at<scalar_t>(noisy, t, pair_index(kth_pair));
+    const float k1th = k < E ? at<scalar_t>(noisy, t, pair_index(best[k])) : -INFINITY;
+    for (int64_t s = 0; s <= k; ++s) top[t * (k + 1) + s] = s < kept ? pair_index(best[s]) : -1;
+
+    // Phase 2: z = (clean - kth_excluding) / stddev for every expert of the row, then
+    // P = Phi(z) in a loop the compiler vectorises.
+    float* z = zs.data();
+    for (int64_t e = 0; e < E; ++e) {
+      const bool selected = rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e) >= kth_pair;
+      z[e] = z_score(at<scalar_t>(clean, t, e), selected ? k1th : kth, at<scalar_t>(stddev, t, e));
+    }
+    normal_cdf_row(z, ps.data(), E);
+    scalar_t* out = probs + t * E;
+    for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)ps[e];
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> load_probabilities_cpu(const at::Tensor& clean_logits,
+                                                          const at::Tensor& noisy_logits,
+                                                          const at::Tensor& noise_stddev, int64_t k) {
+  TORCH_CHECK(noisy_logits.dim() == 2 && clean_logits.sizes() == noisy_logits.sizes() &&
+                  noise_stddev.sizes() == noisy_logits.sizes(),
+              "load_probabilities: clean_logits, noisy_logits and noise_stddev must be [T, E] of one shape");
+  const int64_t T = noisy_logits.size(0), E = noisy_logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= E, "load_probabilities: need 1 <= k <= E, got k=", k, ", E=", E);
+  TORCH_CHECK(E <= INT32_MAX, "load_probabilities: E too large");
+  const auto dtype = noisy_logits.scalar_type();
+  TORCH_CHECK(clean_logits.scalar_type() == dtype && noise_stddev.scalar_type() == dtype,
+              "load_probabilities: the three inputs must share one dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "load_probabilities: inputs must be float32, float16 or bfloat16, got ", dtype);
+  auto probs = at::empty({T, E}, noisy_logits.options());
+  auto top = at::empty({T, k + 1}, noisy_logits.options().dtype(at::kLong));
+  if (T == 0) return {probs, top};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "load_probabilities", [&] {
+    const Strided c{clean_logits.const_data_ptr(), clean_logits.stride(0), clean_logits.stride(1)};
+    const Strided n{noisy_logits.const_data_ptr(), noisy_logits.stride(0), noisy_logits.stride(1)};
+    const Strided s{noise_stddev.const_data_ptr(), noise_stddev.stride(0), noise_stddev.stride(1)};
+    scalar_t* p = probs.mutable_data_ptr<scalar_t>();
+    int64_t* tp = top.mutable_data_ptr<int64_t>();
+    // About 16k elements (of three inputs) per task: balances without a costly fork per row.
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1));
+    at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+      load_probabilities_rows<scalar_t>(c, n, s, begin, end, E, k, p, tp);
+    });
+  });
+  return {probs, top};
+}
+
+// Backward, one pass per row: with z = (clean - thr) / s and phi the normal density,
+//   d clean = g phi(z) / s,  d s = -g phi(z) z / s  (0 where z is infinite),
+// and -d clean accumulates into the noisy logit that is each element's threshold: the k-th of
+// the row for the unselected elements, the (k+1)-th for the selected ones.
+template <typename scalar_t, typename grad_t>
+void load_probabilities_backward_rows(const grad_t* grad_p,  // [T, E] contiguous
+                                      const Strided& clean, const Strided& noisy, const Strided& stddev,
+                                      const int64_t* top,  // [T, k+1] contiguous
+                                      int64_t begin, int64_t end, int64_t E, int64_t k,
+                                      scalar_t* g_clean, scalar_t* g_noisy, scalar_t* g_stddev) {  // [T, E]
+  using load_probabilities::z_score;
+  std::vector<float> zs(E), ss(E), gs(E), gcs(E);
+  std::vector<uint8_t> sel(E);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t kth_index = top[t * (k + 1) + k - 1];
+    const float kth = at<scalar_t>(noisy, t, kth_index);
+    const int64_t kth_pair = rank_pair(kth, (int32_t)kth_index);
+    const int64_t k1th_index = k < E ? top[t * (k + 1) + k] : -1;
+    const float k1th = k1th_index >= 0 ? at<scalar_t>(noisy, t, k1th_index) : -INFINITY;
+    // Pass 1 (scalar): selection and z. Pass 2 (vectorised): the gradients. Pass 3: the row's
+    // threshold sums, in element order.
+    for (int64_t e = 0; e < E; ++e) {
+      sel[e] = rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e) >= kth_pair;
+      ss[e] = at<scalar_t>(stddev, t, e);
+      zs[e] = z_score(at<scalar_t>(clean, t, e), sel[e] ? k1th : kth, ss[e]);
+    }
+    const grad_t* g = grad_p + t * E;
+    for (int64_t e = 0; e < E; ++e) gs[e] = (float)g[e];
+    density_row(gs.data(), zs.data(), ss.data(), gcs.data(), E);
+    float to_kth = 0.0f, to_k1th = 0.0f;  // threshold gradients of the row
+    for (int64_t e = 0; e < E; ++e) {
+      const float gc = gcs[e];
+      g_clean[t * E + e] = (scalar_t)gc;
+      g_stddev[t * E + e] = (scalar_t)(gc == 0.0f ? 0.0f : -gc * zs[e]);
+      g_noisy[t * E + e] = (scalar_t)0.0f;
+      if (sel[e]) to_k1th -= gc; else to_kth -= gc;
+    }
+    g_noisy[t * E + kth_index] = (scalar_t)to_kth;
+    if (k1th_index >= 0) g_noisy[t * E + k1th_index] = (scalar_t)to_k1th;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> load_probabilities_backward_cpu(
+    const at::Tensor& grad_p, const at::Tensor& clean_logits, const at::Tensor& noisy_logits,
+    const at::Tensor& noise_stddev, const at::Tensor& top, int64_t k) {
+  TORCH_CHECK(noisy_logits.dim() == 2 && clean_logits.sizes() == noisy_logits.sizes() &&
+                  noise_stddev.sizes() == noisy_logits.sizes() && grad_p.sizes() == noisy_logits.sizes() &&
+                  top.dim() == 2 && top.size(0) == noisy_logits.size(0) && top.size(1) == k + 1 &&
+                  top.scalar_type() == at::kLong && k >= 1 && k <= noisy_logits.size(1),
+              "load_probabilities_backward: bad arguments");
+  const int64_t T = noisy_logits.size(0), E = noisy_logits.size(1);
+  auto g_clean = at::empty({T, E}, clean_logits.options());
+  auto g_noisy = at::empty({T, E}, noisy_logits.options());
+  auto g_stddev = at::empty({T, E}, noise_stddev.options());
+  if (T == 0) return {g_clean, g_noisy, g_stddev};
+  const auto g = grad_p.contiguous();
+  const auto tp = top.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, noisy_logits.scalar_type(), "load_probabilities_backward", [&] {
+    using logit_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "load_probabilities_backward_g", [&] {
+      const Strided c{clean_logits.const_data_ptr(), clean_logits.stride(0), clean_logits.stride(1)};
+      const Strided n{noisy_logits.const_data_ptr(), noisy_logits.stride(0), noisy_logits.stride(1)};
+      const Strided s{noise_stddev.const_data_ptr(), noise_stddev.stride(0), noise_stddev.stride(1)};
+      const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1));
+      at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+        load_probabilities_backward_rows<logit_t, scalar_t>(
+            g.const_data_ptr<scalar_t>(), c, n, s, tp.const_data_ptr<int64_t>(), begin, end, E, k,
+            g_clean.mutable_data_ptr<logit_t>(), g_noisy.mutable_data_ptr<logit_t>(),
+            g_stddev.mutable_data_ptr<logit_t>());
+      });
+    });
+  });
+  return {g_clean, g_noisy, g_stddev};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
+  m.def(
+      "load_probabilities(Tensor clean_logits, Tensor noisy_logits, Tensor noise_stddev, int k) -> "
+      "(Tensor probabilities, Tensor top)");
+  m.def(
+      "load_probabilities_backward(Tensor grad_p, Tensor clean_logits, Tensor noisy_logits, Tensor noise_stddev, "
+      "Tensor top, int k) -> (Tensor grad_clean, Tensor grad_noisy, Tensor grad_stddev)");
+}
+
+TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
+  m.impl("load_probabilities", &load_probabilities_cpu);
+  m.impl("load_probabilities_backward", &load_probabilities_backward_cpu);
+}
+
+}  // namespace moe_kernels

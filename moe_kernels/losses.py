@@ -1,0 +1,90 @@
+"""Balancing losses and regularisers of the gates (all differentiable, all with optional token
+masks so that padding does not count: transformers #28505, Megatron PR #2121).
+
+Terms: T tokens, E experts, k choices per token. `mask` is an optional [T] tensor, True / 1 for a
+real token and False / 0 for padding; masked tokens contribute nothing to any statistic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _token_weights(mask: torch.Tensor | None, T: int, like: torch.Tensor) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if mask.shape != (T,):
+        raise ValueError(f"mask must be [T] = [{T}], got shape {tuple(mask.shape)}")
+    return mask.to(like.dtype)
+
+
+def cv_squared(x: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
+    """CV(x)^2 = Var(x) / mean(x)^2 of a vector x [E] (population variance, as the authors'
+    tensor2tensor code); 0 for a single element. eps keeps an all-zero x finite."""
+    x = x.float()
+    if x.numel() <= 1:
+        return x.new_zeros(())
+    mean = x.mean()
+    return ((x - mean) ** 2).mean() / (mean**2 + eps)
+
+
+def importance(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, mask=None) -> torch.Tensor:
+    """Importance(X) [E] = sum over tokens of G(x) (Shazeer et al. 2017, Section 4), from the
+    sparse gate: experts [T, k] int64 (-1 = empty), weights [T, k]. Differentiable in weights."""
+    T = experts.shape[0]
+    w = weights.float()
+    m = _token_weights(mask, T, w)
+    if m is not None:
+        w = w * m[:, None]
+    w = torch.where(experts >= 0, w, 0.0)
+    return w.new_zeros(num_experts + 1).index_add(
+        0, torch.where(experts >= 0, experts, num_experts).reshape(-1), w.reshape(-1)
+    )[:num_experts]
+
+
+def importance_loss(experts, weights, num_experts: int, w_importance: float, mask=None) -> torch.Tensor:
+    """L_importance = w_importance * CV(Importance(X))^2 (Shazeer et al. 2017, eq 7)."""
+    return w_importance * cv_squared(importance(experts, weights, num_experts, mask))
+
+
+def load(load_probabilities: torch.Tensor, mask=None) -> torch.Tensor:
+    """Load(X) [E] = sum over tokens of P(x, i) (eq 10), P [T, E] from ops.load_probabilities."""
+    p = load_probabilities.float()
+    m = _token_weights(mask, p.shape[0], p)
+    return (p * m[:, None]).sum(0) if m is not None else p.sum(0)
+
+
+def load_loss(load_probabilities: torch.Tensor, w_load: float, mask=None) -> torch.Tensor:
+    """L_load = w_load * CV(Load(X))^2 (eq 11)."""
+    return w_load * cv_squared(load(load_probabilities, mask))
+
+
+def switch_aux_loss(router_probs: torch.Tensor, experts: torch.Tensor, mask=None) -> torch.Tensor:
+    """The Switch / GShard balance loss E * sum_i f_i * P_i.
+
+    router_probs: [T, E] full softmax of the router logits; experts: [T, k] int64 (-1 = empty).
+    f_i = fraction of the (token, choice) pairs dispatched to i (normalised by the number of
+    non-empty choices, so the loss is 1 at perfect balance for every k), P_i = mean router
+    probability of i. Differentiable through router_probs only (f is a count).
+    """
+    T, E = router_probs.shape
+    p = router_probs.float()
+    m = _token_weights(mask, T, p)
+    valid = (experts >= 0).float()
+    if m is not None:
+        valid = valid * m[:, None]
+    counts = p.new_zeros(E + 1).index_add(0, torch.where(experts >= 0, experts, E).reshape(-1), valid.reshape(-1))[:E]
+    f = counts / valid.sum().clamp(min=1)
+    tokens = m.sum().clamp(min=1) if m is not None else p.new_tensor(float(max(T, 1)))
+    P = ((p * m[:, None]).sum(0) if m is not None else p.sum(0)) / tokens
+    return E * (f * P).sum()
+
+
+def z_loss(router_logits: torch.Tensor, mask=None) -> torch.Tensor:
+    """Router z-loss of ST-MoE: mean over tokens of logsumexp(logits)^2. router_logits [T, E]."""
+    x = router_logits.float()
+    z = torch.logsumexp(x, dim=-1) ** 2
+    m = _token_weights(mask, x.shape[0], x)
+    if m is None:
+        return z.mean() if z.numel() else z.sum()
+    return (z * m).sum() / m.sum().clamp(min=1)

@@ -1,0 +1,188 @@
+"""balanced_assignment: optimality against scipy's assignment solver on the expanded matrix,
+capacity, agreement of the C++ kernel with the reference, d*, bad arguments."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+from shapes import ASSIGNMENT_SHAPES
+
+import moe_kernels
+from moe_kernels import reference
+from moe_kernels.ops import balanced_assignment
+
+
+def run(backend, scores, capacity=None, **kw):
+    if backend == "triton":
+        pytest.skip("balanced_assignment has no Triton kernel (a sequential solver)")
+    with moe_kernels.use_backend(backend):
+        return balanced_assignment(scores, capacity, **kw)
+
+
+def optimum(scores: torch.Tensor, capacity: int) -> float:
+    """The optimal value by an independent exact solver: each expert expanded into `capacity`
+    columns (slots), then scipy's rectangular linear assignment."""
+    n, k = scores.shape
+    if n == 0:
+        return 0.0
+    big = np.repeat(scores.double().numpy(), capacity, axis=1)
+    rows, cols = linear_sum_assignment(big, maximize=True)
+    return float(big[rows, cols].sum())
+
+
+def instance(seed: int, n: int, k: int, kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "randn":
+        return torch.randn(n, k, generator=g)
+    if kind == "integer":  # many ties and equal-cost cycles
+        return torch.randint(0, 3, (n, k), generator=g).float()
+    if kind == "equal":
+        return torch.zeros(n, k)
+    if kind == "wide":  # large spread, one dominant expert
+        s = torch.randn(n, k, generator=g) * 100
+        s[:, 0] += 1000
+        return s
+    raise ValueError(kind)
+
+
+def check(scores, capacity, experts, value):
+    n, k = scores.shape
+    assert experts.shape == (n,) and experts.dtype == torch.int64
+    if n:
+        assert experts.min() >= 0 and experts.max() < k
+        assert torch.bincount(experts, minlength=k).max() <= capacity, "capacity exceeded"
+    achieved = float(scores.double()[torch.arange(n), experts].sum())
+    assert value.dtype == torch.float64 and math.isclose(float(value), achieved, rel_tol=0, abs_tol=1e-9)
+    best = optimum(scores, capacity)
+    scale = max(1.0, float(scores.abs().max())) if n else 1.0
+    assert achieved >= best - 1e-9 * scale * max(n, 1), f"suboptimal: {achieved} < {best}"
+
+
+@pytest.mark.parametrize("kind", ["randn", "integer", "equal", "wide"])
+def test_optimal_on_many_random_instances(backend, kind):
+    g = torch.Generator().manual_seed(7)
+    for t in range(60):
+        n = int(torch.randint(1, 33, (1,), generator=g))
+        k = int(torch.randint(1, 9, (1,), generator=g))
+        capacity = math.ceil(n / k) + int(torch.randint(0, 3, (1,), generator=g))
+        scores = instance(t, n, k, kind)
+        experts, value, _ = run(backend, scores, capacity, return_distances=True)
+        check(scores, capacity, experts, value)
+
+
+@pytest.mark.parametrize("n,k,capacity", ASSIGNMENT_SHAPES)
+@pytest.mark.parametrize("kind", ["randn", "integer"])
+def test_edge_shapes(backend, n, k, capacity, kind):
+    scores = instance(n * 31 + k, n, k, kind)
+    cap = capacity if capacity is not None else max(1, math.ceil(n / k))
+    experts, value, dist = run(backend, scores, capacity, return_distances=True)
+    check(scores, cap, experts, value)
+    assert dist.shape == (k, k) and dist.dtype == torch.float64
+    if n and k * cap == n:  # no free slot: every expert is exactly full
+        assert torch.equal(torch.bincount(experts, minlength=k), torch.full((k,), cap))
+
+
+def test_default_capacity_is_exact_balance():
+    scores = instance(3, 64, 8, "randn")
+    experts = balanced_assignment(scores)
+    assert torch.equal(torch.bincount(experts, minlength=8), torch.full((8,), 8))
+
+
+@pytest.mark.parametrize("n,k", [(96, 8), (100, 7), (256, 16)])
+def test_kernel_matches_reference(kernel_backend, n, k):
+    """Same algorithm, order and arithmetic: identical experts and d* (unique optimum a.s.)."""
+    for seed in range(3):
+        scores = instance(seed, n, k, "randn")
+        e, v, d = run(kernel_backend, scores, return_distances=True)
+        e_ref, v_ref, d_ref = reference.balanced_assignment(scores, math.ceil(n / k))
+        assert torch.equal(e, e_ref)
+        assert float(v) == float(v_ref)
+        assert torch.equal(d, d_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes_and_strides(backend, dtype):
+    base = instance(5, 40, 12, "randn").to(dtype)
+    scores = base.t().contiguous().t()  # column-major view of the same values
+    assert not scores.is_contiguous()
+    e = run(backend, scores)
+    assert torch.equal(e, run(backend, base.contiguous()))
+    check(base.double(), 4, e, base.double()[torch.arange(40), e].sum())
+
+
+def test_row_shift_invariance(backend):
+    """Adding a constant per token changes nothing: logits and log-probabilities agree."""
+    logits = instance(11, 48, 6, "randn").double()
+    a = run(backend, logits)
+    b = run(backend, torch.log_softmax(logits, -1))
+    ca = logits[torch.arange(48), a].sum()
+    cb = logits[torch.arange(48), b].sum()
+    assert torch.isclose(ca, cb, rtol=0, atol=1e-9)
+
+
+def test_distances_are_shortest_move_costs(backend):
+    """d* at the optimum: no negative cycle (d*[j, j] = 0), triangle inequality, and d*[j, j']
+    is at most the direct cheapest move."""
+    scores = instance(2, 60, 5, "randn").double()
+    e, _, d = run(backend, scores, return_distances=True)
+    k = 5
+    assert torch.equal(torch.diagonal(d), torch.zeros(k, dtype=torch.float64))
+    for m in range(k):
+        assert (d <= d[:, m : m + 1] + d[m : m + 1, :] + 1e-12).all()
+    for a in range(k):
+        for b in range(k):
+            direct = (scores[e == a, a] - scores[e == a, b]).min()
+            assert d[a, b] <= direct + 1e-12
+
+
+def test_forcing_cost_matches_resolving(backend):
+    """Eq 7: the best assignment with token i forced to expert j loses
+    s[i, z_i] - s[i, j] + d*[j, z_i]; checked by solving the forced problem with scipy."""
+    for n, k, cap in [(8, 4, 2), (7, 3, 3), (9, 3, 4)]:
+        scores = instance(n + k, n, k, "randn").double()
+        z, v, d = run(backend, scores, cap, return_distances=True)
+        for i in range(n):
+            for j in range(k):
+                cost = 0.0 if j == z[i] else float(scores[i, z[i]] - scores[i, j] + d[j, z[i]])
+                forced = scores.clone()
+                forced[i] = -1e6
+                forced[i, j] = scores[i, j]
+                assert math.isclose(float(v) - cost, optimum(forced, cap), abs_tol=1e-9)
+
+
+def test_compile(backend):
+    fn = torch.compile(lambda s: balanced_assignment(s, 4), fullgraph=False)
+    scores = instance(0, 16, 4, "randn")
+    assert torch.equal(fn(scores), run(backend, scores, 4))
+
+
+def test_opcheck():
+    if not moe_kernels._extension.LOADED:
+        pytest.skip("no C++ extension")
+    scores = instance(0, 24, 4, "randn")
+    torch.library.opcheck(torch.ops.moe_kernels.balanced_assignment.default, (scores, 6))
+
+
+def test_bad_arguments():
+    s = torch.randn(10, 3)
+    with pytest.raises(ValueError, match="capacity"):
+        balanced_assignment(s, 3)  # 3 * 3 < 10
+    with pytest.raises(ValueError, match="capacity"):
+        balanced_assignment(s, 0)
+    with pytest.raises(TypeError, match="capacity"):
+        balanced_assignment(s, 4.0)
+    bad = s.clone()
+    bad[2, 1] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        balanced_assignment(bad)
+    bad[2, 1] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        balanced_assignment(bad)
+    with pytest.raises(ValueError, match=r"\[n, k\]"):
+        balanced_assignment(torch.randn(10))
+    with pytest.raises(ValueError, match="k >= 1"):
+        balanced_assignment(torch.randn(10, 0))
+    with pytest.raises(TypeError, match="dtype"):
+        balanced_assignment(torch.zeros(4, 2, dtype=torch.int64))
