@@ -3,6 +3,7 @@
 // is the same few lines: guard the device, allocate outputs, launch on the current stream.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -55,11 +56,25 @@ at::Tensor topk_softmax_backward(const at::Tensor& grad_weights, const at::Tenso
   return grad;
 }
 
+std::tuple<at::Tensor, at::Tensor> batchwise_mask(const at::Tensor& scores, int64_t m) {
+  TORCH_CHECK(scores.dim() == 2 && m >= 0 && m <= scores.size(0), "batchwise_mask: bad arguments");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const int64_t T = scores.size(0), E = scores.size(1);
+  auto mask = at::zeros({T, E}, scores.options().dtype(at::kBool));
+  auto tokens = at::empty({E, m}, scores.options().dtype(at::kLong));
+  check_launch(batchwise_mask_cuda(scores.const_data_ptr(), dtype_of(scores, "batchwise_mask"), T, E,
+                                   scores.stride(0), scores.stride(1), m, mask.mutable_data_ptr<bool>(),
+                                   tokens.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+               "batchwise_mask");
+  return {mask, tokens};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
   m.impl("topk_softmax", &topk_softmax);
   m.impl("topk_softmax_backward", &topk_softmax_backward);
+  m.impl("batchwise_mask", &batchwise_mask);
 }
 
 }  // namespace moe_kernels

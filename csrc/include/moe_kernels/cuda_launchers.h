@@ -20,6 +20,12 @@ cudaError_t topk_softmax_backward_cuda(const void* grad_weights, const void* log
                                        int64_t E, int64_t stride_t, int64_t stride_e, const int64_t* experts,
                                        int64_t k, bool renormalize, void* grad, cudaStream_t stream);
 
+// scores [T, E] with strides (stride_t, stride_e); mask [T, E] contiguous bool, zero-initialised
+// by the caller; expert_tokens [E, m] contiguous int64. 1 <= m <= T for a launch (m = 0: no-op).
+cudaError_t batchwise_mask_cuda(const void* scores, DType dtype, int64_t T, int64_t E, int64_t stride_t,
+                                int64_t stride_e, int64_t m, bool* mask, int64_t* expert_tokens,
+                                cudaStream_t stream);
+
 }  // namespace moe_kernels
 
 namespace moe_kernels {
