@@ -7,7 +7,7 @@ from tolerances import assert_close
 
 from moe_kernels import reference
 from moe_kernels.gates import sparse_gates
-from moe_kernels.losses_batchwise import batchwise_threshold_loss
+from moe_kernels.losses import batchwise_threshold_loss
 from moe_kernels.ops import batchwise_mask, threshold_mask, topk_softmax
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from moe_kernels.gates.sparse_mask import sparse_gates
-from moe_kernels.losses_batchwise import batchwise_threshold_loss
+from moe_kernels.losses import batchwise_threshold_loss
 from moe_kernels.ops import batchwise_mask, threshold_mask
 from moe_kernels.routing import Routing
 
