@@ -95,7 +95,7 @@ def z_loss(router_logits: torch.Tensor, mask=None) -> torch.Tensor:
 
 # The threshold loss of strictly balanced gating: L_batchwise (eq 20 of Shazeer et al. 2017,
 # Appendix F, 000_9a6c7e46ac45e7a4.txt).
-_THRESHOLD_LOSS_DTYPES = (*_validate.ROUTING_THRESHOLD_LOSS_DTYPES, torch.float64)
+_THRESHOLD_LOSS_DTYPES = (*_validate.ROUTING_DTYPES, torch.float64)
 
 
 def batchwise_threshold_loss(scores: torch.Tensor, thresholds: torch.Tensor, batch_mask: torch.Tensor) -> torch.Tensor:
