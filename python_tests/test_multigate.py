@@ -7,7 +7,7 @@ import torch
 from tolerances import assert_close
 
 from moe_kernels import MoE, MultiGateMoE, NoisyTopKGate, TopKGate
-from moe_kernels.gates import DSelectKGate
+from moe_kernels.gates import BatchwiseGate, DSelectKGate
 from moe_kernels.ops import capacity_for
 
 D, E, H = 6, 5, 8
@@ -200,10 +200,13 @@ def task_gates():
 @pytest.mark.parametrize("capacity_factor", [None, 100.0], ids=["dropless", "capacity"])
 def test_multigate_outputs_are_per_task_eq1(capacity_factor):
     experts = recording_experts()
-    mg = MultiGateMoE(D, E, task_gates(), experts=experts, capacity_factor=capacity_factor).eval()
+    # + an expert-choice task (BatchwiseGate: layout "expert_choice", no mask argument).
+    gates = task_gates() + [BatchwiseGate(D, E, 2, mode="batchwise")]
+    mg = MultiGateMoE(D, E, gates, experts=experts, capacity_factor=capacity_factor).eval()
     x = tokens(14).view(2, 7, D)
     ys = mg(x)
-    assert len(ys) == mg.num_tasks == 4 and all(y.shape == x.shape for y in ys)
+    assert mg.stats["tasks"][4]["capacity"] == 6  # m = ceil(k T / E) tokens per expert
+    assert len(ys) == mg.num_tasks == 5 and all(y.shape == x.shape for y in ys)
     xf = x.reshape(-1, D)
     loads = []
     for gate, y, stats in zip(mg.gates, ys, mg.stats["tasks"]):
