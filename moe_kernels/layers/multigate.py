@@ -29,8 +29,8 @@ class MultiGateMoE(nn.Module):
 
     forward(x [..., d], mask=None [...] bool) -> list of len(gates) tensors [..., d], task order.
     After a call, `aux_loss` is the sum of the task gates' auxiliary losses and `stats` is
-    {"tasks": [MoE.stats of each task's routing], "load": [E] rows each shared expert received,
-    summed over tasks}.
+    {"tasks": [MoE.stats of each task's routing], "load": [E] choices routed to each shared expert
+    (before any capacity drop), summed over tasks}.
 
     Cost: each task's routing is dispatched separately, so a (token, expert) pair chosen by two
     tasks is evaluated twice (same FLOPs as one MoE per task with tied experts; the experts'
