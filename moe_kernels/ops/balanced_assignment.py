@@ -15,7 +15,7 @@ from moe_kernels.ops import _validate
 SCORE_DTYPES = (torch.float64, *_validate.ROUTING_DTYPES)
 
 _cpp = None
-if backends._extension.LOADED:
+if backends._extension.defines("balanced_assignment"):
     _cpp = torch.ops.moe_kernels.balanced_assignment
 
     @torch.library.register_fake("moe_kernels::balanced_assignment")

@@ -19,7 +19,7 @@ def _fake_outputs(scores, m):
 
 
 _cpp = None
-if backends._extension.LOADED:
+if backends._extension.defines("batchwise_mask"):
     _cpp = torch.ops.moe_kernels.batchwise_mask
 
     @torch.library.register_fake("moe_kernels::batchwise_mask")

@@ -12,7 +12,7 @@ from moe_kernels.ops import _validate
 from moe_kernels.reference.capacity_positions import capacity_for
 
 _cpp = None
-if backends._extension.LOADED:
+if backends._extension.defines("capacity_positions"):
 
     @torch.library.register_fake("moe_kernels::capacity_positions")
     def _fake(experts, num_experts, capacity, priority=None):

@@ -11,7 +11,7 @@ from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 
 _cpp = None
-if backends._extension.LOADED:
+if backends._extension.defines("dispatch"):
     _cpp = torch.ops.moe_kernels.dispatch
 
     @torch.library.register_fake("moe_kernels::dispatch")

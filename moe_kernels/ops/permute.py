@@ -11,7 +11,7 @@ from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 
 _cpp_permute = _cpp_unpermute = None
-if backends._extension.LOADED:
+if backends._extension.defines("permute"):
     _cpp_permute = torch.ops.moe_kernels.permute
     _cpp_unpermute = torch.ops.moe_kernels.unpermute
 

@@ -10,7 +10,7 @@ from moe_kernels.ops import _validate
 from moe_kernels.ops.balanced_assignment import SCORE_DTYPES
 
 _cpp = None
-if backends._extension.LOADED:
+if backends._extension.defines("sinkhorn"):
     _cpp = torch.ops.moe_kernels.sinkhorn
 
     @torch.library.register_fake("moe_kernels::sinkhorn")

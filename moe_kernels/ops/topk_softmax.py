@@ -61,7 +61,7 @@ def _backward_kernel(ctx, grad_weights, grad_experts):
 
 
 _cpp = None
-if backends._extension.LOADED:
+if backends._extension.defines("topk_softmax"):
     _cpp = torch.ops.moe_kernels.topk_softmax
 
     @torch.library.register_fake("moe_kernels::topk_softmax")
