@@ -5,6 +5,8 @@ with a progress bar:
 
 checked against moe_kernels.reference on every batch, then a report of which backend each op used,
 each op's throughput, and what capacity did to the tokens (drops are counted, never silent).
+Then every gate (top-k, noisy top-k, batchwise, DSelect-k, balanced assignment, Sinkhorn) is
+trained inside the MoE layer on a small task (examples/demo_layers.py).
 
     .venv/bin/python examples/demo.py [--batches 30] [--tokens 4096] [--experts 64] [--k 2]
                                       [--d-model 256] [--capacity-factor 1.0] [--threads N]
@@ -15,6 +17,7 @@ import time
 from collections import defaultdict
 
 import torch
+from demo_layers import train_gates  # examples/ is on sys.path when this file runs as a script
 from tqdm import tqdm
 
 import moe_kernels
@@ -125,6 +128,9 @@ def main():
     print(f"  routing differing from the reference: {mismatches} (must be 0); max |y - y_ref| = {max_error:.2e}")
     if mismatches or kept + dropped + empty != choices or max_error > 1e-4:
         raise SystemExit("kernels and reference disagree")
+
+    print()
+    train_gates()  # part two: every gate trained inside the MoE layer (examples/demo_layers.py)
 
 
 if __name__ == "__main__":
