@@ -427,8 +427,10 @@ def check_moe_checkpoint(group, num_experts, kind):
     with group=) gives the same layer; E not divisible by W is a ValueError."""
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     E_l = num_experts // W
-    full = build_moe(num_experts, kind, "topk", None, seed=21)
+    full = build_moe(num_experts, kind, "topk", None, seed=21).train()
+    full(torch.randn(3, D, dtype=torch.float64))  # a step before sharding: aux_loss holds a graph
     sharded = full.shard(group)
+    assert sharded.aux_loss.grad_fn is None and full.aux_loss.grad_fn is not None
     with torch.no_grad():  # a "training step" that differs per rank's experts
         for p in sharded.experts.parameters():
             p.add_(rank + 1.0)
@@ -570,6 +572,11 @@ PLANS = {
         ("global_expert_choice", check_equal_to_single_process,
          {"token_counts": [3, 4, 0, 2], "num_experts": 4, "dropless": False, "gate": expert_choice_gate,
           "seed": 3}),
+        ("moe_dropless_unequal", check_moe_layer,
+         {"token_counts": [5, 0, 8, 2], "num_experts": 8, "kind": "modules", "capacity_factor": None, "seed": 5}),
+        ("moe_capacity_equal_tokens", check_moe_layer,
+         {"token_counts": [6, 6, 6, 6], "num_experts": 8, "kind": "batched", "capacity_factor": 1.0, "seed": 6}),
+        ("moe_checkpoint_batched", check_moe_checkpoint, {"num_experts": 8, "kind": "batched"}),
         ("rank_dies", check_rank_dies, {}),
     ],
 }  # fmt: skip

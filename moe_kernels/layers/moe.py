@@ -197,7 +197,8 @@ class MoE(nn.Module):
             raise ValueError("shard() needs a torch.distributed process group")
         rank, world = rank_and_world(group)
         num_local = local_experts(self.num_experts, world)
-        sharded = copy.deepcopy(self)
+        # The last step's aux_loss / stats may hold autograd graphs (not deep-copyable): fresh ones.
+        sharded = copy.deepcopy(self, {id(self.aux_loss): torch.zeros(()), id(self.stats): {}})
         if isinstance(sharded.experts, BatchedFFN):
             for p in sharded.experts.parameters():
                 p.data = shard_experts(p.data, group)
