@@ -3,6 +3,7 @@
 // is the same few lines: guard the device, allocate outputs, launch on the current stream.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -55,11 +56,25 @@ at::Tensor topk_softmax_backward(const at::Tensor& grad_weights, const at::Tenso
   return grad;
 }
 
+std::tuple<at::Tensor, at::Tensor> batchwise_mask(const at::Tensor& scores, int64_t m) {
+  TORCH_CHECK(scores.dim() == 2 && m >= 0 && m <= scores.size(0), "batchwise_mask: bad arguments");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const int64_t T = scores.size(0), E = scores.size(1);
+  auto mask = at::zeros({T, E}, scores.options().dtype(at::kBool));
+  auto tokens = at::empty({E, m}, scores.options().dtype(at::kLong));
+  check_launch(batchwise_mask_cuda(scores.const_data_ptr(), dtype_of(scores, "batchwise_mask"), T, E,
+                                   scores.stride(0), scores.stride(1), m, mask.mutable_data_ptr<bool>(),
+                                   tokens.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+               "batchwise_mask");
+  return {mask, tokens};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
   m.impl("topk_softmax", &topk_softmax);
   m.impl("topk_softmax_backward", &topk_softmax_backward);
+  m.impl("batchwise_mask", &batchwise_mask);
 }
 
 }  // namespace moe_kernels
@@ -91,5 +106,113 @@ std::tuple<at::Tensor, at::Tensor> load_probabilities(const at::Tensor& clean, c
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("load_probabilities", &load_probabilities); }
+
+}  // namespace moe_kernels
+
+// Capacity routing (csrc/cuda/dispatch.cu): capacity_positions, dispatch, combine and the two
+// backward ops the autograd formulas of moe_kernels/ops call. float64 is CPU-only here.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/sort.h>
+
+namespace moe_kernels {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& experts_in, int64_t num_experts,
+                                                          int64_t capacity, const std::optional<at::Tensor>& priority) {
+  TORCH_CHECK(experts_in.dim() == 2 && num_experts >= 1 && capacity >= 0, "capacity_positions: bad arguments");
+  const c10::cuda::CUDAGuard guard(experts_in.device());
+  const at::Tensor experts = experts_in.contiguous();
+  const int64_t T = experts.size(0), k = experts.size(1);
+  // Fill order: s-major by default; by descending priority (stable, NaN last) otherwise.
+  at::Tensor order = at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1});
+  if (priority.has_value())
+    order = order.index_select(0, std::get<1>(at::sort(priority->t().reshape({-1}).to(at::kFloat).neg(), true, 0, false)));
+  auto positions = at::full({T, k}, -1, experts.options());
+  auto counts = at::empty({num_experts}, experts.options());
+  check_launch(capacity_positions_cuda(experts.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(), T * k,
+                                       num_experts, capacity, positions.mutable_data_ptr<int64_t>(),
+                                       counts.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+               "capacity_positions");
+  return {positions, counts};
+}
+
+at::Tensor dispatch_weighted(const at::Tensor& x_in, const at::Tensor& experts_in, const at::Tensor& positions_in,
+                             int64_t E, int64_t C, const at::Tensor* weights) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), experts = experts_in.contiguous(), positions = positions_in.contiguous();
+  const at::Tensor w = weights ? weights->to(at::kFloat).contiguous() : at::Tensor();
+  auto out = at::empty({E, C, x.size(1)}, x.options());
+  auto source = at::empty({E * C}, experts.options());
+  check_launch(dispatch_cuda(x.const_data_ptr(), dtype_of(x, "dispatch"), x.size(0), x.size(1), experts.size(1),
+                             experts.const_data_ptr<int64_t>(), positions.const_data_ptr<int64_t>(), E, C,
+                             weights ? w.const_data_ptr<float>() : nullptr, source.mutable_data_ptr<int64_t>(),
+                             out.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               "dispatch");
+  return out;
+}
+
+at::Tensor dispatch_gpu(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& positions,
+                        int64_t num_experts, int64_t capacity) {
+  TORCH_CHECK(x.dim() == 2 && experts.dim() == 2 && experts.sizes() == positions.sizes(), "dispatch: bad arguments");
+  return dispatch_weighted(x, experts, positions, num_experts, capacity, nullptr);
+}
+
+at::Tensor combine_weighted(const at::Tensor& buffer_in, const at::Tensor& experts_in, const at::Tensor& positions_in,
+                            const at::Tensor* weights) {
+  const c10::cuda::CUDAGuard guard(buffer_in.device());
+  const at::Tensor buffer = buffer_in.contiguous(), experts = experts_in.contiguous(),
+                   positions = positions_in.contiguous();
+  const at::Tensor w = weights ? weights->to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t T = experts.size(0), d = buffer.size(2);
+  auto y = at::empty({T, d}, buffer.options());
+  check_launch(combine_cuda(buffer.const_data_ptr(), dtype_of(buffer, "combine"), buffer.size(0), buffer.size(1), d,
+                            T, experts.size(1), experts.const_data_ptr<int64_t>(), positions.const_data_ptr<int64_t>(),
+                            weights ? w.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(),
+                            c10::cuda::getCurrentCUDAStream()),
+               "combine");
+  return y;
+}
+
+at::Tensor combine_gpu(const at::Tensor& buffer, const at::Tensor& experts, const at::Tensor& positions,
+                       const at::Tensor& weights) {
+  TORCH_CHECK(buffer.dim() == 3 && experts.sizes() == positions.sizes() && weights.sizes() == experts.sizes(),
+              "combine: bad arguments");
+  return combine_weighted(buffer, experts, positions, &weights);
+}
+
+at::Tensor dispatch_backward_gpu(const at::Tensor& grad_buffer, const at::Tensor& experts,
+                                 const at::Tensor& positions) {
+  TORCH_CHECK(grad_buffer.dim() == 3 && experts.sizes() == positions.sizes(), "dispatch_backward: bad arguments");
+  return combine_weighted(grad_buffer, experts, positions, nullptr);  // the gather-sum, unit weights
+}
+
+std::tuple<at::Tensor, at::Tensor> combine_backward_gpu(const at::Tensor& grad_y_in, const at::Tensor& buffer_in,
+                                                        const at::Tensor& experts_in, const at::Tensor& positions_in,
+                                                        const at::Tensor& weights) {
+  TORCH_CHECK(buffer_in.dim() == 3 && grad_y_in.dim() == 2, "combine_backward: bad arguments");
+  const c10::cuda::CUDAGuard guard(buffer_in.device());
+  const int64_t E = buffer_in.size(0), C = buffer_in.size(1), d = buffer_in.size(2);
+  auto grad_buffer = dispatch_weighted(grad_y_in, experts_in, positions_in, E, C, &weights);
+  const at::Tensor g = grad_y_in.contiguous(), buffer = buffer_in.contiguous(), experts = experts_in.contiguous(),
+                   positions = positions_in.contiguous();
+  auto grad_weights = at::empty(experts.sizes(), weights.options().dtype(at::kFloat));
+  check_launch(combine_weights_grad_cuda(g.const_data_ptr(), buffer.const_data_ptr(), dtype_of(buffer, "combine"), E,
+                                         C, d, experts.size(0), experts.size(1), experts.const_data_ptr<int64_t>(),
+                                         positions.const_data_ptr<int64_t>(), grad_weights.mutable_data_ptr<float>(),
+                                         c10::cuda::getCurrentCUDAStream()),
+               "combine_backward");
+  return {grad_buffer, grad_weights.to(weights.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
+  m.impl("capacity_positions", &capacity_positions_gpu);
+  m.impl("dispatch", &dispatch_gpu);
+  m.impl("dispatch_backward", &dispatch_backward_gpu);
+  m.impl("combine", &combine_gpu);
+  m.impl("combine_backward", &combine_backward_gpu);
+}
 
 }  // namespace moe_kernels

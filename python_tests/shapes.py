@@ -94,3 +94,18 @@ ASSIGNMENT_SHAPES = [
     (5, 8, 1),  # k > n: more slots than tokens
     (0, 3, None),  # empty batch
 ]
+
+# (T, E, m) for batchwise_mask (eq 18 of Appendix F): m tokens kept per expert.
+BATCHWISE_SHAPES = [
+    (1, 1, 1),  # one token, one expert, m = T
+    (7, 8, 2),  # T < any tile, more experts than tokens
+    (33, 13, 5),  # prime E, odd T
+    (300, 1, 17),  # one expert, T over one Triton tile (256)
+    (64, 4, 64),  # m = T: every token everywhere
+    (40, 6, 0),  # m = 0: an empty mask
+    (0, 5, 0),  # empty batch
+    (520, 3, 519),  # m = T - 1 over three tiles
+]
+
+# A few (T, E, m) for the Triton interpreter.
+SMALL_BATCHWISE_SHAPES = [(1, 1, 1), (7, 8, 2), (300, 2, 17), (9, 3, 9), (6, 2, 0), (0, 3, 0)]

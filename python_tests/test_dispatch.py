@@ -11,13 +11,15 @@ import moe_kernels
 from moe_kernels import backends, reference
 from moe_kernels.ops import capacity_for, capacity_positions, combine, dispatch, permute, unpermute
 
-OPS = ("capacity_positions", "dispatch", "combine", "permute", "unpermute")
+CAPACITY_OPS = ("capacity_positions", "dispatch", "combine")
+DROPLESS_OPS = ("permute", "unpermute")
 
 
-def use(backend):
-    """The backend's context; skips a kernel backend that has no kernel for these ops yet."""
-    if backend != "torch" and any(getattr(backends._REGISTRY[op], backend) is None for op in OPS):
-        pytest.skip(f"no {backend} kernels for the capacity routing ops")
+def use(backend, ops=CAPACITY_OPS):
+    """The backend's context; skips a kernel backend that has no kernel for some of `ops`."""
+    missing = [op for op in ops if backend != "torch" and getattr(backends._REGISTRY[op], backend) is None]
+    if missing:
+        pytest.skip(f"no {backend} kernels for {missing}")
     return moe_kernels.use_backend(backend)
 
 
@@ -98,12 +100,13 @@ def test_positions_priority_ties_by_hand(backend):
 
 
 def test_positions_large_parallel_path(backend):
-    # More choices than one chunk of the C++ kernel (16384): the chunked prefix must agree.
-    T, E, k = 20000, 64, 2
+    # More choices than one chunk of the C++ kernel (65536) / several scan blocks of the Triton one.
+    T, E, k = (40000, 64, 2) if backend != "triton" else (2500, 4, 2)
     experts = routing_choices("empties", T, E, k, seed=3)
     for p in (None, priorities("ties", T, k)):
         with use(backend):
             positions, counts = capacity_positions(experts, E, capacity_for(T, E, k, 1.0), priority=p)
+        assert (positions < 0).any() and (positions >= 0).any()
         ref = reference.capacity_positions(experts, E, capacity_for(T, E, k, 1.0), priority=p)
         assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
 
@@ -188,6 +191,7 @@ def test_gradcheck_kernels(kernel_backend):
         assert torch.autograd.gradcheck(
             lambda x, w: combine(dispatch(x, experts, positions, 4, 2) ** 2, experts, positions, w), (x, w)
         )
+    with use(kernel_backend, DROPLESS_OPS):
         assert torch.autograd.gradcheck(
             lambda x, w: unpermute(permute(x, experts, 4)[0] ** 2, permute(x, experts, 4)[2], w, 6), (x, w)
         )
@@ -215,7 +219,7 @@ def test_noncontiguous_inputs(backend):
     x = torch.randn(d, T).t()
     w = torch.rand(k, T).t()
     priority = torch.rand(k, T).t()
-    with use(backend):
+    with use(backend, CAPACITY_OPS + DROPLESS_OPS):
         got = capacity_positions(experts, E, 2, priority=priority)
         buffer = dispatch(x, experts, positions, E, 2)
         y = combine(buffer.transpose(0, 1).contiguous().transpose(0, 1), experts, positions, w)
@@ -229,7 +233,7 @@ def test_noncontiguous_inputs(backend):
 
 
 def test_deterministic(backend):
-    T, E, k, d = 3000, 16, 2, 33
+    T, E, k, d = (3000, 16, 2, 33) if backend != "triton" else (300, 4, 2, 33)
     experts = routing_choices("one_expert", T, E, k)
     positions, _ = reference.capacity_positions(experts, E, 300)
     x, w = torch.randn(T, d, requires_grad=True), torch.rand(T, k, requires_grad=True)
@@ -252,7 +256,7 @@ def test_permute_unpermute_match_reference(backend, kind, dtype):
         experts = routing_choices(kind, T, E, k, seed=T + 2)
         x = torch.randn(T, d).to(dtype).requires_grad_()
         w = torch.rand(T, k).requires_grad_()
-        with use(backend):
+        with use(backend, DROPLESS_OPS):
             xs, offsets, order = permute(x, experts, E)
             y = unpermute(xs * 2, order, w, T)
         ref_xs, ref_offsets, ref_order = reference.permute(x, experts, E)
@@ -275,7 +279,7 @@ def test_permute_equals_dropless_dispatch_combine(backend):
     experts = routing_choices("empties", T, E, k, seed=5)
     positions, _ = reference.capacity_positions(experts, E, T)  # capacity T: nothing drops
     x, w = torch.randn(T, d, dtype=torch.float64), torch.rand(T, k, dtype=torch.float64)
-    with use(backend):
+    with use(backend, CAPACITY_OPS + DROPLESS_OPS):
         xs, _, order = permute(x, experts, E)
         y = unpermute(torch.tanh(xs), order, w, T)
         y_capacity = combine(torch.tanh(dispatch(x, experts, positions, E, T)), experts, positions, w)
@@ -286,19 +290,29 @@ def test_permute_equals_dropless_dispatch_combine(backend):
 
 
 def test_opcheck(kernel_backend):
-    if kernel_backend != "cpu":
-        pytest.skip("opcheck of the Triton ops runs with their kernels")
-    ops = torch.ops.moe_kernels
     for T, E, k, d in [(7, 4, 2, 5), (0, 3, 1, 2), (6, 3, 3, 4)]:
         experts = routing_choices("empties", T, E, k, seed=T)
         C = capacity_for(T, E, k, 1.0)
         positions, _ = reference.capacity_positions(experts, E, C)
         x = torch.randn(T, d, requires_grad=True)
         w = torch.rand(T, k, requires_grad=True)
+        buffer = torch.randn(E, C, d, requires_grad=True)
+        if kernel_backend == "triton":
+            ops = torch.ops.moe_kernels_triton
+            torch.library.opcheck(ops.capacity_positions, (experts, E, C, None))
+            torch.library.opcheck(ops.capacity_positions, (experts, E, C, torch.rand(T, k)))
+            torch.library.opcheck(ops.dispatch, (x, experts, positions, E, C, None))
+            torch.library.opcheck(ops.combine, (buffer, experts, positions, w))
+            torch.library.opcheck(ops.permute, (x, experts, E))
+            order = reference.permute(x, experts, E)[2]
+            ys = torch.randn(T * k, d, requires_grad=True)
+            torch.library.opcheck(ops.unpermute, (ys, order, w, T))
+            torch.library.opcheck(ops.unpermute_backward, (torch.randn(T, d), ys.detach(), order, w.detach()))
+            continue
+        ops = torch.ops.moe_kernels
         torch.library.opcheck(ops.capacity_positions, (experts, E, C, None))
         torch.library.opcheck(ops.capacity_positions, (experts, E, C, torch.rand(T, k)))
         torch.library.opcheck(ops.dispatch, (x, experts, positions, E, C))
-        buffer = torch.randn(E, C, d, requires_grad=True)
         torch.library.opcheck(ops.combine, (buffer, experts, positions, w))
         torch.library.opcheck(ops.dispatch_backward, (buffer.detach(), experts, positions))
         torch.library.opcheck(
@@ -323,7 +337,7 @@ def test_torch_compile_fullgraph(kernel_backend):
         return y + unpermute(xs, order, weights, x.shape[0]), counts
 
     x, logits = torch.randn(32, 6, requires_grad=True), torch.randn(32, E)
-    with use(kernel_backend):
+    with use(kernel_backend, CAPACITY_OPS + DROPLESS_OPS):
         compiled = torch.compile(
             step, fullgraph=True, backend="aot_eager" if kernel_backend == "triton" else "inductor"
         )

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "moe_kernels/common.h"
+#include "moe_kernels/dispatch.h"
 #include "routing_rows.h"
 
 namespace moe_kernels {
@@ -76,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_cpu(const at::Tensor& expe
         const int64_t e = ex[choice(i)];
         return e >= 0 && e < E ? e : -1;
       },
-      [&](int64_t i, int64_t, int64_t rank) { pos[choice(i)] = rank < capacity ? rank : -1; }, cnt);
+      [&](int64_t i, int64_t, int64_t rank) { pos[choice(i)] = dispatch::position_or_drop(rank, capacity); }, cnt);
   return {positions, counts};
 }
 

@@ -1,7 +1,8 @@
 // combine on CPU: y[t] = sum over kept s of weights[t, s] * buffer[experts[t, s], positions[t, s]],
 // one task per token (no atomics, fixed summation order s = 0, 1, ...). Backward: grad_buffer is
 // the weighted gather grad_y[t] * weights[t, s] into each kept slot (zero elsewhere), and
-// grad_weights[t, s] = <grad_y[t], buffer[experts[t, s], positions[t, s]]> (0 if not kept).
+// grad_weights[t, s] = <grad_y[t], buffer[experts[t, s], positions[t, s]]> (0 if not kept), both
+// in one pass over the slots so each grad_y row is read once per kept choice.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -65,12 +66,12 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
   const auto source = routing_rows::invert(slot.data(), T * k, E * C);  // slot -> choice
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buffer.scalar_type(), "combine_backward", [&] {
     using acc = routing_rows::acc_t<scalar_t>;
+    acc* gw = grad_weights.mutable_data_ptr<acc>();
+    std::fill(gw, gw + T * k, acc(0));  // choices that own no slot (dropped, empty) get 0
     if (grad_buffer.numel())
-      routing_rows::gather_rows<scalar_t>(grad_buffer.mutable_data_ptr<scalar_t>(), E * C, g.const_data_ptr<scalar_t>(),
-                                          source.data(), k, w.const_data_ptr<acc>(), d);
-    if (grad_weights.numel())
-      routing_rows::row_dots<scalar_t, acc>(grad_weights.mutable_data_ptr<acc>(), T * k, k, g.const_data_ptr<scalar_t>(),
-                                            buffer.const_data_ptr<scalar_t>(), slot.data(), d);
+      routing_rows::scatter_grad_and_dots<scalar_t>(grad_buffer.mutable_data_ptr<scalar_t>(), gw, E * C,
+                                                    g.const_data_ptr<scalar_t>(), buffer.const_data_ptr<scalar_t>(),
+                                                    source.data(), k, w.const_data_ptr<acc>(), d);
   });
   return {grad_buffer, grad_weights.to(weights_in.scalar_type())};
 }

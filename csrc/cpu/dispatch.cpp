@@ -1,6 +1,6 @@
-// dispatch on CPU: scatter tokens into the [E, C, d] expert buffers, written as a gather so that
-// every buffer row (filled or zero) is written once, by one task. Backward: the gather-sum
-// grad_x[t] = sum over kept s of grad_buffer[experts[t, s], positions[t, s]].
+// dispatch on CPU: scatter tokens into the [E, C, d] expert buffers. Each token's row is read once
+// and copied to the slots its kept choices own; every buffer row (filled or zero) is written by one
+// task, so no atomics are needed. Backward: the gather-sum grad_x[t] = sum over kept s of grad_buffer[experts[t, s], positions[t, s]].
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,8 +34,8 @@ at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& experts_in, co
       routing_rows::kept_slots(experts.const_data_ptr<int64_t>(), positions.const_data_ptr<int64_t>(), T * k, E, C);
   const auto source = routing_rows::invert(slot.data(), T * k, E * C);  // slot -> choice
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dispatch", [&] {
-    routing_rows::gather_rows<scalar_t>(buffer.mutable_data_ptr<scalar_t>(), E * C, x.const_data_ptr<scalar_t>(),
-                                        source.data(), k, nullptr, d);
+    routing_rows::scatter_rows<scalar_t>(buffer.mutable_data_ptr<scalar_t>(), E * C, x.const_data_ptr<scalar_t>(), T,
+                                         k, slot.data(), source.data(), d);
   });
   return buffer;
 }

@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "moe_kernels/dispatch.h"
+
 namespace moe_kernels {
 namespace routing_rows {
 
@@ -47,6 +49,28 @@ void gather_rows(scalar_t* __restrict out, int64_t n_rows, const scalar_t* __res
         const scalar_t* __restrict s = src + (j / k) * d;
         const acc wj = w[j];
         for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(wj * acc(s[i]));
+      }
+    }
+  });
+}
+
+// The same result as gather_rows(out, n_rows, src, source, k, nullptr, d), for source = invert(row):
+// out[r] = src[source[r] / k], zero where source[r] < 0, but visiting the sources in order, so each
+// source row is read once (and sequentially) however many of its choices are kept. A choice writes
+// its row only if it owns it (source[row[j]] == j), so every output row still has one writer.
+template <typename scalar_t>
+void scatter_rows(scalar_t* __restrict out, int64_t n_rows, const scalar_t* __restrict src, int64_t T, int64_t k,
+                  const int64_t* __restrict row, const int64_t* __restrict source, int64_t d) {
+  at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      if (source[r] < 0) std::fill(out + r * d, out + (r + 1) * d, scalar_t(0));
+  });
+  at::parallel_for(0, T, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* __restrict s = src + t * d;
+      for (int64_t j = t * k; j < (t + 1) * k; ++j) {
+        const int64_t r = row[j];
+        if (r >= 0 && source[r] == j) std::copy(s, s + d, out + r * d);
       }
     }
   });
@@ -112,6 +136,46 @@ void row_dots(out_t* __restrict g, int64_t n, int64_t k, const scalar_t* __restr
   });
 }
 
+// combine's backward in one pass over the buffer slots, reading each grad_y row once for both
+// outputs: for every slot r filled by choice j = source[r] (t = j / k),
+//   grad_buffer[r] = w[j] * grad_y[t]   and   g[j] = <grad_y[t], buffer[r]>;
+// unfilled slots get zero rows. g must be zero-filled by the caller (choices owning no slot keep 0);
+// each g[j] is written by the one slot j owns.
+template <typename scalar_t>
+void scatter_grad_and_dots(scalar_t* __restrict grad_buffer, acc_t<scalar_t>* __restrict g, int64_t n_rows,
+                           const scalar_t* __restrict grad_y, const scalar_t* __restrict buffer,
+                           const int64_t* __restrict source, int64_t k, const acc_t<scalar_t>* __restrict w,
+                           int64_t d) {
+  using acc = acc_t<scalar_t>;
+  at::parallel_for(0, n_rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      scalar_t* __restrict o = grad_buffer + r * d;
+      const int64_t j = source[r];
+      if (j < 0) {
+        std::fill(o, o + d, scalar_t(0));
+        continue;
+      }
+      const scalar_t* __restrict x = grad_y + (j / k) * d;
+      const scalar_t* __restrict b = buffer + r * d;
+      const acc wj = w[j];
+      acc part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= d; i += 8)
+        for (int l = 0; l < 8; ++l) {
+          const acc xv = acc(x[i + l]);
+          o[i + l] = scalar_t(wj * xv);
+          part[l] += xv * acc(b[i + l]);
+        }
+      for (; i < d; ++i) {
+        const acc xv = acc(x[i]);
+        o[i] = scalar_t(wj * xv);
+        part[0] += xv * acc(b[i]);
+      }
+      g[j] = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    }
+  });
+}
+
 // Stable ranks within columns, in parallel and deterministic: items i = 0..n-1 are visited in
 // order; item i belongs to column col(i) in [0, ncols) or to none (col < 0). Calls
 // emit(i, column, rank) with rank = the number of earlier items of the same column, and fills
@@ -119,7 +183,7 @@ void row_dots(out_t* __restrict g, int64_t n, int64_t k, const scalar_t* __restr
 // chunks, then each chunk ranks its items from its own offsets (no shared counters).
 template <typename ColFn, typename EmitFn>
 void stable_column_ranks(int64_t n, int64_t ncols, ColFn col, EmitFn emit, int64_t* counts) {
-  constexpr int64_t kItemsPerChunk = 1 << 14;
+  constexpr int64_t kItemsPerChunk = 1 << 16;  // below this a fork costs more than it saves
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((n + kItemsPerChunk - 1) / kItemsPerChunk,
                                                                 4 * at::get_num_threads()));
   const int64_t per = (n + chunks - 1) / chunks;
@@ -160,8 +224,7 @@ inline std::vector<int64_t> kept_slots(const int64_t* experts, const int64_t* po
   std::vector<int64_t> slot(n);
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t e = experts[j], p = positions[j];
-      slot[j] = (e >= 0 && e < E && p >= 0 && p < C) ? e * C + p : -1;
+      slot[j] = dispatch::kept_slot(experts[j], positions[j], E, C);
     }
   });
   return slot;

@@ -1,6 +1,7 @@
 """The public ops. Each validates its arguments and asks moe_kernels.backends for a kernel."""
 
 from moe_kernels.ops.balanced_assignment import balanced_assignment
+from moe_kernels.ops.batchwise_mask import batchwise_mask, threshold_mask
 from moe_kernels.ops.capacity_positions import capacity_for, capacity_positions
 from moe_kernels.ops.combine import combine
 from moe_kernels.ops.dispatch import dispatch
@@ -28,4 +29,6 @@ __all__ = [
     "topk_softmax",
     "unpermute",
     "load_probabilities",
+    "batchwise_mask",
+    "threshold_mask",
 ]

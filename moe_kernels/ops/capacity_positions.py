@@ -1,7 +1,8 @@
 """moe_kernels.ops.capacity_positions: the slot of every (token, choice) in its expert's buffer.
 
 Implementations: reference (moe_kernels/reference/capacity_positions.py), C++ CPU
-(csrc/cpu/capacity_positions.cpp). backends.py chooses among them.
+(csrc/cpu/capacity_positions.cpp), Triton
+(moe_kernels/triton/capacity_positions.py). backends.py chooses among them.
 """
 
 import torch
@@ -21,7 +22,15 @@ if backends._extension.LOADED:
         return torch.ops.moe_kernels.capacity_positions(experts, num_experts, capacity, priority)
 
 
-backends.register("capacity_positions", torch=reference.capacity_positions, cpu=_cpp)
+_triton = None
+if backends.triton_importable():
+    from moe_kernels.triton import capacity_positions as _triton_module
+
+    def _triton(experts, num_experts, capacity, *, priority=None):
+        return _triton_module.capacity_positions(experts, num_experts, capacity, priority)
+
+
+backends.register("capacity_positions", torch=reference.capacity_positions, cpu=_cpp, triton=_triton)
 
 __all__ = ["capacity_for", "capacity_positions"]
 

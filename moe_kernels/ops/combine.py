@@ -1,14 +1,19 @@
 """moe_kernels.ops.combine: gather expert outputs back to their tokens, weighted.
 
 Implementations: reference (moe_kernels/reference/combine.py), C++ CPU (csrc/cpu/combine.cpp, with
-its backward combine_backward: grad_buffer a weighted gather, grad_weights row dot products).
-backends.py chooses among them.
+its backward combine_backward: grad_buffer a weighted gather, grad_weights row dot products), Triton
+(moe_kernels/triton/dispatch.py). backends.py chooses among them.
 """
 
 import torch
 
 from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
 
 _cpp = None
 if backends._extension.LOADED:
@@ -22,9 +27,6 @@ if backends._extension.LOADED:
     def _fake_backward(grad_y, buffer, experts, positions, weights):
         return buffer.new_empty(buffer.shape), weights.new_empty(weights.shape)
 
-    def _setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
     def _backward(ctx, grad_y):
         buffer, experts, positions, weights = ctx.saved_tensors
         grad_buffer, grad_weights = torch.ops.moe_kernels.combine_backward(grad_y, buffer, experts, positions, weights)
@@ -32,7 +34,30 @@ if backends._extension.LOADED:
 
     torch.library.register_autograd("moe_kernels::combine", _backward, setup_context=_setup_context)
 
-backends.register("combine", torch=reference.combine, cpu=_cpp)
+_triton = None
+if backends.triton_importable():
+    from moe_kernels.triton import dispatch as _triton_module
+
+    _triton = _triton_module.combine
+
+    def _triton_backward(ctx, grad_y):
+        buffer, experts, positions, weights = ctx.saved_tensors
+        E, C, _ = buffer.shape
+        # To the buffer: the weighted gather of grad_y into each kept slot (a weighted dispatch).
+        grad_buffer = _triton_module.dispatch(grad_y, experts, positions, E, C, weights)
+        # To the weights: <grad_y[t], buffer[slot]>, in float32 (float64 for float64).
+        acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+        kept = positions >= 0
+        if C == 0:  # nothing kept
+            return grad_buffer, None, None, torch.zeros_like(weights)
+        rows = buffer[experts.clamp(min=0), positions.clamp(min=0)]  # [T, k, d]
+        dots = (rows.to(acc) * grad_y.to(acc).unsqueeze(1)).sum(-1)
+        grad_weights = torch.where(kept, dots, 0.0).to(weights.dtype)
+        return grad_buffer, None, None, grad_weights
+
+    _triton.register_autograd(_triton_backward, setup_context=_setup_context)
+
+backends.register("combine", torch=reference.combine, cpu=_cpp, triton=_triton)
 
 
 def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor):

@@ -1,7 +1,8 @@
 """moe_kernels.ops.dispatch: scatter tokens into the [E, C, d] expert buffers.
 
 Implementations: reference (moe_kernels/reference/dispatch.py), C++ CPU (csrc/cpu/dispatch.cpp, with
-its backward dispatch_backward, the gather-sum). backends.py chooses among them.
+its backward dispatch_backward, the gather-sum), Triton
+(moe_kernels/triton/dispatch.py). backends.py chooses among them.
 """
 
 import torch
@@ -32,7 +33,27 @@ if backends._extension.LOADED:
 
     torch.library.register_autograd("moe_kernels::dispatch", _backward, setup_context=_setup_context)
 
-backends.register("dispatch", torch=reference.dispatch, cpu=_cpp)
+_triton = None
+if backends.triton_importable():
+    from moe_kernels.triton import dispatch as _triton_module
+
+    def _triton(x, experts, positions, num_experts, capacity):
+        return _triton_module.dispatch(x, experts, positions, num_experts, capacity, None)
+
+    def _triton_setup_context(ctx, inputs, output):
+        x, experts, positions, _, _, weights = inputs
+        ctx.save_for_backward(experts, positions, weights)
+
+    def _triton_backward(ctx, grad_buffer):
+        # The gather-sum is combine with the dispatch weights (1 when there were none).
+        experts, positions, weights = ctx.saved_tensors
+        w = weights if weights is not None else torch.ones(experts.shape, device=experts.device)
+        grad_x = _triton_module.combine(grad_buffer, experts, positions, w)
+        return grad_x, None, None, None, None, None
+
+    _triton_module.dispatch.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+
+backends.register("dispatch", torch=reference.dispatch, cpu=_cpp, triton=_triton)
 
 
 def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, num_experts: int, capacity: int):

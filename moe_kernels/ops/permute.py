@@ -1,7 +1,8 @@
 """moe_kernels.ops.permute / unpermute: dropless routing, rows grouped by expert.
 
 Implementations: reference (moe_kernels/reference/permute.py), C++ CPU (csrc/cpu/permute.cpp, with
-unpermute_backward; permute's backward is unpermute with unit weights). backends.py chooses.
+unpermute_backward; permute's backward is unpermute with unit weights), Triton (moe_kernels/triton/permute.py).
+backends.py chooses among them.
 """
 
 import torch
@@ -52,8 +53,37 @@ if backends._extension.LOADED:
         "moe_kernels::unpermute", _unpermute_backward, setup_context=_unpermute_setup_context
     )
 
-backends.register("permute", torch=reference.permute, cpu=_cpp_permute)
-backends.register("unpermute", torch=reference.unpermute, cpu=_cpp_unpermute)
+_triton_permute = _triton_unpermute = None
+if backends.triton_importable():
+    from moe_kernels.triton import permute as _triton_module
+
+    _triton_permute = _triton_module.permute
+    _triton_unpermute = _triton_module.unpermute
+
+    def _triton_permute_backward(ctx, grad_x_sorted, grad_offsets, grad_order):
+        (order,) = ctx.saved_tensors
+        ones = grad_x_sorted.new_ones(ctx.num_tokens, ctx.k)
+        return _triton_module.unpermute(grad_x_sorted, order, ones, ctx.num_tokens), None, None
+
+    def _triton_unpermute_backward(ctx, grad_y):
+        y_sorted, order, weights = ctx.saved_tensors
+        grad_y_sorted, grad_weights = _triton_module.unpermute_backward(grad_y, y_sorted, order, weights)
+        return grad_y_sorted, None, grad_weights, None
+
+    def _triton_permute_setup_context(ctx, inputs, output):
+        x, experts, _ = inputs
+        ctx.save_for_backward(output[2])
+        ctx.num_tokens, ctx.k = x.shape[0], experts.shape[1]
+
+    def _triton_unpermute_setup_context(ctx, inputs, output):
+        y_sorted, order, weights, _ = inputs
+        ctx.save_for_backward(y_sorted, order, weights)
+
+    _triton_permute.register_autograd(_triton_permute_backward, setup_context=_triton_permute_setup_context)
+    _triton_unpermute.register_autograd(_triton_unpermute_backward, setup_context=_triton_unpermute_setup_context)
+
+backends.register("permute", torch=reference.permute, cpu=_cpp_permute, triton=_triton_permute)
+backends.register("unpermute", torch=reference.unpermute, cpu=_cpp_unpermute, triton=_triton_unpermute)
 
 
 def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int):

@@ -1,6 +1,7 @@
 """Readable PyTorch implementations of every op: the specification (loops are fine here)."""
 
 from moe_kernels.reference.balanced_assignment import balanced_assignment
+from moe_kernels.reference.batchwise_mask import batchwise_mask, threshold_mask
 from moe_kernels.reference.capacity_positions import capacity_for, capacity_positions
 from moe_kernels.reference.combine import combine
 from moe_kernels.reference.dispatch import dispatch
@@ -28,4 +29,6 @@ __all__ = [
     "topk_softmax",
     "unpermute",
     "load_probabilities",
+    "batchwise_mask",
+    "threshold_mask",
 ]

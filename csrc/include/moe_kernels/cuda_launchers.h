@@ -20,6 +20,12 @@ cudaError_t topk_softmax_backward_cuda(const void* grad_weights, const void* log
                                        int64_t E, int64_t stride_t, int64_t stride_e, const int64_t* experts,
                                        int64_t k, bool renormalize, void* grad, cudaStream_t stream);
 
+// scores [T, E] with strides (stride_t, stride_e); mask [T, E] contiguous bool, zero-initialised
+// by the caller; expert_tokens [E, m] contiguous int64. 1 <= m <= T for a launch (m = 0: no-op).
+cudaError_t batchwise_mask_cuda(const void* scores, DType dtype, int64_t T, int64_t E, int64_t stride_t,
+                                int64_t stride_e, int64_t m, bool* mask, int64_t* expert_tokens,
+                                cudaStream_t stream);
+
 }  // namespace moe_kernels
 
 namespace moe_kernels {
@@ -34,5 +40,28 @@ struct LoadProbabilitiesStrides {
 cudaError_t load_probabilities_cuda(const void* clean, const void* noisy, const void* stddev, DType dtype,
                                     LoadProbabilitiesStrides strides, int64_t T, int64_t E, int64_t k, void* probs,
                                     int64_t* top, cudaStream_t stream);
+
+}  // namespace moe_kernels
+
+namespace moe_kernels {
+
+// Capacity routing (csrc/cuda/dispatch.cu). experts / positions: [T, k] contiguous int64.
+// capacity_positions: order [n = T*k] is the fill order (flat indices t*k+s); positions [n] must be
+// prefilled with -1; counts [E].
+cudaError_t capacity_positions_cuda(const int64_t* experts, const int64_t* order, int64_t n, int64_t E, int64_t C,
+                                    int64_t* positions, int64_t* counts, cudaStream_t stream);
+// out [E, C, d] = x rows (times weights [T*k] float32 if not null) at the kept slots, zero elsewhere;
+// source: scratch of E*C int64.
+cudaError_t dispatch_cuda(const void* x, DType dtype, int64_t T, int64_t d, int64_t k, const int64_t* experts,
+                          const int64_t* positions, int64_t E, int64_t C, const float* weights, int64_t* source,
+                          void* out, cudaStream_t stream);
+// y [T, d] = sum over kept s of weights[t, s] (float32, 1 if null) * buffer [E, C, d] rows.
+cudaError_t combine_cuda(const void* buffer, DType dtype, int64_t E, int64_t C, int64_t d, int64_t T, int64_t k,
+                         const int64_t* experts, const int64_t* positions, const float* weights, void* y,
+                         cudaStream_t stream);
+// grad_weights [T*k] float32 = <grad_y [T, d] row, buffer row of the kept slot>, 0 if not kept.
+cudaError_t combine_weights_grad_cuda(const void* grad_y, const void* buffer, DType dtype, int64_t E, int64_t C,
+                                      int64_t d, int64_t T, int64_t k, const int64_t* experts,
+                                      const int64_t* positions, float* grad_weights, cudaStream_t stream);
 
 }  // namespace moe_kernels

@@ -1,0 +1,227 @@
+"""dispatch and combine in Triton, tiled along d; both are gathers, so every output element has one
+writer (no atomics):
+- dispatch: a program per (block of buffer slots, d tile) reads the token of each slot from the
+  slot -> choice map and copies (optionally scales) its row; empty slots get zeros. With weights
+  it is combine's backward to the buffer.
+- combine: a program per (block of tokens, d tile) sums its k weighted rows in float32, s = 0, 1..
+  With unit weights it is dispatch's backward.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_ROWS = 16
+_BLOCK_D = 128
+
+
+@triton.jit
+def dispatch_kernel(
+    x_ptr,  # [T, d] contiguous
+    source_ptr,  # [S] int64: choice t * K + s that fills slot r, -1 = empty (S = E * C)
+    weights_ptr,  # [T * K] float32 (read only if HAS_WEIGHTS)
+    out_ptr,  # [S, d] contiguous, x's dtype
+    S,
+    d,
+    K,
+    HAS_WEIGHTS: tl.constexpr,
+    ACC: tl.constexpr,  # tl.float32, or tl.float64 for float64 data (as the reference)
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < S
+    col_ok = cols < d
+    j = tl.load(source_ptr + rows, mask=row_ok, other=-1)
+    filled = j >= 0
+    token = tl.where(filled, j // K, 0)
+    m = filled[:, None] & col_ok[None, :]
+    v = tl.load(x_ptr + token[:, None] * d + cols[None, :], mask=m, other=0.0)
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + tl.where(filled, j, 0), mask=filled, other=0.0)
+        v = (v.to(ACC) * w[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :], v, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    buffer_ptr,  # [S, d] contiguous (S = E * C)
+    slot_ptr,  # [T * K] int64: e * C + p of each kept choice, -1 otherwise
+    weights_ptr,  # [T * K] float32
+    out_ptr,  # [T, d] contiguous, buffer's dtype
+    T,
+    d,
+    K,
+    ACC: tl.constexpr,  # tl.float32, or tl.float64 for float64 data (as the reference)
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < T
+    col_ok = cols < d
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=ACC)
+    for s in range(0, K):
+        j = rows.to(tl.int64) * K + s
+        slot = tl.load(slot_ptr + j, mask=row_ok, other=-1)
+        kept = slot >= 0
+        w = tl.load(weights_ptr + j, mask=kept, other=0.0)
+        v = tl.load(
+            buffer_ptr + tl.where(kept, slot, 0)[:, None] * d + cols[None, :],
+            mask=kept[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        acc += w[:, None] * v.to(ACC)
+    out = out_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def kept_slots(experts, positions, E, C):
+    """[T * k] int64: e * C + p for kept choices, -1 otherwise."""
+    kept = (positions >= 0) & (experts >= 0) & (positions < C) & (experts < E)
+    return torch.where(kept, experts * C + positions, -1).reshape(-1)
+
+
+def slot_sources(slot, S):
+    """[S] int64: the choice that fills each slot, -1 for empty slots (slots are unique)."""
+    source = torch.full((S,), -1, dtype=torch.int64, device=slot.device)
+    kept = slot >= 0
+    return source.index_put((slot[kept],), torch.arange(slot.numel(), device=slot.device)[kept])
+
+
+def acc_dtype(dtype):
+    """(torch dtype, triton dtype) of the accumulation: float64 for float64 data, else float32."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def _grid(rows, d):
+    return (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(d, _BLOCK_D))
+
+
+def gather_rows(x: torch.Tensor, source: torch.Tensor, k: int, weights: torch.Tensor | None) -> torch.Tensor:
+    """out [S, d]: out[r] = weights[source[r]] * x[source[r] // k] (weight 1 if None), 0 where -1."""
+    S, d = source.numel(), x.shape[1]
+    out = x.new_empty(S, d)
+    if out.numel():
+        acc, acc_tl = acc_dtype(x.dtype)
+        w = (weights if weights is not None else source.new_empty(0)).to(acc).contiguous().reshape(-1)
+        dispatch_kernel[_grid(S, d)](
+            x.contiguous(),
+            source,
+            w,
+            out,
+            S,
+            d,
+            k,
+            HAS_WEIGHTS=weights is not None,
+            ACC=acc_tl,
+            BLOCK_ROWS=_BLOCK_ROWS,
+            BLOCK_D=_BLOCK_D,
+        )
+    return out
+
+
+def gather_sum(src: torch.Tensor, row: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out [T, d]: out[t] = sum over s with row[t*k+s] >= 0 of weights[t, s] * src[row[t*k+s]]."""
+    T, k = weights.shape
+    d = src.shape[1]
+    out = src.new_empty(T, d)
+    if out.numel():
+        acc, acc_tl = acc_dtype(src.dtype)
+        combine_kernel[_grid(T, d)](
+            src.contiguous(),
+            row,
+            weights.to(acc).contiguous().reshape(-1),
+            out,
+            T,
+            d,
+            k,
+            ACC=acc_tl,
+            BLOCK_ROWS=_BLOCK_ROWS,
+            BLOCK_D=_BLOCK_D,
+        )
+    return out
+
+
+@torch.library.custom_op("moe_kernels_triton::dispatch", mutates_args=())
+def dispatch(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    positions: torch.Tensor,
+    num_experts: int,
+    capacity: int,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """buffer [E, C, d] (weighted by weights[t, s] when given: combine's backward to the buffer)."""
+    S = num_experts * capacity
+    source = slot_sources(kept_slots(experts, positions, num_experts, capacity), S)
+    return gather_rows(x, source, experts.shape[1], weights).view(num_experts, capacity, x.shape[1])
+
+
+@dispatch.register_fake
+def _(x, experts, positions, num_experts, capacity, weights=None):
+    return x.new_empty(num_experts, capacity, x.shape[1])
+
+
+@torch.library.custom_op("moe_kernels_triton::combine", mutates_args=())
+def combine(
+    buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """y [T, d] = sum over kept s of weights[t, s] * buffer[experts[t, s], positions[t, s]]."""
+    E, C, d = buffer.shape
+    return gather_sum(buffer.reshape(E * C, d), kept_slots(experts, positions, E, C), weights)
+
+
+@combine.register_fake
+def _(buffer, experts, positions, weights):
+    return buffer.new_empty(experts.shape[0], buffer.shape[2])
+
+
+def _aot_dispatch(dt, has_weights):
+    signature = {
+        "x_ptr": f"*{dt}",
+        "source_ptr": "*i64",
+        "weights_ptr": "*fp32",
+        "out_ptr": f"*{dt}",
+        "S": "i32",
+        "d": "i32",
+        "K": "i32",
+        "HAS_WEIGHTS": "constexpr",
+        "ACC": "constexpr",
+        "BLOCK_ROWS": "constexpr",
+        "BLOCK_D": "constexpr",
+    }
+    constexprs = {"HAS_WEIGHTS": has_weights, "ACC": tl.float32, "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D}
+    return dispatch_kernel, signature, constexprs, {"num_warps": 4}
+
+
+def _aot_combine(dt):
+    signature = {
+        "buffer_ptr": f"*{dt}",
+        "slot_ptr": "*i64",
+        "weights_ptr": "*fp32",
+        "out_ptr": f"*{dt}",
+        "T": "i32",
+        "d": "i32",
+        "K": "i32",
+        "ACC": "constexpr",
+        "BLOCK_ROWS": "constexpr",
+        "BLOCK_D": "constexpr",
+    }
+    return (
+        combine_kernel,
+        signature,
+        {"ACC": tl.float32, "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D},
+        {"num_warps": 4},
+    )
+
+
+AOT_KERNELS = [
+    _aot_dispatch("fp32", False),
+    _aot_dispatch("bf16", True),
+    _aot_dispatch("fp16", False),
+    _aot_combine("fp32"),
+    _aot_combine("bf16"),
+    _aot_combine("fp16"),
+]

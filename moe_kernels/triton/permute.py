@@ -1,0 +1,80 @@
+"""Dropless permute / unpermute on the Triton kernels of capacity_positions and dispatch:
+- permute: the capacity scan in flat order t * k + s with no capacity gives each choice its rank
+  within its expert; row = offsets[expert] + rank; the rows are gathered by dispatch_kernel.
+- unpermute: the inverse of `order` gives each choice its row; combine_kernel sums them per token.
+No atomics: every output row / token has one writer."""
+
+import torch
+
+from moe_kernels.triton import capacity_positions as _positions
+from moe_kernels.triton import dispatch as _rows
+
+
+def rows_of_choices(order: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64: the row of each choice (the inverse of order), -1 for choices without a row."""
+    valid = (order >= 0) & (order < n)
+    rows = torch.arange(order.numel(), device=order.device)
+    return torch.full((n,), -1, dtype=torch.int64, device=order.device).index_put((order[valid],), rows[valid])
+
+
+@torch.library.custom_op("moe_kernels_triton::permute", mutates_args=())
+def permute(
+    x: torch.Tensor, experts: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launch; arguments as moe_kernels.ops.permute (validated there)."""
+    T, k = experts.shape
+    n = T * k
+    experts = experts.contiguous()
+    flat = torch.arange(n, device=x.device)
+    rank = torch.full_like(experts, -1)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=x.device)
+    if num_experts:
+        _positions.capacity_positions_kernel[(num_experts,)](
+            experts, flat, rank, counts, n, n + 1, BLOCK=_positions._BLOCK
+        )
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    e = experts.reshape(-1)
+    valid = e >= 0
+    row = torch.where(valid, offsets[e.clamp(min=0)] + rank.reshape(-1), -1)
+    order = torch.full((n,), -1, dtype=torch.int64, device=x.device).index_put((row[valid],), flat[valid])
+    return _rows.gather_rows(x, order, k, None), offsets, order
+
+
+@permute.register_fake
+def _(x, experts, num_experts):
+    n = experts.shape[0] * experts.shape[1]
+    return x.new_empty(n, x.shape[1]), experts.new_empty(num_experts + 1), experts.new_empty(n)
+
+
+@torch.library.custom_op("moe_kernels_triton::unpermute", mutates_args=())
+def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Triton launch; arguments as moe_kernels.ops.unpermute (validated there)."""
+    return _rows.gather_sum(y_sorted, rows_of_choices(order, weights.numel()), weights)
+
+
+@unpermute.register_fake
+def _(y_sorted, order, weights, num_tokens):
+    return y_sorted.new_empty(num_tokens, y_sorted.shape[1])
+
+
+@torch.library.custom_op("moe_kernels_triton::unpermute_backward", mutates_args=())
+def unpermute_backward(
+    grad_y: torch.Tensor, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_y_sorted[r] = weights[order[r]] * grad_y[order[r] // k] (0 where order is -1), and
+    grad_weights[t, s] = <grad_y[t], y_sorted[row of (t, s)]> in float32 (float64 for float64)."""
+    k = weights.shape[1]
+    valid = (order >= 0) & (order < weights.numel())
+    grad_y_sorted = _rows.gather_rows(grad_y, torch.where(valid, order, -1), k, weights)
+    acc = torch.float64 if y_sorted.dtype == torch.float64 else torch.float32
+    rows = rows_of_choices(order, weights.numel()).view(weights.shape)
+    dots = (y_sorted[rows.clamp(min=0)].to(acc) * grad_y.to(acc).unsqueeze(1)).sum(-1)
+    return grad_y_sorted, torch.where(rows >= 0, dots, 0.0).to(weights.dtype)
+
+
+@unpermute_backward.register_fake
+def _(grad_y, y_sorted, order, weights):
+    return y_sorted.new_empty(y_sorted.shape), weights.new_empty(weights.shape)
+
+
+AOT_KERNELS = []  # no kernels of its own: it launches those of capacity_positions.py and dispatch.py
