@@ -22,7 +22,9 @@ import tolerances
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
+from moe_kernels import MoE
 from moe_kernels.ops import capacity_for, capacity_positions, topk_softmax
 from moe_kernels.parallel import (
     RemoteRankError,
@@ -32,6 +34,7 @@ from moe_kernels.parallel import (
     route_global_batch,
     shard_experts,
     shard_state_dict,
+    sync_replicated_grads,
 )
 from moe_kernels.routing import Routing
 
@@ -317,6 +320,151 @@ def run_failing_step(group, rank_to_fail, dropless):
     return None, "no error", time.perf_counter() - start
 
 
+# ---------------------------------------------------------------- the MoE layer, sharded
+class ExpertChoiceGate(nn.Module):
+    """expert_choice_gate on this batch's logits x @ w (an "expert_choice" Routing for the layer)."""
+
+    def __init__(self, d, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w = nn.Parameter(torch.randn(d, num_experts))
+
+    def forward(self, x, mask=None):
+        return expert_choice_gate(x @ self.w.to(x.dtype))
+
+
+class TopKGate64(nn.Module):
+    """topk_routing of x @ w (choices on fp32 logits, float64 weights), with a float64 aux loss
+    (squared mean router probabilities, 0 for an empty batch) so the gate's loss path is checked."""
+
+    def __init__(self, d, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w = nn.Parameter(torch.randn(d, num_experts))
+
+    def forward(self, x, mask=None):
+        logits = x @ self.w.to(x.dtype)
+        routing = topk_routing(logits)
+        probs = torch.softmax(logits, -1) if mask is None else torch.softmax(logits, -1) * mask[:, None]
+        routing.aux_loss = 0.01 * (probs.sum(0) ** 2).sum() / max(x.shape[0], 1)
+        return routing
+
+
+def build_moe(num_experts, kind, gate, capacity_factor, seed):
+    """The same single-process float64 MoE on every rank (seeded): batched or module experts,
+    a deterministic top-k gate with an aux loss, or the expert-choice gate."""
+    torch.manual_seed(seed)
+    experts = None
+    if kind == "modules":
+        experts = [nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)) for _ in range(num_experts)]
+    router = ExpertChoiceGate(D, num_experts) if gate == "expert_choice" else TopKGate64(D, num_experts)
+    moe = MoE(D, num_experts, H, gate=router, k=K, capacity_factor=capacity_factor, experts=experts, activation=F.gelu)
+    with torch.no_grad():  # non-zero biases: a capacity buffer's empty slots must never reach a token
+        for p in moe.experts.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    return moe.double()
+
+
+def local_name(name, rank, num_local):
+    """(name in the full layer's state dict, slice of dim 0) of a sharded layer's entry."""
+    parts = name.split(".")
+    if parts[:2] == ["experts", "experts"]:  # module experts: local index -> global index
+        return ".".join(parts[:2] + [str(rank * num_local + int(parts[2]))] + parts[3:]), slice(None)
+    if parts[0] == "experts":
+        return name, slice(rank * num_local, (rank + 1) * num_local)
+    return name, slice(None)
+
+
+def check_moe_layer(group, token_counts, num_experts, *, kind, capacity_factor, gate="topk", masked=False, seed=0):
+    """MoE.shard(group) on rank r equals the single-process MoE on rank r's batch: output, stats,
+    the gradients of x, of the gate (summed over ranks by sync_replicated_grads) and of this rank's
+    experts, for a loss = sum_r (y_r * g_r).sum() + aux_loss_r (the gate's loss included)."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    E_l = num_experts // W
+    full = build_moe(num_experts, kind, gate, capacity_factor, seed).train()
+    sharded = full.shard(group)
+    assert sharded.group is group and full.group is None and sharded.experts.num_experts == E_l
+    g = torch.Generator().manual_seed(seed + 1)
+    xs = [torch.randn(t, D, generator=g, dtype=torch.float64) for t in token_counts]
+    grads = [torch.randn(t, D, generator=g, dtype=torch.float64) for t in token_counts]
+    masks = [torch.rand(t, generator=g) > 0.25 if masked else None for t in token_counts]
+
+    x = xs[rank].clone().requires_grad_()
+    y = sharded(x, mask=masks[rank])
+    ((y * grads[rank]).sum() + sharded.aux_loss).backward()
+    replicated = [p for n, p in sharded.named_parameters() if not n.startswith("experts.")]
+    sync_replicated_grads(replicated, group)
+    stats = sharded.stats
+
+    ref_xs = [xq.clone().requires_grad_() for xq in xs]
+    total, dropped = 0.0, 0
+    for q, xq in enumerate(ref_xs):
+        yq = full(xq, mask=masks[q])
+        total = total + (yq * grads[q]).sum() + full.aux_loss
+        dropped += int(full.stats["dropped_fraction"] > 0)  # batches with drops
+        if q == rank:
+            ref_y, ref_stats = yq, full.stats
+    total.backward()
+
+    torch.testing.assert_close(y, ref_y.detach(), **TOL)
+    torch.testing.assert_close(x.grad, ref_xs[rank].grad, **TOL)
+    full_params = dict(full.named_parameters())
+    for name, p in sharded.named_parameters():
+        ref_name, rows = local_name(name, rank, E_l)
+        torch.testing.assert_close(p.grad, full_params[ref_name].grad[rows], **TOL, msg=name)
+    for key in ("load", "importance", "dropped_fraction"):
+        torch.testing.assert_close(stats[key], ref_stats[key], **TOL, msg=key)
+    assert stats["capacity"] == ref_stats["capacity"], (stats["capacity"], ref_stats["capacity"])
+    if capacity_factor is not None and gate == "topk":
+        assert dropped > 0, "capacity case should drop some choices (test data too small?)"
+    dropped_fraction = float(stats["dropped_fraction"])
+    return f"T={token_counts[rank]} capacity={stats['capacity']} dropped_fraction={dropped_fraction:.3f}"
+
+
+def check_moe_checkpoint(group, num_experts, kind):
+    """full_state_dict gathers the experts back into the single-process layout (after rank-specific
+    updates); resuming from it (load_state_dict + shard, or load_full_state_dict on a layer built
+    with group=) gives the same layer; E not divisible by W is a ValueError."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    E_l = num_experts // W
+    full = build_moe(num_experts, kind, "topk", None, seed=21).train()
+    full(torch.randn(3, D, dtype=torch.float64))  # a step before sharding: aux_loss holds a graph
+    sharded = full.shard(group)
+    assert sharded.aux_loss.grad_fn is None and full.aux_loss.grad_fn is not None
+    with torch.no_grad():  # a "training step" that differs per rank's experts
+        for p in sharded.experts.parameters():
+            p.add_(rank + 1.0)
+    sd = sharded.full_state_dict()
+    expected = {n: t.clone() for n, t in full.state_dict().items()}
+    for q in range(W):
+        for name in sharded.state_dict():
+            ref_name, rows = local_name(name, q, E_l)
+            if name.startswith("experts."):
+                expected[ref_name][rows] += q + 1.0
+    assert sd.keys() == expected.keys(), sorted(set(sd) ^ set(expected))
+    for name in expected:
+        assert torch.equal(sd[name], expected[name]), name
+
+    x = torch.randn(7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    want = sharded.eval()(x)
+    resumed = build_moe(num_experts, kind, "topk", None, seed=99)  # other weights, then the checkpoint
+    resumed.load_state_dict(sd)
+    torch.testing.assert_close(resumed.shard(group).eval()(x), want, **TOL)
+    experts = None
+    if kind == "modules":  # this rank's E/W modules only
+        experts = [nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)) for _ in range(E_l)]
+    options = {"k": K, "capacity_factor": None, "experts": experts, "activation": F.gelu, "group": group}
+    direct = MoE(D, num_experts, H, gate=TopKGate64(D, num_experts), **options)
+    direct.double().load_full_state_dict(sd)
+    torch.testing.assert_close(direct.eval()(x), want, **TOL)
+    try:
+        MoE(D, W + 1, H, group=group)
+        raise AssertionError("no ValueError for E % W != 0")
+    except ValueError as e:
+        assert "divisible" in str(e), e
+    return "ok"
+
+
 # ---------------------------------------------------------------- the spawned process
 def worker(rank, world, port, plan, queue):
     """Join the gloo group and run the plan's checks in order, reporting each on `queue`."""
@@ -399,6 +547,21 @@ PLANS = {
         ("capacity_must_agree", check_capacity_must_agree, {}),
         ("bad_input_capacity", check_bad_input_on_one_rank, {"dropless": False}),
         ("bad_input_dropless", check_bad_input_on_one_rank, {"dropless": True}),
+        ("moe_capacity_equal_tokens", check_moe_layer,
+         {"token_counts": [8, 8], "num_experts": 4, "kind": "batched", "capacity_factor": 1.0}),
+        ("moe_capacity_masked_modules", check_moe_layer,
+         {"token_counts": [7, 7], "num_experts": 4, "kind": "modules", "capacity_factor": 0.5, "masked": True,
+          "seed": 1}),
+        ("moe_dropless_unequal", check_moe_layer,
+         {"token_counts": [9, 3], "num_experts": 4, "kind": "batched", "capacity_factor": None, "seed": 2}),
+        ("moe_dropless_modules_zero_tokens", check_moe_layer,
+         {"token_counts": [0, 6], "num_experts": 4, "kind": "modules", "capacity_factor": None, "masked": True,
+          "seed": 3}),
+        ("moe_expert_choice", check_moe_layer,
+         {"token_counts": [6, 4], "num_experts": 4, "kind": "batched", "capacity_factor": 1.0,
+          "gate": "expert_choice", "seed": 4}),
+        ("moe_checkpoint_batched", check_moe_checkpoint, {"num_experts": 4, "kind": "batched"}),
+        ("moe_checkpoint_modules", check_moe_checkpoint, {"num_experts": 4, "kind": "modules"}),
         ("rank_stalls", check_rank_stalls, {}),
     ],
     "four_ranks": [
@@ -409,6 +572,11 @@ PLANS = {
         ("global_expert_choice", check_equal_to_single_process,
          {"token_counts": [3, 4, 0, 2], "num_experts": 4, "dropless": False, "gate": expert_choice_gate,
           "seed": 3}),
+        ("moe_dropless_unequal", check_moe_layer,
+         {"token_counts": [5, 0, 8, 2], "num_experts": 8, "kind": "modules", "capacity_factor": None, "seed": 5}),
+        ("moe_capacity_equal_tokens", check_moe_layer,
+         {"token_counts": [6, 6, 6, 6], "num_experts": 8, "kind": "batched", "capacity_factor": 1.0, "seed": 6}),
+        ("moe_checkpoint_batched", check_moe_checkpoint, {"num_experts": 8, "kind": "batched"}),
         ("rank_dies", check_rank_dies, {}),
     ],
 }  # fmt: skip

@@ -159,3 +159,22 @@ def test_one_process_equals_the_definition(dropless):
     torch.testing.assert_close(y, ref.detach(), **ranks.TOL)
     for got, want in ((x, rx), (lg, rlg), (a, ra), (b, rb)):
         torch.testing.assert_close(got.grad, want.grad, **ranks.TOL)
+
+
+def test_moe_layer_without_a_group():
+    """MoE(group=None) is the single-process layer: full_state_dict is its state_dict,
+    load_full_state_dict its load_state_dict, and shard() needs a process group."""
+    import torch
+
+    from moe_kernels import MoE
+
+    moe = MoE(6, 4, 5)
+    assert moe.group is None and moe.experts.num_experts == 4
+    sd = moe.full_state_dict()
+    assert sd.keys() == moe.state_dict().keys()
+    other = MoE(6, 4, 5)
+    other.load_full_state_dict(sd)
+    for name, t in other.state_dict().items():
+        assert torch.equal(t, sd[name]), name
+    with pytest.raises(ValueError, match="process group"):
+        moe.shard(None)
