@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "convert.cuh"
+#include "warp.cuh"
 #include "moe_kernels/batchwise_mask.h"
 #include "moe_kernels/cuda_launchers.h"
 
@@ -20,7 +21,6 @@ using batchwise_mask::kRadixPasses;
 using batchwise_mask::order_key;
 
 constexpr int kThreads = 256;
-constexpr int kWarp = 32;
 
 // Exclusive prefix sum over the block of two counters packed in one int64 (high: ties, low:
 // kept), plus the block total. `scratch` holds one value per warp.

@@ -5,13 +5,13 @@
 #include <cuda_runtime.h>
 
 #include "convert.cuh"
+#include "warp.cuh"
 #include "moe_kernels/cuda_launchers.h"
 #include "moe_kernels/dispatch.h"
 
 namespace moe_kernels {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kScanThreads = 1024;  // choices per scan step of capacity_positions
 constexpr int kRowThreads = 128;    // threads along d for the row kernels
 

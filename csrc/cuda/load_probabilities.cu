@@ -5,20 +5,14 @@
 #include <cuda_runtime.h>
 
 #include "convert.cuh"
+#include "warp.cuh"
 #include "moe_kernels/cuda_launchers.h"
 #include "moe_kernels/load_probabilities.h"
 
 namespace moe_kernels {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 4;
-
-__device__ __forceinline__ int64_t warp_max_pair(int64_t v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    v = max(v, (int64_t)__shfl_xor_sync(0xffffffffu, (long long)v, offset));
-  return v;
-}
 
 template <typename scalar_t>
 __global__ void load_probabilities_kernel(const scalar_t* __restrict__ clean,   // [T, E] strided
@@ -42,7 +36,7 @@ __global__ void load_probabilities_kernel(const scalar_t* __restrict__ clean,   
       const int64_t p = rank_pair(to_float(n[e * st.noisy_e]), (int32_t)e);
       if ((s == 0 || p < prev) && p > best) best = p;
     }
-    best = warp_max_pair(best);
+    best = warp_max(best);
     prev = best;
     const int32_t idx = pair_index(best);
     const float v = to_float(n[idx * st.noisy_e]);  // re-read: NaN payloads and -0 as stored

@@ -4,25 +4,14 @@
 #include <cuda_runtime.h>
 
 #include "convert.cuh"
+#include "warp.cuh"
 #include "moe_kernels/cuda_launchers.h"
 #include "moe_kernels/topk_softmax.h"
 
 namespace moe_kernels {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 4;
-
-__device__ __forceinline__ int64_t warp_max(int64_t v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    v = max(v, (int64_t)__shfl_xor_sync(0xffffffffu, (long long)v, offset));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 template <typename scalar_t>
 __global__ void topk_softmax_kernel(const scalar_t* __restrict__ logits,  // [T, E] strided

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from moe_kernels.gates.noisy_topk import NoisyTopKGate
-from moe_kernels.layers.moe import MoE, balance_stats, run_sorted
+from moe_kernels.layers.moe import MoE, balance_stats, flatten_tokens, run_sorted
 from moe_kernels.losses import importance as importance_of
 from moe_kernels.ops import permute, unpermute
 
@@ -65,14 +65,7 @@ class HierarchicalMoE(nn.Module):
         self.stats: dict = {}
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [..., d_model] with d_model = {self.d_model}, got {shape}")
-        lead = x.shape[:-1]
-        xf = x.reshape(-1, self.d_model)
-        mf = None if mask is None else mask.reshape(-1).bool()
-        if mf is not None and mf.shape[0] != xf.shape[0]:
-            raise ValueError(f"mask must have x's leading shape {tuple(lead)}, got {tuple(mask.shape)}")
+        lead, xf, mf = flatten_tokens(x, mask, self.d_model)
         routing = self.primary_gate(xf) if mf is None else self.primary_gate(xf, mask=mf)
         if routing.layout != "topk" or routing.num_experts != self.num_groups:
             raise ValueError("the primary gate must return a 'topk' Routing over num_groups groups")

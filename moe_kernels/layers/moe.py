@@ -41,6 +41,24 @@ def balance_stats(load: torch.Tensor, importance: torch.Tensor, dropped: torch.T
     }
 
 
+def flatten_tokens(x: torch.Tensor, mask: torch.Tensor | None, d_model: int):
+    """Check x [..., d_model] and mask [...] (bool, True = real token) and flatten them.
+
+    Returns (leading shape, x as [T, d_model], mask as [T] bool or None). Shared by every layer.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != d_model:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be [..., d_model] with d_model = {d_model}, got {shape}")
+    lead = x.shape[:-1]
+    mf = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.shape != lead:
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask must have x's leading shape {tuple(lead)}, got {shape}")
+        mf = mask.reshape(-1).bool()
+    return lead, x.reshape(-1, d_model), mf
+
+
 def run_sorted(experts_module, x_sorted: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int):
     """Apply expert e to rows expert_offsets[e]:expert_offsets[e+1] of x_sorted [R, d] (permute's
     layout; rows after offsets[E] belong to empty choices and stay zero)."""
@@ -132,16 +150,7 @@ class MoE(nn.Module):
         self.stats: dict = {}
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [..., d_model] with d_model = {self.d_model}, got {shape}")
-        lead = x.shape[:-1]
-        xf = x.reshape(-1, self.d_model)
-        mf = None
-        if mask is not None:
-            if mask.shape != lead:
-                raise ValueError(f"mask must have x's leading shape {tuple(lead)}, got {tuple(mask.shape)}")
-            mf = mask.reshape(-1).bool()
+        lead, xf, mf = flatten_tokens(x, mask, self.d_model)
         routing = self.gate(xf) if mf is None else self.gate(xf, mask=mf)
         y = self.route(xf, routing, mf)
         self.aux_loss = routing.aux_loss

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_kernels.layers.moe import MoE
+from moe_kernels.layers.moe import MoE, flatten_tokens
 
 
 class _TaskGates(nn.Module):
@@ -85,16 +85,7 @@ class MultiGateMoE(nn.Module):
         return self.shared.experts
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.d_model:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [..., d_model] with d_model = {self.d_model}, got {shape}")
-        lead = x.shape[:-1]
-        xf = x.reshape(-1, self.d_model)
-        mf = None
-        if mask is not None:
-            if mask.shape != lead:
-                raise ValueError(f"mask must have x's leading shape {tuple(lead)}, got {tuple(mask.shape)}")
-            mf = mask.reshape(-1).bool()
+        lead, xf, mf = flatten_tokens(x, mask, self.d_model)
         outputs, task_stats, aux = [], [], []
         for gate in self.gates:
             routing = gate(xf) if mf is None else gate(xf, mask=mf)
