@@ -48,8 +48,8 @@ def test_matches_reference_random(backend, dtype, renormalize):
 @pytest.mark.parametrize("kind", ADVERSARIAL_KINDS)
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_adversarial(backend, kind, renormalize):
-    # (5, 40, 3): rows longer than the C++ kernel's 16-wide chunks, so skipped chunks are exercised
-    for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 1, 1), (5, 40, 3)]:
+    # (6, 40, 1): the C++ kernel's argmax path for k = 1
+    for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 1, 1), (5, 40, 3), (6, 40, 1)]:
         logits = adversarial_logits(kind, T, E)
         w, e = run(backend, logits, k, renormalize)
         w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
@@ -89,6 +89,8 @@ def test_nan_late_in_a_long_row(backend):
     _, e_ref = reference.topk_softmax(logits, 2)
     assert torch.equal(e, e_ref)
     assert e[0, 0] == 35 and e[2].tolist() == [17, 39]
+    _, e1 = run(backend, logits, 1)
+    assert e1[:, 0].tolist() == [35, e_ref[1, 0].item(), 17]
 
 
 def test_non_contiguous(backend):

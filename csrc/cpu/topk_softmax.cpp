@@ -20,38 +20,29 @@ namespace {
 // of all pairs is O(E log k) and wins.
 constexpr int64_t kInsertionMaxK = 16;
 
-// Logits converted and scanned per chunk: a chunk whose max cannot enter the full top-k list is
-// skipped with one vectorisable max, which is most chunks once the list is warm.
-constexpr int64_t kChunk = 16;
-
 // Scan one row into `best` (the k largest rank pairs, descending). Insertion list for k <= 16.
+// Scan one row into `best` (the k largest rank pairs, descending) with an insertion list
+// (k <= kInsertionMaxK). Most elements are rejected by one integer compare against the k-th pair.
+// k = 1 is a plain argmax in float compares (same order: a later equal value never replaces the
+// earlier one, -0 == +0, and the first NaN wins over everything).
 template <typename scalar_t>
 void select_insertion(const scalar_t* row, int64_t stride_e, int64_t E, int k, int64_t* best) {
-  int filled = 0;
-  float chunk[kChunk];
-  for (int64_t start = 0; start < E; start += kChunk) {
-    const int64_t n = std::min(kChunk, E - start);
-    float m = -INFINITY;
-    float poison = 0.0f;  // v - v is NaN for NaN (and inf) elements: then the chunk is not skipped
-    if (stride_e == 1) {  // the common layout: a loop the compiler vectorises
-      for (int64_t j = 0; j < n; ++j) chunk[j] = (float)row[start + j];
-    } else {
-      for (int64_t j = 0; j < n; ++j) chunk[j] = (float)row[(start + j) * stride_e];
+  if (k == 1) {
+    float bv = (float)row[0];
+    int64_t bi = 0;
+    for (int64_t e = 1; e < E; ++e) {
+      const float v = (float)row[e * stride_e];
+      if (v > bv || (v != v && bv == bv)) {
+        bv = v;
+        bi = e;
+      }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      m = chunk[j] > m ? chunk[j] : m;
-      poison += chunk[j] - chunk[j];
-    }
-    const bool nan = poison != poison;
-    // With a full list, an element that is not above the k-th value cannot enter: equal values
-    // lose the tie (higher index), smaller ones lose outright. NaN always ranks first.
-    if (filled == k && !nan) {
-      const float kth = (float)row[pair_index(best[k - 1]) * stride_e];
-      if (m <= kth && !(kth != kth)) continue;
-    }
-    for (int64_t j = 0; j < n; ++j)
-      filled = topk_softmax::insert_pair(best, filled, k, rank_pair(chunk[j], (int32_t)(start + j)));
+    best[0] = rank_pair(bv, (int32_t)bi);
+    return;
   }
+  int filled = 0;
+  for (int64_t e = 0; e < E; ++e)
+    filled = topk_softmax::insert_pair(best, filled, k, rank_pair((float)row[e * stride_e], (int32_t)e));
 }
 
 template <typename scalar_t>
