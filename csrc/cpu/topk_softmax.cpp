@@ -109,7 +109,7 @@ void topk_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_
       dot += (float)g[s] * w[s];
     }
     if (renormalize) {
-      for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)0.0f;
+      std::fill_n(out, E, (scalar_t)0.0f);
       for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)(w[s] * ((float)g[s] - dot));
     } else {
       const bool masked = vmax == -INFINITY;
