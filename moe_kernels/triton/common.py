@@ -24,3 +24,14 @@ def rank_pair(x, cols):
 def pair_index(pair):
     """The index encoded in a rank pair, as int32."""
     return (4294967295 - (pair & 4294967295)).to(tl.int32)
+
+
+def row_tile_config(num_rows: int, row_width: int, tile: int, per_thread: int):
+    """Launch shape of the kernels that hold whole rows in registers: (grid, BLOCK_ROWS,
+    BLOCK_WIDTH, num_warps). BLOCK_WIDTH is row_width rounded up to a power of two; a program takes
+    as many rows as fit in `tile` elements (at least one), and enough warps that each thread holds
+    at most `per_thread` elements (at most 16 warps), which the AOT test checks against spills."""
+    block_w = triton.next_power_of_2(max(row_width, 1))
+    block_r = max(1, min(tile // block_w, triton.next_power_of_2(max(num_rows, 1))))
+    num_warps = min(16, max(1, block_r * block_w // (32 * per_thread)))
+    return (triton.cdiv(num_rows, block_r),), block_r, block_w, num_warps

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton.common import row_tile_config
 from moe_kernels.triton.smooth_step import _params, smooth_step_slope, smooth_step_value
 
 # 2^m selector entries of BLOCK_B rows in registers: at most 1024 per program and 8 per thread in
@@ -161,9 +162,8 @@ def dselect_k_backward_kernel(
 def launch_config(num_rows: int, num_selector_entries: int, backward: bool = False):
     """(grid, BLOCK_B, num_warps) for num_rows rows of 2^m selector entries."""
     tile, per_thread = (_TILE_BACKWARD, _PER_THREAD_BACKWARD) if backward else (_TILE, _PER_THREAD)
-    block_b = max(1, min(tile // num_selector_entries, triton.next_power_of_2(max(num_rows, 1))))
-    num_warps = min(16, max(1, block_b * num_selector_entries // (32 * per_thread)))
-    return (triton.cdiv(num_rows, block_b),), block_b, num_warps
+    grid, block_b, _, num_warps = row_tile_config(num_rows, num_selector_entries, tile, per_thread)
+    return grid, block_b, num_warps
 
 
 def _check_size(num_experts: int):

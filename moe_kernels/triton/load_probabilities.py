@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, pair_index, rank_pair
+from moe_kernels.triton.common import NO_PAIR, pair_index, rank_pair, row_tile_config
 
 # Registers per program as in topk_softmax: BLOCK_T x BLOCK_E elements, at most 8 per thread.
 MAX_EXPERTS = 4096
@@ -84,10 +84,7 @@ def load_probabilities_kernel(
 
 def launch_config(num_tokens: int, num_experts: int):
     """(grid, BLOCK_T, BLOCK_E, num_warps) for a [num_tokens, num_experts] input."""
-    block_e = triton.next_power_of_2(max(num_experts, 1))
-    block_t = max(1, min(_TILE // block_e, triton.next_power_of_2(max(num_tokens, 1))))
-    num_warps = min(16, max(1, block_t * block_e // (32 * _PER_THREAD)))
-    return (triton.cdiv(num_tokens, block_t),), block_t, block_e, num_warps
+    return row_tile_config(num_tokens, num_experts, _TILE, _PER_THREAD)
 
 
 @torch.library.custom_op("moe_kernels_triton::load_probabilities", mutates_args=())

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, pair_index, rank_pair
+from moe_kernels.triton.common import NO_PAIR, pair_index, rank_pair, row_tile_config
 
 # One program holds BLOCK_T x BLOCK_E logits in registers (a float and two int64 keys each);
 # at most 8 per thread keeps them there (checked by ptxas in the AOT test), so a row of E logits
@@ -75,10 +75,7 @@ def topk_softmax_kernel(
 
 def launch_config(num_tokens: int, num_experts: int):
     """(grid, BLOCK_T, BLOCK_E, num_warps) for a [num_tokens, num_experts] input."""
-    block_e = triton.next_power_of_2(max(num_experts, 1))
-    block_t = max(1, min(_TILE // block_e, triton.next_power_of_2(max(num_tokens, 1))))
-    num_warps = min(16, max(1, block_t * block_e // (32 * _PER_THREAD)))
-    return (triton.cdiv(num_tokens, block_t),), block_t, block_e, num_warps
+    return row_tile_config(num_tokens, num_experts, _TILE, _PER_THREAD)
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_softmax", mutates_args=())
