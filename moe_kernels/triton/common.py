@@ -26,6 +26,17 @@ def pair_index(pair):
     return (4294967295 - (pair & 4294967295)).to(tl.int32)
 
 
+@triton.jit
+def take_best(pair, x, cols):
+    """The largest remaining rank pair of every row of a [BLOCK_R, BLOCK_W] tile:
+    (the pair, its index, its value in x, the pairs with it retired to NO_PAIR)."""
+    best = tl.max(pair, axis=1)
+    idx = pair_index(best)
+    hit = cols[None, :] == idx[:, None]
+    value = tl.sum(tl.where(hit, x, 0.0), axis=1)
+    return best, idx, value, tl.where(hit, NO_PAIR, pair)
+
+
 def row_tile_config(num_rows: int, row_width: int, tile: int, per_thread: int):
     """Launch shape of the kernels that hold whole rows in registers: (grid, BLOCK_ROWS,
     BLOCK_WIDTH, num_warps). BLOCK_WIDTH is row_width rounded up to a power of two; a program takes

@@ -6,23 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, pair_index, rank_pair, row_tile_config
+from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
 
 # Registers per program as in topk_softmax: BLOCK_T x BLOCK_E elements, at most 8 per thread.
 MAX_EXPERTS = 4096
 _TILE = 1024  # elements per program when E is small
 _PER_THREAD = 8
 SQRT1_2 = tl.constexpr(0.7071067811865476)
-
-
-@triton.jit
-def _take_best(pair, x, cols):
-    """The largest remaining pair of every row: (the pair, its index, its value, pairs without it)."""
-    best = tl.max(pair, axis=1)  # [BLOCK_T]
-    idx = pair_index(best)
-    hit = cols[None, :] == idx[:, None]
-    value = tl.sum(tl.where(hit, x, 0.0), axis=1)
-    return best, idx, value, tl.where(hit, NO_PAIR, pair)
 
 
 @triton.jit
@@ -59,7 +49,7 @@ def load_probabilities_kernel(
     k1th = tl.zeros([BLOCK_T], dtype=tl.float32)
     top_row = rows.to(tl.int64) * (K + 1)
     for s in range(0, K + 1):
-        best, idx, value, pair = _take_best(pair, x, cols)
+        best, idx, value, pair = take_best(pair, x, cols)
         kth_pair = tl.where(s == K - 1, best, kth_pair)
         kth = tl.where(s == K - 1, value, kth)
         k1th = tl.where(s == K, value, k1th)

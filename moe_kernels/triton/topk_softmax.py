@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, pair_index, rank_pair, row_tile_config
+from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
 
 # One program holds BLOCK_T x BLOCK_E logits in registers (a float and two int64 keys each);
 # at most 8 per thread keeps them there (checked by ptxas in the AOT test), so a row of E logits
@@ -13,16 +13,6 @@ from moe_kernels.triton.common import NO_PAIR, pair_index, rank_pair, row_tile_c
 MAX_EXPERTS = 4096
 _TILE = 1024  # logits per program when E is small
 _PER_THREAD = 8
-
-
-@triton.jit
-def _next_best(pair, x, cols):
-    """Take the largest remaining pair of every row: (its index, its value, pairs without it)."""
-    best = tl.max(pair, axis=1)  # [BLOCK_T]
-    idx = pair_index(best)
-    hit = cols[None, :] == idx[:, None]
-    value = tl.sum(tl.where(hit, x, 0.0), axis=1)
-    return idx, value, tl.where(hit, NO_PAIR, pair)
 
 
 @triton.jit
@@ -51,12 +41,12 @@ def topk_softmax_kernel(
     pairs = tl.where(valid, rank_pair(x, cols), NO_PAIR)
 
     # Phase 1: the softmax denominator. The first selection is the row max (NaN included).
-    idx, vmax, pair = _next_best(pairs, x, cols)
+    _best, idx, vmax, pair = take_best(pairs, x, cols)
     masked_row = vmax == float("-inf")  # fully masked token: weights 0, never NaN
     if RENORMALIZE:
         denom = tl.where(masked_row, 0.0, tl.exp(vmax - vmax))
         for _ in range(1, K):
-            idx, v, pair = _next_best(pair, x, cols)
+            _best, idx, v, pair = take_best(pair, x, cols)
             denom += tl.where(masked_row, 0.0, tl.exp(v - vmax))
     else:
         terms = tl.where(valid & ~masked_row[:, None], tl.exp(x - vmax[:, None]), 0.0)
@@ -67,7 +57,7 @@ def topk_softmax_kernel(
     pair = pairs
     out = rows.to(tl.int64) * K
     for s in range(0, K):
-        idx, v, pair = _next_best(pair, x, cols)
+        _best, idx, v, pair = take_best(pair, x, cols)
         w = tl.where(masked_row, 0.0, tl.exp(v - vmax) / denom)
         tl.store(experts_ptr + out + s, idx.to(tl.int64), mask=row_ok)
         tl.store(weights_ptr + out + s, w.to(weights_ptr.dtype.element_ty), mask=row_ok)
