@@ -58,6 +58,24 @@ def test_adversarial(backend, kind, renormalize):
         assert not torch.isnan(w).any()
 
 
+@pytest.mark.parametrize("kind", ADVERSARIAL_KINDS + ["nan"])
+def test_k1_every_width(backend, kind):
+    # k = 1 is a vectorised argmax in the C++ kernel (8 lanes, then a scalar tail): every width
+    # from 1 to 2 full vectors plus a tail, so ties and NaN fall across lanes and into the tail.
+    widths = range(1, 26) if backend == "triton" else range(1, 42)
+    for E in widths:
+        if kind == "nan":
+            logits = adversarial_logits("ties", 12, E, seed=E)
+            logits[torch.rand(12, E, generator=torch.Generator().manual_seed(E)) < 0.15] = float("nan")
+        else:
+            logits = adversarial_logits(kind, 12, E, seed=E)
+        for renormalize in (True, False):
+            w, e = run(backend, logits, 1, renormalize)
+            w_ref, e_ref = reference.topk_softmax(logits, 1, renormalize)
+            assert torch.equal(e, e_ref), (kind, E, e.flatten(), e_ref.flatten())
+            assert_close(w, w_ref)
+
+
 def test_ties_go_to_lower_index(backend):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [-0.0, 0.0, -1.0, 0.0, -0.0]])
     _, e = run(backend, logits, 3)

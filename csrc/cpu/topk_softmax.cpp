@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "moe_kernels/topk_softmax.h"
+#include "row_argmax.h"
 
 namespace moe_kernels {
 namespace {
@@ -20,13 +22,19 @@ namespace {
 // of all pairs is O(E log k) and wins.
 constexpr int64_t kInsertionMaxK = 16;
 
-// Scan one row into `best` (the k largest rank pairs, descending). Insertion list for k <= 16.
 // Scan one row into `best` (the k largest rank pairs, descending) with an insertion list
 // (k <= kInsertionMaxK). Most elements are rejected by one integer compare against the k-th pair.
-// k = 1 is a plain argmax in float compares (same order: a later equal value never replaces the
-// earlier one, -0 == +0, and the first NaN wins over everything).
+// k = 1 is an argmax: vectorised for contiguous float32 rows, else in float compares (same order:
+// a later equal value never replaces the earlier one, -0 == +0, and the first NaN wins).
 template <typename scalar_t>
 void select_insertion(const scalar_t* row, int64_t stride_e, int64_t E, int k, int64_t* best) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (k == 1 && stride_e == 1) {
+      const int32_t e = row_argmax_f32(row, E);
+      best[0] = rank_pair(row[e], e);
+      return;
+    }
+  }
   if (k == 1) {
     float bv = (float)row[0];
     int64_t bi = 0;
