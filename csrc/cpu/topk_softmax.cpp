@@ -1,5 +1,7 @@
 // Fused top-k selection + softmax on CPU: one pass over each row keeps the k best (value, index)
-// pairs, a second pass (only for renormalize=false) sums the full softmax denominator.
+// pairs, a second pass (only for renormalize=false) sums the full softmax denominator. Contiguous
+// float32 rows use the vectorised argmax / exp-sum of row_vector.h; other rows are converted to a
+// float32 row buffer first where the vectorised pass needs one.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,7 +15,7 @@
 #include <vector>
 
 #include "moe_kernels/topk_softmax.h"
-#include "row_argmax.h"
+#include "row_vector.h"
 
 namespace moe_kernels {
 namespace {
@@ -53,6 +55,16 @@ void select_insertion(const scalar_t* row, int64_t stride_e, int64_t E, int k, i
     filled = topk_softmax::insert_pair(best, filled, k, rank_pair((float)row[e * stride_e], (int32_t)e));
 }
 
+// The row as contiguous float32: itself when it already is, else converted into `buffer` [E].
+template <typename scalar_t>
+const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* buffer) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (stride_e == 1) return row;
+  }
+  for (int64_t e = 0; e < E; ++e) buffer[e] = (float)row[e * stride_e];
+  return buffer;
+}
+
 template <typename scalar_t>
 void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, stride_e)
                        int64_t stride_t, int64_t stride_e, int64_t begin, int64_t end,
@@ -62,6 +74,7 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
   using topk_softmax::exp_term;
   using topk_softmax::weight;
   std::vector<int64_t> best(k > kInsertionMaxK ? E : k);
+  std::vector<float> row_buffer(renormalize ? 0 : E);
   for (int64_t t = begin; t < end; ++t) {
     const scalar_t* row = logits + t * stride_t;
     if (k <= kInsertionMaxK) {
@@ -76,8 +89,8 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
     float denom = 0.0f;
     if (renormalize) {
       for (int64_t s = 0; s < k; ++s) denom += exp_term((float)row[pair_index(best[s]) * stride_e], vmax);
-    } else {
-      for (int64_t e = 0; e < E; ++e) denom += exp_term((float)row[e * stride_e], vmax);
+    } else if (vmax != -INFINITY) {
+      denom = row_exp_sum_f32(float_row(row, stride_e, E, row_buffer.data()), E, vmax, nullptr);
     }
     for (int64_t s = 0; s < k; ++s) {
       const int32_t e = pair_index(best[s]);
@@ -90,7 +103,8 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
 // Backward: d loss / d logits [T, E] from d loss / d weights [T, k], one pass per row (two for
 // the full softmax), recomputing the weights in float32 from the logits.
 //   renormalize: grad_j = w_j (g_j - sum_s g_s w_s) at the selected j, 0 elsewhere;
-//   full softmax: grad_j = [j selected] g_j p_j - p_j sum_s g_s p_s.
+//   full softmax: grad_j = [j selected] g_j p_j - p_j sum_s g_s p_s, with the row's exp terms
+//   computed once (vectorised) and kept in a row buffer for the second pass.
 template <typename scalar_t, typename grad_t>
 void topk_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
                                 const grad_t* grad_w,     // [T, k] contiguous
@@ -99,31 +113,37 @@ void topk_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_
                                 scalar_t* grad) {         // [T, E] contiguous
   using topk_softmax::exp_term;
   std::vector<float> w(k);
+  std::vector<float> row_buffer(renormalize ? 0 : E), exps(renormalize ? 0 : E);
   for (int64_t t = begin; t < end; ++t) {
     const scalar_t* row = logits + t * stride_t;
     const int64_t* ex = experts + t * k;
     const grad_t* g = grad_w + t * k;
     scalar_t* out = grad + t * E;
     const float vmax = (float)row[ex[0] * stride_e];  // experts[t, 0] is the row max
-    float denom = 0.0f;
+    if (vmax == -INFINITY) {  // a fully masked token: weights 0 whatever the logits, gradient 0
+      std::fill_n(out, E, (scalar_t)0.0f);
+      continue;
+    }
     if (renormalize) {
+      float denom = 0.0f;
       for (int64_t s = 0; s < k; ++s) denom += exp_term((float)row[ex[s] * stride_e], vmax);
-    } else {
-      for (int64_t e = 0; e < E; ++e) denom += exp_term((float)row[e * stride_e], vmax);
-    }
-    float dot = 0.0f;
-    for (int64_t s = 0; s < k; ++s) {
-      w[s] = vmax == -INFINITY ? 0.0f : exp_term((float)row[ex[s] * stride_e], vmax) / denom;
-      dot += (float)g[s] * w[s];
-    }
-    if (renormalize) {
+      float dot = 0.0f;
+      for (int64_t s = 0; s < k; ++s) {
+        w[s] = exp_term((float)row[ex[s] * stride_e], vmax) / denom;
+        dot += (float)g[s] * w[s];
+      }
       std::fill_n(out, E, (scalar_t)0.0f);
       for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)(w[s] * ((float)g[s] - dot));
     } else {
-      const bool masked = vmax == -INFINITY;
-      for (int64_t e = 0; e < E; ++e)
-        out[e] = (scalar_t)(masked ? 0.0f : -exp_term((float)row[e * stride_e], vmax) / denom * dot);
-      for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((float)out[ex[s]] + (float)g[s] * w[s]);
+      const float inv = 1.0f / row_exp_sum_f32(float_row(row, stride_e, E, row_buffer.data()), E, vmax, exps.data());
+      float dot = 0.0f;
+      for (int64_t s = 0; s < k; ++s) dot += (float)g[s] * (exps[ex[s]] * inv);
+      const float scale = -inv * dot;
+      for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(exps[e] * scale);
+      for (int64_t s = 0; s < k; ++s) {
+        const float p = exps[ex[s]] * inv;
+        out[ex[s]] = (scalar_t)((float)g[s] * p - p * dot);
+      }
     }
   }
 }

@@ -1,0 +1,118 @@
+// row_vector.h's primitives. GCC vector extensions with target_clones: an AVX2 body and a
+// baseline (SSE2) body of the same source, chosen once at load time, so the extension still runs
+// on any x86-64 while machines with AVX2 use it.
+#include "row_vector.h"
+
+#include <climits>
+#include <cmath>
+#include <cstring>
+
+#include "moe_kernels/common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MK_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MK_VECTOR_CLONES
+#endif
+
+namespace moe_kernels {
+namespace {
+
+constexpr int kLanes = 8;
+typedef int32_t lanes_i32 __attribute__((vector_size(4 * kLanes)));
+typedef float lanes_f32 __attribute__((vector_size(4 * kLanes)));
+
+inline lanes_f32 load(const float* p) {
+  lanes_f32 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// exp(x) for x <= 0 (or NaN), lane-wise: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
+// polynomial (Cephes' expf coefficients), 2^n built in the exponent bits. Below -87 the result
+// is 0 (2^n would leave the normal range; such terms are invisible next to the max's 1).
+inline lanes_f32 exp_nonpositive(lanes_f32 x) {
+  const lanes_f32 xc = x < -87.0f ? (lanes_f32){} - 87.0f : x;  // NaN compares false: kept
+  const float round_magic = 12582912.0f;                          // 1.5 * 2^23: round to integer
+  const lanes_f32 t = xc * 1.44269504088896341f + round_magic;
+  const lanes_f32 n = t - round_magic;
+  lanes_f32 r = xc - n * 0.693359375f;  // ln2 split in two so n * ln2_hi is exact
+  r = r - n * -2.12194440e-4f;
+  lanes_f32 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  lanes_i32 t_bits;
+  std::memcpy(&t_bits, &t, sizeof t_bits);
+  const lanes_i32 scale_bits = ((t_bits - 0x4b400000) + 127) << 23;  // (n + 127) << 23
+  lanes_f32 scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  const lanes_f32 e = p * scale;
+  return x < -87.0f ? (lanes_f32){} : e;
+}
+
+}  // namespace
+
+MK_VECTOR_CLONES
+int32_t row_argmax_f32(const float* row, int64_t E) {
+  // Lane l sees the elements l, l + 8, l + 16, ... in order and keeps the first of its largest
+  // keys (strict >); the lanes are merged by key, then by the lower index.
+  lanes_i32 best_key = {INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN};
+  lanes_i32 best_index = {0, 1, 2, 3, 4, 5, 6, 7};
+  lanes_i32 index = best_index;
+  int64_t e = 0;
+  for (; e + kLanes <= E; e += kLanes) {
+    const lanes_f32 v = load(row + e) + 0.0f;  // -0 -> +0, as rank_key does
+    lanes_i32 bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    // rank_key, lane-wise: negative floats flip their magnitude bits; NaN is the largest key.
+    lanes_i32 key = bits < 0 ? bits ^ 0x7fffffff : bits;
+    key = v != v ? (lanes_i32){} + 0x7fffffff : key;
+    const lanes_i32 better = key > best_key;
+    best_key = better ? key : best_key;
+    best_index = better ? index : best_index;
+    index += kLanes;
+  }
+  int32_t key = INT_MIN, arg = 0;
+  for (int l = 0; l < kLanes && e > 0; ++l) {
+    if (best_key[l] > key || (best_key[l] == key && best_index[l] < arg)) {
+      key = best_key[l];
+      arg = best_index[l];
+    }
+  }
+  for (; e < E; ++e) {  // the tail: later indices than every lane's, so strict > keeps ties right
+    const int32_t k = rank_key(row[e]);
+    if (k > key) {  // every key is above INT_MIN (-inf's is not INT_MIN), so e = 0 always enters
+      key = k;
+      arg = (int32_t)e;
+    }
+  }
+  return arg;
+}
+
+MK_VECTOR_CLONES
+float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps) {
+  lanes_f32 sum = {};
+  int64_t e = 0;
+  for (; e + kLanes <= E; e += kLanes) {
+    const lanes_f32 term = exp_nonpositive(load(row + e) - vmax);
+    if (exps != nullptr) std::memcpy(exps + e, &term, sizeof term);
+    sum += term;
+  }
+  if (e < E) {  // the tail through one padded vector: the same arithmetic as the other terms
+    float pad[kLanes];
+    for (int l = 0; l < kLanes; ++l) pad[l] = e + l < E ? row[e + l] : -INFINITY;
+    const lanes_f32 term = exp_nonpositive(load(pad) - vmax);
+    for (int l = 0; e + l < E; ++l) {
+      if (exps != nullptr) exps[e + l] = term[l];
+    }
+    sum += term;
+  }
+  float total = 0.0f;
+  for (int l = 0; l < kLanes; ++l) total += sum[l];
+  return total;
+}
+
+}  // namespace moe_kernels

@@ -1,0 +1,18 @@
+// Vectorised primitives over one contiguous float32 row, for the row-per-token routing kernels
+// (topk_softmax). Their scalar loops spend their time on data-dependent branches (the argmax) and
+// libm expf calls (the softmax denominators); these bodies have neither.
+#pragma once
+#include <cstdint>
+
+namespace moe_kernels {
+
+// Index of the largest element of row[0 .. E) in the routing ops' rank order (rank_key in
+// moe_kernels/common.h: NaN highest, -0 == +0, ties to the lower index). E >= 1.
+int32_t row_argmax_f32(const float* row, int64_t E);
+
+// sum over e of exp(row[e] - vmax); also stores each term to exps[e] when exps is not null.
+// vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and sum).
+// Terms below exp(-87) (including those of -inf logits) are 0. Error: a few ulp per term.
+float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps);
+
+}  // namespace moe_kernels
