@@ -1,5 +1,7 @@
 """topk_softmax on CPU: the C++ kernel vs the reference vs the plain PyTorch sequence
-(softmax -> topk -> renormalise), forward, and forward+backward.
+(softmax -> topk -> renormalise), forward, and forward+backward. Rows with `full` in the config are
+renormalize=False (the Switch / GShard convention: the full-softmax probabilities of the selected
+experts), against the same sequence without the renormalisation.
 
     .venv/bin/python bench/bench_topk_softmax.py [--quick]
 """
@@ -18,17 +20,18 @@ from moe_kernels import reference  # noqa: E402
 from moe_kernels.ops import topk_softmax  # noqa: E402
 
 
-def torch_sequence(logits, k):
-    """What MoE code usually writes (Mixtral / HF): softmax, topk, renormalise."""
+def torch_sequence(logits, k, renormalize=True):
+    """What MoE code usually writes (Mixtral / HF): softmax, topk, renormalise (Switch: no renormalise)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
 
 
 PROVIDERS = {
-    "moe_kernels": lambda x, k: topk_softmax(x, k),
-    "reference": lambda x, k: reference.topk_softmax(x, k),
+    "moe_kernels": topk_softmax,
+    "reference": reference.topk_softmax,
     "torch sequence": torch_sequence,
 }
 
@@ -38,19 +41,24 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     args = parser.parse_args()
     grid = (
-        [(4096, 8, 2)]
+        [(4096, 8, 2, True), (4096, 8, 2, False)]
         if args.quick
-        else [(T, E, k) for T in (4096, 65536) for E in (8, 64, 256) for k in (1, 2, 8) if k <= E]
+        else [(T, E, k, True) for T in (4096, 65536) for E in (8, 64, 256) for k in (1, 2, 8) if k <= E]
+        + [(65536, E, k, False) for E in (8, 64, 256) for k in (1, 2, 8) if k <= E]
     )
     print(f"backend: {moe_kernels.backends()['topk_softmax']}")
     rows = []
-    for T, E, k in grid:
+    for T, E, k, renormalize in grid:
         x = torch.randn(T, E)
-        config = {"T": T, "E": E, "k": k}
+        config = {"T": T, "E": E, "k": k} | ({} if renormalize else {"full": 1})
         for name, fn in PROVIDERS.items():
             rows.append(
                 measure(
-                    "topk_softmax", name, lambda fn=fn: fn(x, k), config=config, bytes_moved=x.numel() * 4 + T * k * 12
+                    "topk_softmax",
+                    name,
+                    lambda fn=fn: fn(x, k, renormalize),
+                    config=config,
+                    bytes_moved=x.numel() * 4 + T * k * 12,
                 )
             )
         for name, fn in PROVIDERS.items():
@@ -59,7 +67,7 @@ def main():
 
             def step(fn=fn):
                 xg.grad = None
-                fn(xg, k)[0].backward(g)
+                fn(xg, k, renormalize)[0].backward(g)
 
             rows.append(measure("topk_softmax", name, step, config=config, mode="fwd+bwd"))
     report(
