@@ -58,11 +58,14 @@ def test_adversarial(backend, kind, renormalize):
         assert not torch.isnan(w).any()
 
 
+@pytest.mark.parametrize("k", [1, 2, 5])
 @pytest.mark.parametrize("kind", ADVERSARIAL_KINDS + ["nan"])
-def test_k1_every_width(backend, kind):
-    # k = 1 is a vectorised argmax in the C++ kernel (8 lanes, then a scalar tail): every width
-    # from 1 to 2 full vectors plus a tail, so ties and NaN fall across lanes and into the tail.
-    widths = range(1, 26) if backend == "triton" else range(1, 42)
+def test_every_width(backend, kind, k):
+    # The C++ kernel scans contiguous float32 rows 8 lanes at a time (k = 1: a vector argmax;
+    # k >= 2: chunks compared against the k-th key, then the insertion list), then a scalar tail.
+    # Every width up to two full vectors plus a tail, so ties and NaN fall across lanes, chunks
+    # and the tail.
+    widths = range(k, 26) if backend == "triton" else range(k, 42)
     for E in widths:
         if kind == "nan":
             logits = adversarial_logits("ties", 12, E, seed=E)
@@ -70,9 +73,9 @@ def test_k1_every_width(backend, kind):
         else:
             logits = adversarial_logits(kind, 12, E, seed=E)
         for renormalize in (True, False):
-            w, e = run(backend, logits, 1, renormalize)
-            w_ref, e_ref = reference.topk_softmax(logits, 1, renormalize)
-            assert torch.equal(e, e_ref), (kind, E, e.flatten(), e_ref.flatten())
+            w, e = run(backend, logits, k, renormalize)
+            w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
+            assert torch.equal(e, e_ref), (kind, E, e, e_ref)
             assert_close(w, w_ref)
 
 

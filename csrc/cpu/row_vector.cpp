@@ -8,6 +8,11 @@
 #include <cstring>
 
 #include "moe_kernels/common.h"
+#include "moe_kernels/topk_softmax.h"
+
+// The lane helpers below pass 256-bit vectors by value; GCC warns that the default (non-AVX) clone
+// would pass them differently from an AVX one. They are always inlined, so no such call exists.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MK_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
@@ -26,6 +31,23 @@ inline lanes_f32 load(const float* p) {
   lanes_f32 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// rank_key (moe_kernels/common.h), lane-wise: -0 -> +0, negative floats flip their magnitude
+// bits, NaN is the largest key.
+inline lanes_i32 rank_keys(lanes_f32 v) {
+  v = v + 0.0f;
+  lanes_i32 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const lanes_i32 key = bits < 0 ? bits ^ 0x7fffffff : bits;
+  return v != v ? (lanes_i32){} + 0x7fffffff : key;
+}
+
+// The largest lane of x, in three shuffle + max steps.
+inline int32_t max_lane(lanes_i32 x) {
+  x = x > __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3}) ? x : __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
+  x = x > __builtin_shuffle(x, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5}) ? x : __builtin_shuffle(x, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5});
+  return x[0] > x[1] ? x[0] : x[1];
 }
 
 // exp(x) for x <= 0 (or NaN), lane-wise: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
@@ -64,12 +86,7 @@ int32_t row_argmax_f32(const float* row, int64_t E) {
   lanes_i32 index = best_index;
   int64_t e = 0;
   for (; e + kLanes <= E; e += kLanes) {
-    const lanes_f32 v = load(row + e) + 0.0f;  // -0 -> +0, as rank_key does
-    lanes_i32 bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    // rank_key, lane-wise: negative floats flip their magnitude bits; NaN is the largest key.
-    lanes_i32 key = bits < 0 ? bits ^ 0x7fffffff : bits;
-    key = v != v ? (lanes_i32){} + 0x7fffffff : key;
+    const lanes_i32 key = rank_keys(load(row + e));
     const lanes_i32 better = key > best_key;
     best_key = better ? key : best_key;
     best_index = better ? index : best_index;
@@ -90,6 +107,28 @@ int32_t row_argmax_f32(const float* row, int64_t E) {
     }
   }
   return arg;
+}
+
+MK_VECTOR_CLONES
+void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
+  using topk_softmax::insert_pair;
+  int filled = 0;
+  int64_t e = 0;
+  for (; e < k; ++e) filled = insert_pair(best, filled, k, rank_pair(row[e], (int32_t)e));
+  // Every later element has a higher index than the list's, so only a strictly larger key can
+  // enter: an equal key loses its tie.
+  int32_t threshold = (int32_t)(best[k - 1] >> 32);
+  for (; e + kLanes <= E; e += kLanes) {
+    const lanes_i32 key = rank_keys(load(row + e));
+    if (max_lane(key) <= threshold) continue;  // the common case once the list is warm
+    for (int l = 0; l < kLanes; ++l) {
+      if (key[l] > threshold) {
+        insert_pair(best, k, k, rank_pair(row[e + l], (int32_t)(e + l)));
+        threshold = (int32_t)(best[k - 1] >> 32);
+      }
+    }
+  }
+  for (; e < E; ++e) insert_pair(best, k, k, rank_pair(row[e], (int32_t)e));
 }
 
 MK_VECTOR_CLONES

@@ -10,6 +10,11 @@ namespace moe_kernels {
 // moe_kernels/common.h: NaN highest, -0 == +0, ties to the lower index). E >= 1.
 int32_t row_argmax_f32(const float* row, int64_t E);
 
+// The k largest (value, index) rank pairs of row[0 .. E) into best[0 .. k), descending (rank_pair
+// of common.h), for 1 <= k <= E. Chunks of 8 are compared against the k-th key in one vector
+// compare; only chunks holding a larger key go through the insertion list (topk_softmax.h).
+void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
+
 // sum over e of exp(row[e] - vmax); also stores each term to exps[e] when exps is not null.
 // vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and sum).
 // Terms below exp(-87) (including those of -inf logits) are 0. Error: a few ulp per term.

@@ -25,15 +25,20 @@ namespace {
 constexpr int64_t kInsertionMaxK = 16;
 
 // Scan one row into `best` (the k largest rank pairs, descending) with an insertion list
-// (k <= kInsertionMaxK). Most elements are rejected by one integer compare against the k-th pair.
-// k = 1 is an argmax: vectorised for contiguous float32 rows, else in float compares (same order:
-// a later equal value never replaces the earlier one, -0 == +0, and the first NaN wins).
+// (k <= kInsertionMaxK). Most elements are rejected by one integer compare against the k-th pair
+// (contiguous float32 rows: by one vector compare per 8, row_vector.h). k = 1 is an argmax, in
+// float compares for other rows (same order: a later equal value never replaces the earlier one,
+// -0 == +0, and the first NaN wins).
 template <typename scalar_t>
 void select_insertion(const scalar_t* row, int64_t stride_e, int64_t E, int k, int64_t* best) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    if (k == 1 && stride_e == 1) {
-      const int32_t e = row_argmax_f32(row, E);
-      best[0] = rank_pair(row[e], e);
+    if (stride_e == 1) {
+      if (k == 1) {
+        const int32_t e = row_argmax_f32(row, E);
+        best[0] = rank_pair(row[e], e);
+      } else {
+        row_topk_f32(row, E, k, best);
+      }
       return;
     }
   }
