@@ -223,8 +223,9 @@ namespace moe_kernels {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at::Tensor& scores, int64_t capacity) {
-  TORCH_CHECK(scores.dim() == 2 && scores.size(1) >= 1 && capacity >= 1 && capacity * scores.size(1) >= scores.size(0) &&
-                  scores.size(0) < INT32_MAX && scores.size(1) < INT32_MAX,
+  TORCH_CHECK(scores.dim() == 2 && scores.size(1) >= 1 && capacity >= 1 &&
+                  capacity * scores.size(1) >= scores.size(0) && scores.size(0) < INT32_MAX &&
+                  scores.size(1) < INT32_MAX,
               "balanced_assignment: bad arguments");
   const c10::cuda::CUDAGuard guard(scores.device());
   const int64_t n = scores.size(0), k = scores.size(1);

@@ -66,9 +66,15 @@ struct BlockExec {
     __syncthreads();  // red is reused by the next reduction
     return out;
   }
-  __device__ double reduce_min(double v) const { return reduce(v, ba::inf(), [](double a, double b) { return a < b ? a : b; }); }
-  __device__ double reduce_max(double v) const { return reduce(v, -ba::inf(), [](double a, double b) { return a > b ? a : b; }); }
-  __device__ double reduce_sum(double v) const { return reduce(v, 0.0, [](double a, double b) { return a + b; }); }
+  __device__ double reduce_min(double v) const {
+    return reduce(v, ba::inf(), [](double a, double b) { return a < b ? a : b; });
+  }
+  __device__ double reduce_max(double v) const {
+    return reduce(v, -ba::inf(), [](double a, double b) { return a > b ? a : b; });
+  }
+  __device__ double reduce_sum(double v) const {
+    return reduce(v, 0.0, [](double a, double b) { return a + b; });
+  }
 
   // out[0..n] = exclusive prefix sums of in[0..n) (out[n] = total), blockDim.x entries at a time:
   // a warp scan, then a scan of the warp totals, plus the carry of the previous chunks.
