@@ -26,8 +26,8 @@ constexpr int kMaxWarps = kSolverThreads / kWarp;
 // __launch_bounds__(threads, 1) everywhere: without the minimum of one block per SM, ptxas 13 for
 // sm_90 caps the registers of move_costs / auction (float) low enough to spill.
 // Rounds enqueued between two reads of the done flag: 4, then doubling up to 64. Randn scores
-// take 1-6 rounds at the benchmark sizes and up to 40 with free slots (counted by the host
-// emulation), so one to four reads; at most about half the enqueued rounds are no-ops.
+// take 1-6 rounds at the benchmark sizes, tens with many free slots (30-90 seen in the host
+// emulation), so one to five reads; at most about half the enqueued rounds are no-ops.
 constexpr int kFirstBatch = 4, kMaxBatch = 64;
 // A guard against a solver bug, far above any count seen.
 constexpr int64_t kMaxRounds = int64_t(1) << 16;
