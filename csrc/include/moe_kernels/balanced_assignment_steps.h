@@ -266,6 +266,8 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
       }
       ex.barrier();
     }
+    // Every thread has read kQueued = 0 before the leader sets it for the next phase.
+    ex.barrier();
     eps /= kDeviceEpsFactor;
   }
   group_tokens(ex, P, W);
