@@ -216,3 +216,42 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
 }
 
 }  // namespace moe_kernels
+
+// Exact balanced assignment (csrc/cuda/balanced_assignment.cu). float16 / bfloat16 scores are
+// solved in float32 (exact), as on the CPU. Synchronises the stream (the solver's done flag).
+namespace moe_kernels {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at::Tensor& scores, int64_t capacity) {
+  TORCH_CHECK(scores.dim() == 2 && scores.size(1) >= 1 && capacity >= 1 &&
+                  capacity * scores.size(1) >= scores.size(0) && scores.size(0) < INT32_MAX &&
+                  scores.size(1) < INT32_MAX,
+              "balanced_assignment: bad arguments");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  const int64_t n = scores.size(0), k = scores.size(1);
+  const bool f64 = scores.scalar_type() == at::kDouble;
+  const at::Tensor x = f64 ? scores.contiguous() : scores.to(at::kFloat).contiguous();
+  auto experts = at::empty({n}, scores.options().dtype(at::kLong));
+  auto value = at::zeros({}, scores.options().dtype(at::kDouble));
+  auto dist = at::full({k, k}, INFINITY, scores.options().dtype(at::kDouble)).fill_diagonal_(0.0);
+  if (n == 0) return {experts, value, dist};
+  auto workspace = at::empty({(int64_t)balanced_assignment_cuda_workspace(n, k, capacity)},
+                             scores.options().dtype(at::kByte));
+  bool converged = false;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  check_launch(f64 ? balanced_assignment_cuda(x.const_data_ptr<double>(), n, k, capacity, workspace.mutable_data_ptr(),
+                                              experts.mutable_data_ptr<int64_t>(), value.mutable_data_ptr<double>(),
+                                              dist.mutable_data_ptr<double>(), &converged, stream)
+                   : balanced_assignment_cuda(x.const_data_ptr<float>(), n, k, capacity, workspace.mutable_data_ptr(),
+                                              experts.mutable_data_ptr<int64_t>(), value.mutable_data_ptr<double>(),
+                                              dist.mutable_data_ptr<double>(), &converged, stream),
+               "balanced_assignment");
+  TORCH_CHECK(converged, "balanced_assignment: the CUDA solver hit a guard (auction iterations or rounds); a bug");
+  return {experts, value, dist};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("balanced_assignment", &balanced_assignment_gpu); }
+
+}  // namespace moe_kernels

@@ -100,36 +100,6 @@ struct Solver {
   }
 };
 
-// Nodes of the recorded path u -> v, without v (appended to out).
-void path(const std::vector<int32_t>& nxt, int64_t N, int64_t u, int64_t v, std::vector<int64_t>& out) {
-  out.push_back(u);
-  while (nxt[u * N + v] != v) {
-    u = nxt[u * N + v];
-    out.push_back(u);
-  }
-}
-
-// See reference.split_negative_cycle.
-bool split_negative_cycle(const std::vector<int64_t>& walk, const std::vector<double>& w, int64_t N,
-                          double tol, std::vector<int64_t>& cycle) {
-  std::vector<int64_t> stack, pos(N, -1);
-  for (size_t t = 0; t <= walk.size(); ++t) {
-    const int64_t v = walk[t % walk.size()];
-    if (pos[v] >= 0) {
-      cycle.assign(stack.begin() + pos[v], stack.end());
-      double cost = 0.0;
-      for (size_t q = 0; q < cycle.size(); ++q) cost += w[cycle[q] * N + cycle[(q + 1) % cycle.size()]];
-      if (cost < -tol) return true;
-      for (size_t q = 1; q < cycle.size(); ++q) pos[cycle[q]] = -1;
-      stack.resize(pos[v] + 1);
-    } else {
-      pos[v] = (int64_t)stack.size();
-      stack.push_back(v);
-    }
-  }
-  return false;
-}
-
 // See reference.floyd_warshall_cycles. dist / nxt are filled in place from w.
 void floyd_warshall_cycles(const std::vector<double>& w, int64_t N, double tol, std::vector<double>& dist,
                            std::vector<int32_t>& nxt, std::vector<std::vector<int64_t>>& cycles) {
@@ -139,26 +109,14 @@ void floyd_warshall_cycles(const std::vector<double>& w, int64_t N, double tol, 
     for (int64_t v = 0; v < N; ++v)
       if (w[u * N + v] < ba::inf()) nxt[u * N + v] = (int32_t)v;
   std::vector<char> blocked(N, 0);
-  std::vector<int64_t> walk, cyc;
+  std::vector<int32_t> walk(2 * N), stack(N), pos(N), cyc(N);
   for (int64_t m = 0; m < N; ++m) {
     if (blocked[m]) continue;
-    bool closing = false;
-    for (int64_t u = 0; u < N; ++u) {
-      if (u == m || blocked[u] || !ba::closes_negative_cycle(dist.data(), N, u, m, tol)) continue;
-      closing = true;
-      walk.clear();
-      path(nxt, N, u, m, walk);
-      path(nxt, N, m, u, walk);
-      bool touches = false;
-      for (int64_t v : walk) touches |= blocked[v] != 0;
-      if (touches) continue;
-      if (split_negative_cycle(walk, w, N, tol, cyc)) {
-        for (int64_t v : cyc) blocked[v] = 1;
-        cycles.push_back(cyc);
-        break;
-      }
-    }
-    if (closing) {
+    const int64_t len = ba::cycle_through(m, N, dist.data(), nxt.data(), w.data(), tol, blocked.data(), walk.data(),
+                                          stack.data(), pos.data(), cyc.data());
+    if (len >= 0) {  // m closes a negative cycle: take it if usable, never relax through m
+      for (int64_t q = 0; q < len; ++q) blocked[cyc[q]] = 1;
+      if (len > 0) cycles.emplace_back(cyc.begin(), cyc.begin() + len);
       blocked[m] = 1;
       continue;
     }
@@ -171,7 +129,7 @@ void floyd_warshall_cycles(const std::vector<double>& w, int64_t N, double tol, 
       int32_t* nu = nxt.data() + u * N;
       const int32_t num = nu[m];
       // Two single-width loops vectorise where one mixed double/int32 loop does not.
-      for (int64_t v = 0; v < N; ++v) nu[v] = dum + dm[v] < du[v] ? num : nu[v];
+      for (int64_t v = 0; v < N; ++v) nu[v] = ba::improves(dum, dm[v], du[v]) ? num : nu[v];
       for (int64_t v = 0; v < N; ++v) du[v] = std::min(du[v], dum + dm[v]);
     }
   }
@@ -213,15 +171,8 @@ double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t*
     std::copy(start.begin(), start.end() - 1, fill.begin());
     for (int64_t i = 0; i < n; ++i) tokens[fill[S.z[i]]++] = i;
     S.move_costs(d, start, tokens, rows);
-    for (int64_t a = 0; a < k; ++a)
-      for (int64_t b = 0; b < k; ++b) w[a * N + b] = d[a * k + b];
-    if (slack) {
-      for (int64_t j = 0; j < k; ++j) {
-        w[j * N + k] = counts[j] < capacity ? 0.0 : ba::inf();
-        w[k * N + j] = counts[j] > 0 ? 0.0 : ba::inf();
-      }
-      w[k * N + k] = 0.0;
-    }
+    for (int64_t a = 0; a < N; ++a)
+      for (int64_t b = 0; b < N; ++b) w[a * N + b] = ba::residual_weight(a, b, k, d.data(), counts.data(), capacity);
     cycles.clear();
     floyd_warshall_cycles(w, N, S.tol, dist, nxt, cycles);
     if (cycles.empty()) break;

@@ -1,8 +1,9 @@
 """moe_kernels.ops.balanced_assignment: exact capacity-constrained token-to-expert assignment.
 
-Implementations: reference (moe_kernels/reference/balanced_assignment.py) and C++ CPU
-(csrc/cpu/balanced_assignment.cpp, the fast path). No GPU kernel yet: CUDA tensors run the
-reference (docs/balanced_assignment.md). backends.py chooses among them.
+Implementations: reference (moe_kernels/reference/balanced_assignment.py), C++ CPU
+(csrc/cpu/balanced_assignment.cpp, the fast path here) and CUDA (csrc/cuda/balanced_assignment.cu,
+compiled and host-emulated here, never run on a GPU: docs/balanced_assignment.md). No Triton
+kernel. backends.py chooses among them.
 """
 
 import math
@@ -28,7 +29,7 @@ if backends._extension.defines("balanced_assignment"):
         )
 
 
-backends.register("balanced_assignment", torch=reference.balanced_assignment, cpu=_cpp)
+backends.register("balanced_assignment", torch=reference.balanced_assignment, cpu=_cpp, cuda=_cpp)
 
 
 def check_scores(name: str, scores, capacity):
@@ -42,7 +43,7 @@ def check_scores(name: str, scores, capacity):
     _validate.integer("capacity", capacity, low=1)
     if capacity * k < n:
         raise ValueError(f"capacity * k must be >= n (every token needs a slot), got {capacity} * {k} < {n}")
-    # A host sync, but the solver is sequential on the host anyway.
+    # A host sync; the CUDA solver synchronises anyway (its done flag), the others run on the host.
     if n and not bool(torch.isfinite(scores).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
     return capacity

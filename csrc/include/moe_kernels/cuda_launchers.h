@@ -65,3 +65,20 @@ cudaError_t combine_weights_grad_cuda(const void* grad_y, const void* buffer, DT
                                       const int64_t* positions, float* grad_weights, cudaStream_t stream);
 
 }  // namespace moe_kernels
+
+namespace moe_kernels {
+
+// Exact balanced assignment (csrc/cuda/balanced_assignment.cu). scores [n, k] contiguous;
+// experts [n] int64, value 0-dim float64, distances [k, k] float64 (written only on success);
+// workspace: balanced_assignment_cuda_workspace(n, k, capacity) bytes. Requires n, k < 2^31,
+// capacity * k >= n, finite scores. Synchronises `stream` once per few rounds (the done flag).
+// *converged = false (outputs unwritten) if a guard tripped: the auction or the round cap.
+size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity);
+cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
+                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     cudaStream_t stream);
+cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
+                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     cudaStream_t stream);
+
+}  // namespace moe_kernels

@@ -1,0 +1,194 @@
+// Exact balanced assignment on CUDA: the CPU kernel's algorithm (auction warm start, then cycle
+// cancelling with Floyd-Warshall over the experts + the free-slot node) with the device doing
+// every round. The phases live in moe_kernels/balanced_assignment_steps.h (run on the host by the
+// emulation test); this file supplies the block executor, the kernels and the host loop.
+//   auction_kernel       1 block: score range, parallel (Jacobi) auction phases, token grouping
+//   move_costs_kernel    k blocks: row j of d, a min-reduction over the tokens of expert j
+//   cancel_cycles_kernel 1 block: Floyd-Warshall (N steps of N x N relaxations), cycles, moves
+//   finish_kernel        1 block: experts (int64) and the value
+// A round is move_costs + cancel_cycles; both return at once when the done flag (device memory)
+// is set, so the host enqueues rounds in batches (4, 8, 16, ...) and reads the flag once per
+// batch: no host round trip per round. docs/balanced_assignment.md explains the choices.
+#include <cuda_runtime.h>
+
+#include "warp.cuh"
+#include "moe_kernels/balanced_assignment_steps.h"
+#include "moe_kernels/cuda_launchers.h"
+
+namespace moe_kernels {
+namespace {
+
+namespace ba = balanced_assignment;
+
+constexpr int kSolverThreads = 512;  // the single-block kernels
+constexpr int kMoveThreads = 256;    // move_costs_kernel: lanes of tokens x columns
+constexpr int kMaxWarps = kSolverThreads / kWarp;
+// __launch_bounds__(threads, 1) everywhere: without the minimum of one block per SM, ptxas 13 for
+// sm_90 caps the registers of move_costs / auction (float) low enough to spill.
+// Rounds enqueued between two reads of the done flag: 4, then doubling up to 64. Randn scores
+// take 1-6 rounds at the benchmark sizes, tens with many free slots (30-90 seen in the host
+// emulation), so one to five reads; at most about half the enqueued rounds are no-ops.
+constexpr int kFirstBatch = 4, kMaxBatch = 64;
+// A guard against a solver bug, far above any count seen.
+constexpr int64_t kMaxRounds = int64_t(1) << 16;
+
+// The Exec of balanced_assignment_steps.h for one CUDA block. `red` and `scan` point to shared
+// memory of the kernel.
+struct BlockExec {
+  double* red;       // [kMaxWarps + 1]
+  int32_t* scan;     // [kMaxWarps + 1]
+
+  __device__ int64_t threads() const { return blockDim.x; }
+  __device__ bool leader() const { return threadIdx.x == 0; }
+  __device__ void barrier() const { __syncthreads(); }
+  __device__ bool any(bool v) const { return __syncthreads_or(v) != 0; }
+  __device__ int32_t atomic_add(int32_t* p, int32_t v) const { return atomicAdd(p, v); }
+
+  template <class F>
+  __device__ void for_each(int64_t count, F&& f) const {
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) f(i);
+  }
+
+  // Block-wide reduction by `op` (identity `id`); every thread gets the result.
+  template <class Op>
+  __device__ double reduce(double v, double id, Op op) const {
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      double x = lane < warps ? red[lane] : id;
+      for (int offset = kWarp / 2; offset > 0; offset /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, offset));
+      if (lane == 0) red[kMaxWarps] = x;
+    }
+    __syncthreads();
+    const double out = red[kMaxWarps];
+    __syncthreads();  // red is reused by the next reduction
+    return out;
+  }
+  __device__ double reduce_min(double v) const {
+    return reduce(v, ba::inf(), [](double a, double b) { return a < b ? a : b; });
+  }
+  __device__ double reduce_max(double v) const {
+    return reduce(v, -ba::inf(), [](double a, double b) { return a > b ? a : b; });
+  }
+  __device__ double reduce_sum(double v) const {
+    return reduce(v, 0.0, [](double a, double b) { return a + b; });
+  }
+
+  // out[0..n] = exclusive prefix sums of in[0..n) (out[n] = total), blockDim.x entries at a time:
+  // a warp scan, then a scan of the warp totals, plus the carry of the previous chunks.
+  __device__ void exclusive_scan(const int32_t* in, int32_t* out, int64_t n) const {
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+    int32_t carry = 0;
+    for (int64_t base = 0; base < n; base += blockDim.x) {
+      const int64_t i = base + threadIdx.x;
+      const int32_t v = i < n ? in[i] : 0;
+      int32_t inclusive = v;
+      for (int offset = 1; offset < kWarp; offset *= 2) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += up;
+      }
+      if (lane == kWarp - 1) scan[warp] = inclusive;
+      __syncthreads();
+      if (warp == 0) {
+        const int32_t total = lane < warps ? scan[lane] : 0;
+        int32_t prefix = total;
+        for (int offset = 1; offset < kWarp; offset *= 2) {
+          const int32_t up = __shfl_up_sync(0xffffffffu, prefix, offset);
+          if (lane >= offset) prefix += up;
+        }
+        if (lane < warps) scan[lane] = prefix - total;  // exclusive over the warps
+        if (lane == kWarp - 1) scan[kMaxWarps] = prefix;  // the chunk's total
+      }
+      __syncthreads();
+      if (i < n) out[i] = carry + scan[warp] + inclusive - v;
+      carry += scan[kMaxWarps];
+      __syncthreads();  // scan is rewritten by the next chunk
+    }
+    if (threadIdx.x == 0) out[n] = carry;
+    __syncthreads();
+  }
+};
+
+#define MK_BLOCK_EXEC                            \
+  __shared__ double red_shared[kMaxWarps + 1];   \
+  __shared__ int32_t scan_shared[kMaxWarps + 1]; \
+  const BlockExec ex{red_shared, scan_shared}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSolverThreads, 1) auction_kernel(ba::Problem<scalar_t> P, ba::Workspace W) {
+  MK_BLOCK_EXEC;
+  ba::score_stats(ex, P, W);
+  ba::auction(ex, P, W);
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kMoveThreads, 1) move_costs_kernel(ba::Problem<scalar_t> P, ba::Workspace W) {
+  MK_BLOCK_EXEC;
+  __shared__ double part_cost[kMoveThreads];
+  __shared__ int32_t part_token[kMoveThreads];
+  ba::move_costs_row(ex, P, W, blockIdx.x, part_cost, part_token);
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSolverThreads, 1)
+    cancel_cycles_kernel(ba::Problem<scalar_t> P, ba::Workspace W, double* __restrict__ distances) {  // [k, k]
+  MK_BLOCK_EXEC;
+  ba::cancel_cycles(ex, P, W, distances);
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kSolverThreads, 1) finish_kernel(ba::Problem<scalar_t> P, ba::Workspace W,
+                                                                int64_t* __restrict__ experts,  // [n]
+                                                                double* __restrict__ value) {   // 0-dim
+  MK_BLOCK_EXEC;
+  ba::finish(ex, P, W, experts, value);
+}
+
+template <typename scalar_t>
+cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity, void* workspace, int64_t* experts,
+                  double* value, double* distances, bool* converged, cudaStream_t stream) {
+  *converged = false;
+  if (n == 0) return cudaSuccess;
+  const ba::Problem<scalar_t> P{scores, n, k, capacity};
+  ba::Workspace W;
+  ba::workspace_layout(n, k, capacity, workspace, &W);
+  auction_kernel<scalar_t><<<1, kSolverThreads, 0, stream>>>(P, W);
+  int32_t flags[2] = {0, 0};  // kDone, kFailed
+  for (int64_t round = 0, batch = kFirstBatch; round < kMaxRounds && !flags[ba::kDone];
+       batch = batch < kMaxBatch ? 2 * batch : batch) {
+    for (int64_t r = 0; r < batch; ++r, ++round) {
+      move_costs_kernel<scalar_t><<<(unsigned)k, kMoveThreads, 0, stream>>>(P, W);
+      cancel_cycles_kernel<scalar_t><<<1, kSolverThreads, 0, stream>>>(P, W, distances);
+    }
+    cudaError_t err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaMemcpyAsync(flags, W.ints, sizeof(flags), cudaMemcpyDeviceToHost, stream);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (!flags[ba::kDone] || flags[ba::kFailed]) return cudaSuccess;  // *converged stays false
+  finish_kernel<scalar_t><<<1, kSolverThreads, 0, stream>>>(P, W, experts, value);
+  *converged = true;
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity) {
+  return ba::workspace_layout(n, k, capacity, nullptr, nullptr);
+}
+
+cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
+                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     cudaStream_t stream) {
+  return solve(scores, n, k, capacity, workspace, experts, value, distances, converged, stream);
+}
+
+cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
+                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     cudaStream_t stream) {
+  return solve(scores, n, k, capacity, workspace, experts, value, distances, converged, stream);
+}
+
+}  // namespace moe_kernels

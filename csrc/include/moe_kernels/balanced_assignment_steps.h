@@ -1,0 +1,435 @@
+// The phases of the CUDA balanced-assignment solver (csrc/cuda/balanced_assignment.cu), written
+// once over plain arrays and an executor `Exec`, so that the same code runs on the device (Exec =
+// one CUDA block: for_each spreads items over the threads, barrier is __syncthreads) and
+// sequentially on the host (python_tests/emulate/balanced_assignment_cuda.cpp runs every phase
+// with the items of each for_each visited forwards, backwards or shuffled, and checks the result
+// against scipy). docs/balanced_assignment.md describes the design.
+//
+// An Exec provides (all block-uniform calls; `f` must not depend on other items of the same call):
+//   for_each(count, f)          f(i) for i in [0, count), spread over the threads, no barrier
+//   barrier()                   block-wide barrier with memory visibility
+//   leader()                    true on exactly one thread
+//   threads()                   threads of the block (the host reports a virtual width)
+//   any(bool) / reduce_min(double) / reduce_max(double) / reduce_sum(double)
+//                               block-wide; every thread gets the result; include barriers
+//   atomic_add(int32_t* p, v)   returns the old value
+//   exclusive_scan(in, out, n)  out[0..n] = exclusive prefix sums of in[0..n), out[n] = total;
+//                               ends with a barrier
+// Results never depend on the order of the items of a for_each: scatters with atomic_add produce
+// lists in arbitrary order, and everything read from them is a min / max / set under a strict
+// total order (better_move, holder_worse), so the device's output is deterministic.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "moe_kernels/balanced_assignment.h"
+
+#if defined(__CUDACC__)
+#define MK_HD_STEP __host__ __device__
+#else
+#define MK_HD_STEP inline
+#endif
+
+namespace moe_kernels {
+namespace balanced_assignment {
+
+// The auction's epsilon schedule: the CPU kernel's (csrc/cpu/balanced_assignment.cpp, tuned there
+// for its sequential auction), not retuned for the parallel one (no GPU here to time it).
+constexpr double kDeviceEpsStartDiv = 16.0;
+constexpr double kDeviceEpsFactor = 512.0;
+constexpr int kDeviceEpsPhases = 2;
+// A guard, not a tuning knob: a phase of the parallel auction that has not placed every token
+// after this many bidding iterations reports failure instead of hanging the device.
+constexpr int64_t kMaxAuctionIterations = int64_t(1) << 20;
+
+// Slots of Workspace::reals and Workspace::ints.
+enum Real : int { kTol = 0, kSpread = 1, kNumReals = 2 };
+enum Int : int {
+  kDone = 0,        // 1 once a cycle-cancelling pass found no negative cycle (or on failure)
+  kFailed = 1,      // 1 if the auction hit kMaxAuctionIterations
+  kQueued = 2,      // auction: tokens in the current queue
+  kNextQueued = 3,  // auction: tokens evicted this iteration (the next queue)
+  kCycles = 4,      // cycles taken in this pass
+  kCycleNodes = 5,  // their nodes, in total
+  kIterations = 6,  // auction: bidding iterations over all phases (for the emulation's report)
+  kNumInts = 7
+};
+
+template <typename scalar_t>
+struct Problem {
+  const scalar_t* s;  // [n, k] contiguous scores (float or double)
+  int64_t n, k, capacity;
+};
+
+// Device scratch, carved from one allocation by workspace_layout. N = k + 1 nodes (the free-slot
+// node F is always allocated; it is used only when capacity * k > n).
+struct Workspace {
+  double* reals;        // [kNumReals]
+  int32_t* ints;        // [kNumInts]
+  double* prices;       // [k] auction prices, carried across phases
+  int32_t* z;           // [n] expert of each token (-1: unassigned during the auction)
+  double* heap_bid;     // [k, heap_stride] each expert's holders: a bounded heap, worst at the root
+  int32_t* heap_token;  // [k, heap_stride]
+  int32_t* heap_size;   // [k]
+  int32_t* queue[2];    // [n] each: tokens bidding in this iteration / evicted for the next one
+  int32_t* target;      // [n] per queue position: the expert bid for
+  double* bid;          // [n] per queue position: the bid
+  int32_t* bucket;      // [n] queue positions grouped by target expert
+  int32_t* count;       // [k] bids per expert (auction), tokens per expert (cycle cancelling)
+  int32_t* start;       // [k + 1] exclusive prefix sums of count
+  int32_t* cursor;      // [k] scatter cursors
+  int32_t* members;     // [n] tokens grouped by expert (start[j] .. start[j + 1])
+  char* dirty;          // [k] rows of d to recompute (experts whose tokens changed)
+  double* d;            // [k, k] cheapest single move j -> j'
+  int32_t* arg;         // [k, k] its token
+  double* w;            // [N, N] residual graph
+  double* dist;         // [N, N] Floyd-Warshall distances
+  int32_t* nxt;         // [N, N] next node on the recorded path
+  double* col;          // [N] dist[u][m] at the start of step m
+  double* row;          // [N] dist[m][v] at the start of step m
+  int32_t* col_nxt;     // [N] nxt[u][m] at the start of step m
+  char* blocked;        // [N] nodes on a taken cycle (and skipped m) in this pass
+  int32_t* walk;        // [2N] leader-only scratch of cycle_through
+  int32_t* stack;       // [N]
+  int32_t* pos;         // [N]
+  int32_t* cycle;       // [N]
+  int32_t* cycle_nodes; // [N] the nodes of the cycles taken in this pass, cycle after cycle
+  int32_t* cycle_succ;  // [N] index in cycle_nodes of each node's successor on its cycle
+  int64_t heap_stride;  // min(capacity, n) + 1: room for the one extra holder before an eviction
+};
+
+// Bytes of scratch for (n, k, capacity); with base != nullptr also points `ws` into it.
+inline size_t workspace_layout(int64_t n, int64_t k, int64_t capacity, void* base, Workspace* ws) {
+  const int64_t N = k + 1, stride = (capacity < n ? capacity : n) + 1;
+  size_t offset = 0;
+  auto take = [&](auto*& ptr, int64_t count) {
+    using T = typename std::remove_reference<decltype(*ptr)>::type;
+    offset = (offset + 15) / 16 * 16;
+    if (base != nullptr) ptr = reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+    offset += sizeof(T) * (size_t)count;
+  };
+  Workspace local{};
+  Workspace& W = ws != nullptr ? *ws : local;
+  take(W.reals, kNumReals);
+  take(W.ints, kNumInts);
+  take(W.prices, k);
+  take(W.z, n);
+  take(W.heap_bid, k * stride);
+  take(W.heap_token, k * stride);
+  take(W.heap_size, k);
+  take(W.queue[0], n);
+  take(W.queue[1], n);
+  take(W.target, n);
+  take(W.bid, n);
+  take(W.bucket, n);
+  take(W.count, k);
+  take(W.start, k + 1);
+  take(W.cursor, k);
+  take(W.members, n);
+  take(W.dirty, k);
+  take(W.d, k * k);
+  take(W.arg, k * k);
+  take(W.w, N * N);
+  take(W.dist, N * N);
+  take(W.nxt, N * N);
+  take(W.col, N);
+  take(W.row, N);
+  take(W.col_nxt, N);
+  take(W.blocked, N);
+  take(W.walk, 2 * N);
+  take(W.stack, N);
+  take(W.pos, N);
+  take(W.cycle, N);
+  take(W.cycle_nodes, N);
+  take(W.cycle_succ, N);
+  W.heap_stride = stride;
+  return offset;
+}
+
+// Tokens grouped by expert from z: count, start, members (in arbitrary order within an expert).
+template <class Exec, typename scalar_t>
+MK_HD_STEP void group_tokens(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
+  ex.for_each(P.k, [&](int64_t j) { W.count[j] = 0; });
+  ex.barrier();
+  ex.for_each(P.n, [&](int64_t i) { ex.atomic_add(&W.count[W.z[i]], 1); });
+  ex.barrier();
+  ex.exclusive_scan(W.count, W.start, P.k);
+  ex.for_each(P.k, [&](int64_t j) { W.cursor[j] = W.start[j]; });
+  ex.barrier();
+  ex.for_each(P.n, [&](int64_t i) { W.members[ex.atomic_add(&W.cursor[W.z[i]], 1)] = (int32_t)i; });
+  ex.barrier();
+}
+
+// One block. The score range (the epsilon scale) and the cycle tolerance; clears the flags.
+template <class Exec, typename scalar_t>
+MK_HD_STEP void score_stats(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
+  double lo = inf(), hi = -inf(), amax = 0.0;
+  ex.for_each(P.n * P.k, [&](int64_t t) {
+    const double x = (double)P.s[t];
+    lo = x < lo ? x : lo;
+    hi = x > hi ? x : hi;
+    const double a = x < 0 ? -x : x;
+    amax = a > amax ? a : amax;
+  });
+  lo = ex.reduce_min(lo);
+  hi = ex.reduce_max(hi);
+  amax = ex.reduce_max(amax);
+  if (ex.leader()) {
+    double spread = hi - lo;
+    if (!(spread > 0)) spread = 1.0;
+    W.reals[kSpread] = spread;
+    W.reals[kTol] = cycle_tolerance(amax);
+    for (int f = 0; f < kNumInts; ++f) W.ints[f] = 0;
+  }
+  ex.for_each(P.k, [&](int64_t j) { W.prices[j] = 0.0; });
+  ex.barrier();
+}
+
+// One block. Epsilon-scaled auction (kDeviceEpsPhases phases, prices carried over) with parallel
+// Jacobi bidding: every unassigned token bids at once with the prices of the iteration's start
+// (best_two, bid), then every expert takes its bids (holders kept by holder_worse), the evicted
+// tokens bid in the next iteration. Ends with every token placed (z) and grouped by expert, every
+// row of d dirty; sets kFailed (and kDone) if a phase hits kMaxAuctionIterations.
+template <class Exec, typename scalar_t>
+MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
+  const int64_t n = P.n, k = P.k, capacity = P.capacity;
+  double eps = W.reals[kSpread] / kDeviceEpsStartDiv;
+  for (int phase = 0; phase < kDeviceEpsPhases; ++phase) {
+    int32_t* queue = W.queue[0];
+    int32_t* next = W.queue[1];
+    ex.for_each(n, [&](int64_t i) {
+      W.z[i] = -1;
+      queue[i] = (int32_t)i;
+    });
+    ex.for_each(k, [&](int64_t j) { W.heap_size[j] = 0; });
+    if (ex.leader()) W.ints[kQueued] = (int32_t)n;
+    ex.barrier();
+    for (int64_t iteration = 0;; ++iteration) {
+      const int64_t queued = W.ints[kQueued];
+      if (queued == 0) break;
+      if (iteration == kMaxAuctionIterations) {
+        if (ex.leader()) W.ints[kFailed] = W.ints[kDone] = 1;
+        ex.barrier();
+        return;
+      }
+      ex.for_each(k, [&](int64_t j) { W.count[j] = 0; });
+      ex.barrier();
+      // Bids, with the prices as they were at the start of the iteration.
+      ex.for_each(queued, [&](int64_t q) {
+        const int64_t i = queue[q];
+        int64_t j1;
+        double v1, v2;
+        best_two(P.s + i * k, W.prices, k, &j1, &v1, &v2);
+        W.target[q] = (int32_t)j1;
+        W.bid[q] = bid(W.prices[j1], v1, v2, k, eps);
+        ex.atomic_add(&W.count[j1], 1);
+      });
+      if (ex.leader()) W.ints[kNextQueued] = 0;
+      ex.barrier();
+      // Bids grouped by expert.
+      ex.exclusive_scan(W.count, W.start, k);
+      ex.for_each(k, [&](int64_t j) { W.cursor[j] = W.start[j]; });
+      ex.barrier();
+      ex.for_each(queued, [&](int64_t q) { W.bucket[ex.atomic_add(&W.cursor[W.target[q]], 1)] = (int32_t)q; });
+      ex.barrier();
+      // Every expert takes its bids: each joins the bounded heap of holders; while it holds more
+      // than `capacity`, the worst holder is evicted to the next queue. The kept set is the
+      // `capacity` best of (holders + bids) under holder_worse whatever the order of the bids. A
+      // full expert's price is its worst kept bid (as in the sequential auction).
+      ex.for_each(k, [&](int64_t j) {
+        double* bids = W.heap_bid + j * W.heap_stride;
+        int32_t* holders = W.heap_token + j * W.heap_stride;
+        int64_t size = W.heap_size[j];
+        for (int64_t p = W.start[j]; p < W.start[j + 1]; ++p) {
+          const int32_t q = W.bucket[p], i = queue[q];
+          size = heap_push(bids, holders, size, W.bid[q], i);
+          W.z[i] = (int32_t)j;
+          if (size > capacity) {
+            const int32_t out = heap_pop_worst(bids, holders, size);
+            --size;
+            W.z[out] = -1;
+            next[ex.atomic_add(&W.ints[kNextQueued], 1)] = out;
+          }
+        }
+        if (size == capacity) W.prices[j] = bids[0];
+        W.heap_size[j] = (int32_t)size;
+      });
+      ex.barrier();
+      int32_t* const t = queue;
+      queue = next;
+      next = t;
+      if (ex.leader()) {
+        W.ints[kQueued] = W.ints[kNextQueued];
+        W.ints[kIterations] += 1;
+      }
+      ex.barrier();
+    }
+    // Every thread has read kQueued = 0 before the leader sets it for the next phase.
+    ex.barrier();
+    eps /= kDeviceEpsFactor;
+  }
+  group_tokens(ex, P, W);
+  ex.for_each(k, [&](int64_t j) { W.dirty[j] = 1; });
+  ex.barrier();
+}
+
+// One block per expert j: row j of d (d[j][j'] = min over the tokens i of j of s[i][j] - s[i][j'],
+// with the argmin token under better_move; d[j][j] = 0), if the row is dirty. A parallel
+// min-reduction over the tokens: `lanes` groups of threads each scan a strided share of the
+// tokens for every column j', then the lanes are combined. part_cost / part_token: scratch of
+// ex.threads() entries.
+template <class Exec, typename scalar_t>
+MK_HD_STEP void move_costs_row(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W, int64_t j,
+                               double* part_cost, int32_t* part_token) {
+  if (W.ints[kDone] || !W.dirty[j]) return;
+  const int64_t k = P.k, first = W.start[j], size = W.start[j + 1] - first;
+  const int32_t* tokens = W.members + first;
+  // The best move to column jp among tokens lane, lane + lanes, ...
+  auto scan = [&](int64_t jp, int64_t lane, int64_t lanes, double* cost_out, int32_t* token_out) {
+    double best = inf();
+    int32_t best_token = -1;
+    for (int64_t t = lane; t < size; t += lanes) {
+      const int32_t i = tokens[t];
+      const scalar_t* row = P.s + (int64_t)i * k;
+      const double c = move_cost((double)row[j], (double)row[jp]);
+      if (better_move(c, i, best, best_token)) {
+        best = c;
+        best_token = i;
+      }
+    }
+    *cost_out = best;
+    *token_out = best_token;
+  };
+  auto store = [&](int64_t jp, double c, int32_t i) {
+    W.d[j * k + jp] = jp == j ? 0.0 : c;
+    W.arg[j * k + jp] = jp == j ? -1 : i;
+  };
+  const int64_t lanes = ex.threads() >= 2 * k ? ex.threads() / k : 1;
+  if (lanes == 1) {
+    ex.for_each(k, [&](int64_t jp) {
+      double c;
+      int32_t i;
+      scan(jp, 0, 1, &c, &i);
+      store(jp, c, i);
+    });
+  } else {
+    // Item lane * k + jp: consecutive threads read consecutive columns of a token's row.
+    ex.for_each(lanes * k, [&](int64_t item) { scan(item % k, item / k, lanes, &part_cost[item], &part_token[item]); });
+    ex.barrier();
+    ex.for_each(k, [&](int64_t jp) {
+      double best = part_cost[jp];
+      int32_t best_token = part_token[jp];
+      for (int64_t lane = 1; lane < lanes; ++lane) {
+        const double c = part_cost[lane * k + jp];
+        const int32_t i = part_token[lane * k + jp];
+        if (better_move(c, i, best, best_token)) {
+          best = c;
+          best_token = i;
+        }
+      }
+      store(jp, best, best_token);
+    });
+  }
+  ex.barrier();
+  if (ex.leader()) W.dirty[j] = 0;
+}
+
+// One block. One cycle-cancelling pass (reference.floyd_warshall_cycles): the residual graph from
+// d and the counts, then Floyd-Warshall as N steps of N x N parallel relaxations; before step m
+// the threads test in parallel whether some u closes a negative cycle through m, and if so the
+// leader extracts it (cycle_through, sequential: short paths, rare) and m is skipped. Then every
+// token on a cycle edge moves (in parallel: the cycles are disjoint, so movers are distinct), the
+// rows of the touched experts are marked dirty and the tokens regrouped. A pass without a cycle
+// writes d* (dist restricted to the experts) to `distances` [k, k] and sets kDone.
+template <class Exec, typename scalar_t>
+MK_HD_STEP void cancel_cycles(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W, double* distances) {
+  if (W.ints[kDone]) return;
+  const int64_t k = P.k, N = P.n < P.capacity * k ? k + 1 : k;
+  const double tol = W.reals[kTol];
+  ex.for_each(N * N, [&](int64_t c) {
+    const int64_t u = c / N, v = c % N;
+    const double x = residual_weight(u, v, k, W.d, W.count, P.capacity);
+    W.w[c] = x;
+    W.dist[c] = x;
+    W.nxt[c] = x < inf() ? (int32_t)v : -1;
+  });
+  ex.for_each(N, [&](int64_t u) { W.blocked[u] = 0; });
+  if (ex.leader()) W.ints[kCycles] = W.ints[kCycleNodes] = 0;
+  ex.barrier();
+  for (int64_t m = 0; m < N; ++m) {
+    if (W.blocked[m]) continue;
+    bool closing = false;
+    ex.for_each(N, [&](int64_t u) {
+      if (u != m && !W.blocked[u] && closes_negative_cycle(W.dist, N, u, m, tol)) closing = true;
+    });
+    if (ex.any(closing)) {
+      if (ex.leader()) {
+        const int64_t c = cycle_through(m, N, W.dist, W.nxt, W.w, tol, W.blocked, W.walk, W.stack, W.pos, W.cycle);
+        if (c > 0) {
+          const int32_t base = W.ints[kCycleNodes];
+          for (int64_t q = 0; q < c; ++q) {
+            W.cycle_nodes[base + q] = W.cycle[q];
+            W.cycle_succ[base + q] = base + (int32_t)((q + 1) % c);
+            W.blocked[W.cycle[q]] = 1;
+          }
+          W.ints[kCycleNodes] = base + (int32_t)c;
+          W.ints[kCycles] += 1;
+        }
+        W.blocked[m] = 1;  // never relax through a node on a negative cycle
+      }
+      ex.barrier();
+      continue;
+    }
+    // Row m and column m as they are before the step (they do not change in it unless
+    // dist[m][m] < 0, float64 noise above -tol; the CPU then updates them in place).
+    ex.for_each(N, [&](int64_t u) {
+      W.col[u] = W.dist[u * N + m];
+      W.col_nxt[u] = W.nxt[u * N + m];
+      W.row[u] = W.dist[m * N + u];
+    });
+    ex.barrier();
+    ex.for_each(N * N, [&](int64_t c) {
+      const int64_t u = c / N, v = c % N;
+      const double dum = W.col[u];
+      if (dum == inf() || !improves(dum, W.row[v], W.dist[c])) return;
+      W.dist[c] = dum + W.row[v];
+      W.nxt[c] = W.col_nxt[u];
+    });
+    ex.barrier();
+  }
+  const int64_t taken = W.ints[kCycleNodes];
+  if (W.ints[kCycles] == 0) {
+    ex.for_each(k * k, [&](int64_t c) { distances[c] = W.dist[(c / k) * N + c % k]; });
+    ex.barrier();
+    if (ex.leader()) W.ints[kDone] = 1;
+    return;
+  }
+  // Every move is the argmin of its edge as computed: disjoint cycles take at most one token from
+  // each expert, and d describes the assignment before any move.
+  ex.for_each(taken, [&](int64_t p) {
+    const int32_t a = W.cycle_nodes[p], b = W.cycle_nodes[W.cycle_succ[p]];
+    if (a < k) W.dirty[a] = 1;
+    if (a < k && b < k) W.z[W.arg[a * k + b]] = b;
+  });
+  ex.barrier();
+  group_tokens(ex, P, W);
+}
+
+// One block. experts [n] int64 = z; value = sum_i s[i][z_i] in float64 (a block reduction: fixed
+// order on a given block size, not the CPU's sequential order, so it may differ in the last bits).
+template <class Exec, typename scalar_t>
+MK_HD_STEP void finish(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W, int64_t* experts,
+                       double* value) {
+  double sum = 0.0;
+  ex.for_each(P.n, [&](int64_t i) {
+    experts[i] = W.z[i];
+    sum += (double)P.s[i * P.k + W.z[i]];
+  });
+  sum = ex.reduce_sum(sum);
+  if (ex.leader()) *value = sum;
+}
+
+}  // namespace balanced_assignment
+}  // namespace moe_kernels
