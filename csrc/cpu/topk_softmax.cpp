@@ -1,7 +1,7 @@
 // Fused top-k selection + softmax on CPU: one pass over each row keeps the k best (value, index)
-// pairs, a second pass (only for renormalize=false) sums the full softmax denominator. Contiguous
-// float32 rows use the vectorised argmax / exp-sum of row_vector.h; other rows are converted to a
-// float32 row buffer first where the vectorised pass needs one.
+// pairs, a second pass (only for renormalize=false) sums the full softmax denominator. Both are
+// the vectorised row primitives of row_vector.h on float32 rows: float16 / bfloat16 and strided
+// rows are converted into a float32 row buffer first.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,43 +24,8 @@ namespace {
 // of all pairs is O(E log k) and wins.
 constexpr int64_t kInsertionMaxK = 16;
 
-// Scan one row into `best` (the k largest rank pairs, descending) with an insertion list
-// (k <= kInsertionMaxK). Most elements are rejected by one integer compare against the k-th pair
-// (contiguous float32 rows: by one vector compare per 8, row_vector.h). k = 1 is an argmax, in
-// float compares for other rows (same order: a later equal value never replaces the earlier one,
-// -0 == +0, and the first NaN wins).
-template <typename scalar_t>
-void select_insertion(const scalar_t* row, int64_t stride_e, int64_t E, int k, int64_t* best) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (stride_e == 1) {
-      if (k == 1) {
-        const int32_t e = row_argmax_f32(row, E);
-        best[0] = rank_pair(row[e], e);
-      } else {
-        row_topk_f32(row, E, k, best);
-      }
-      return;
-    }
-  }
-  if (k == 1) {
-    float bv = (float)row[0];
-    int64_t bi = 0;
-    for (int64_t e = 1; e < E; ++e) {
-      const float v = (float)row[e * stride_e];
-      if (v > bv || (v != v && bv == bv)) {
-        bv = v;
-        bi = e;
-      }
-    }
-    best[0] = rank_pair(bv, (int32_t)bi);
-    return;
-  }
-  int filled = 0;
-  for (int64_t e = 0; e < E; ++e)
-    filled = topk_softmax::insert_pair(best, filled, k, rank_pair((float)row[e * stride_e], (int32_t)e));
-}
-
 // The row as contiguous float32: itself when it already is, else converted into `buffer` [E].
+// The conversion is exact and keeps the order, -0 and NaN, so selecting on it selects on the row.
 template <typename scalar_t>
 const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* buffer) {
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -68,6 +33,20 @@ const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* 
   }
   for (int64_t e = 0; e < E; ++e) buffer[e] = (float)row[e * stride_e];
   return buffer;
+}
+
+// The k largest rank pairs of row x [E] into best, descending: the vectorised argmax (k = 1) and
+// chunk-filtered insertion list (k <= kInsertionMaxK) of row_vector.h, a partial sort above.
+void select_topk(const float* x, int64_t E, int64_t k, std::vector<int64_t>& best) {
+  if (k == 1) {
+    const int32_t e = row_argmax_f32(x, E);
+    best[0] = rank_pair(x[e], e);
+  } else if (k <= kInsertionMaxK) {
+    row_topk_f32(x, E, (int)k, best.data());
+  } else {
+    for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(x[e], (int32_t)e);
+    std::partial_sort(best.begin(), best.begin() + k, best.end(), std::greater<int64_t>());
+  }
 }
 
 template <typename scalar_t>
@@ -79,28 +58,23 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
   using topk_softmax::exp_term;
   using topk_softmax::weight;
   std::vector<int64_t> best(k > kInsertionMaxK ? E : k);
-  std::vector<float> row_buffer(renormalize ? 0 : E);
+  std::vector<float> row_buffer(E);
   for (int64_t t = begin; t < end; ++t) {
-    const scalar_t* row = logits + t * stride_t;
-    if (k <= kInsertionMaxK) {
-      select_insertion(row, stride_e, E, (int)k, best.data());
-    } else {
-      for (int64_t e = 0; e < E; ++e) best[e] = rank_pair((float)row[e * stride_e], (int32_t)e);
-      std::partial_sort(best.begin(), best.begin() + k, best.end(), std::greater<int64_t>());
-    }
+    const float* x = float_row(logits + t * stride_t, stride_e, E, row_buffer.data());
+    select_topk(x, E, k, best);
     // Values are re-read from the row rather than decoded from the key: NaN payloads and -0
     // must come out exactly as the reference sees them.
-    const float vmax = (float)row[pair_index(best[0]) * stride_e];
+    const float vmax = x[pair_index(best[0])];
     float denom = 0.0f;
     if (renormalize) {
-      for (int64_t s = 0; s < k; ++s) denom += exp_term((float)row[pair_index(best[s]) * stride_e], vmax);
+      for (int64_t s = 0; s < k; ++s) denom += exp_term(x[pair_index(best[s])], vmax);
     } else if (vmax != -INFINITY) {
-      denom = row_exp_sum_f32(float_row(row, stride_e, E, row_buffer.data()), E, vmax, nullptr);
+      denom = row_exp_sum_f32(x, E, vmax, nullptr);
     }
     for (int64_t s = 0; s < k; ++s) {
       const int32_t e = pair_index(best[s]);
       experts[t * k + s] = e;
-      weights[t * k + s] = (scalar_t)weight((float)row[e * stride_e], vmax, denom);
+      weights[t * k + s] = (scalar_t)weight(x[e], vmax, denom);
     }
   }
 }
