@@ -249,7 +249,7 @@ def test_fused_path_is_taken_on_cpu():
     _cpu_kernel()
     clean, raw, noise = (t.requires_grad_() for t in inputs(6, 8))
     weights, _, _ = noisy_topk_gate(clean, raw, noise, 2)
-    assert "noisy_topk_gate" in type(weights.grad_fn).__name__.lower() or "noisy_topk_gate" in weights.grad_fn.name()
+    assert "noisy_topk_gate" in weights.grad_fn.name()
 
 
 def test_torch_compile_fullgraph(kernel_backend):
