@@ -1,8 +1,8 @@
 """Noisy top-k gating (Shazeer et al. 2017, eqs 3-5 and 8-11) forward + backward on CPU: the
 fused path of NoisyTopKGate (moe_kernels.gates.noisy_topk.noisy_topk_routing: one
-load_probabilities pass gives P and the top k+1) against a plain-PyTorch gate doing the same math
-the way the authors' tensor2tensor code and FastMoE write it (topk(k+1), scatter to a dense [T, E]
-gate matrix, two threshold CDFs and a select).
+ops.noisy_topk_gate pass gives the noise, the top k, the weights and Load(X)) against a
+plain-PyTorch gate doing the same math the way the authors' tensor2tensor code and FastMoE write
+it (topk(k+1), scatter to a dense [T, E] gate matrix, two threshold CDFs and a select).
 
 Both start from the same clean logits x W_g, raw noise logits x W_noise and noise sample [T, E]
 (the two matmuls with the input are identical for both and left out), and end with

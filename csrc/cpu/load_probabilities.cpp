@@ -15,6 +15,7 @@
 
 #include "moe_kernels/load_probabilities.h"
 #include "moe_kernels/topk_softmax.h"
+#include "vec_math.h"
 
 namespace moe_kernels {
 namespace {
@@ -33,62 +34,19 @@ float at(const Strided& s, int64_t t, int64_t e) {
   return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
 }
 
-// exp(x) without libm, written so that the row loops below auto-vectorise (SSE2 at the default
-// -O3): round-to-nearest n by the 1.5 * 2^23 trick, r = x - n ln2 in two parts, a degree-6
-// polynomial for e^r (the minimax coefficients of Cephes' expf), 2^n through the exponent bits.
-// Relative error ~1e-7. Below x = -80 (e^x < 2e-35) the result is 0: far tails of Phi would
-// otherwise produce denormals, whose arithmetic is ~100x slower on x86. NaN stays NaN.
-// The ternaries are selects only if the compiler may evaluate both sides: without
-// -fno-trapping-math GCC keeps them as branches and does not vectorise. Scoped to these helpers.
-#define MK_VECTORISE __attribute__((optimize("no-trapping-math")))
-
-MK_VECTORISE inline float vec_exp(float x) {
-  const bool underflow = x < -80.0f;
-  x = underflow ? -80.0f : (x > 88.0f ? 88.0f : x);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float value = p * __builtin_bit_cast(float, (int32_t)(((int32_t)n + 127) << 23));
-  return underflow ? 0.0f : value;
-}
-
-// Phi(z) = erfc(-z / sqrt 2) / 2 with the erfc formula of load_probabilities::fast_erfc and
-// vec_exp, branch-free (ternaries become blends). +-inf give exactly 1 / 0, NaN stays NaN.
-MK_VECTORISE inline float vec_normal_cdf(float z) {
-  const float x = -z * 0.70710678118654752f;
-  const float ax = x < 0.0f ? -x : x;
-  const float t = 1.0f / (1.0f + 0.5f * ax);
-  const float poly =
-      -ax * ax - 1.26551223f +
-      t * (1.00002368f +
-           t * (0.37409196f +
-                t * (0.09678418f +
-                     t * (-0.18628806f +
-                          t * (0.27886807f +
-                               t * (-1.13520398f + t * (1.48851587f + t * (-0.82215223f + t * 0.17087277f))))))));
-  const float r = t * vec_exp(poly);
-  const float erfc = x >= 0.0f ? r : 2.0f - r;
-  const float p = 0.5f * erfc;
-  return z == INFINITY ? 1.0f : (z == -INFINITY ? 0.0f : p);
-}
+using vec_math::normal_cdf;
 
 // out[e] = Phi(z[e]) for a row (vectorised).
-MK_VECTORISE void normal_cdf_row(const float* z, float* out, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) out[e] = vec_normal_cdf(z[e]);
+MK_VECTORISE MK_ROW_CLONES void normal_cdf_row(const float* z, float* out, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) out[e] = normal_cdf(z[e]);
 }
 
 // gc[e] = g[e] phi(z[e]) / s[e], 0 where z is infinite (vectorised).
-MK_VECTORISE void density_row(const float* g, const float* z, const float* s, float* gc, int64_t n) {
+MK_VECTORISE MK_ROW_CLONES void density_row(const float* g, const float* z, const float* s, float* gc, int64_t n) {
   constexpr float kInvSqrt2Pi = 0.3989422804014327f;
   for (int64_t e = 0; e < n; ++e) {
     const bool infinite = z[e] == INFINITY || z[e] == -INFINITY;
-    const float value = g[e] * kInvSqrt2Pi * vec_exp(-0.5f * z[e] * z[e]) / s[e];
+    const float value = g[e] * kInvSqrt2Pi * vec_math::exp(-0.5f * z[e] * z[e]) / s[e];
     gc[e] = infinite ? 0.0f : value;
   }
 }

@@ -8,7 +8,7 @@ from torch import nn
 
 from moe_kernels import losses
 from moe_kernels.gates._common import check_input, check_sizes
-from moe_kernels.ops import load_probabilities, topk_softmax
+from moe_kernels.ops import noisy_topk_gate, topk_softmax
 from moe_kernels.routing import Routing
 
 
@@ -20,14 +20,9 @@ def noisy_topk_routing(clean, raw_noise_stddev, noise, k, w_importance, w_load, 
     """
     E = clean.shape[1]
     if raw_noise_stddev is not None:
-        stddev = torch.nn.functional.softplus(raw_noise_stddev) + noise_epsilon
-        noisy = clean + noise * stddev  # H(x), eq 4
-        # One kernel pass gives P(x, i) (eq 9) and the top k+1 of H(x); the top k are the gate's
-        # experts (the same ones topk_softmax would pick), weighted by the softmax over them (eq 3).
-        P, top = load_probabilities(clean, noisy, stddev, k, return_topk=True)
-        experts = top[:, :k]
-        weights = torch.softmax(noisy.gather(1, experts).float(), dim=-1).to(clean.dtype)
-        load = losses.load(P, mask)
+        # H(x) of eq 4, its top k (the experts topk_softmax would pick), their softmax weights
+        # (eq 3) and Load(X) = sum_x P(x, i) (eqs 9-10): one fused pass per row on CPU.
+        weights, experts, load = noisy_topk_gate(clean, raw_noise_stddev, noise, k, noise_epsilon, mask)
     else:
         weights, experts = topk_softmax(clean, k)
         load = losses.importance(experts, torch.ones_like(weights), E, mask).detach()

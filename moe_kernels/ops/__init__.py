@@ -8,6 +8,7 @@ from moe_kernels.ops.dispatch import dispatch
 from moe_kernels.ops.dselect_k import dselect_k
 from moe_kernels.ops.gumbel_matching import gumbel_matching
 from moe_kernels.ops.load_probabilities import load_probabilities
+from moe_kernels.ops.noisy_topk_gate import noisy_topk_gate
 from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.sinkhorn import sinkhorn
 from moe_kernels.ops.skip_sample import skip_sample
@@ -29,6 +30,7 @@ __all__ = [
     "topk_softmax",
     "unpermute",
     "load_probabilities",
+    "noisy_topk_gate",
     "batchwise_mask",
     "threshold_mask",
 ]

@@ -8,6 +8,7 @@ from moe_kernels.reference.dispatch import dispatch
 from moe_kernels.reference.dselect_k import dselect_k
 from moe_kernels.reference.gumbel_matching import gumbel_matching
 from moe_kernels.reference.load_probabilities import load_probabilities
+from moe_kernels.reference.noisy_topk_gate import noisy_topk_gate
 from moe_kernels.reference.permute import permute, unpermute
 from moe_kernels.reference.sinkhorn import sinkhorn
 from moe_kernels.reference.skip_sample import skip_sample
@@ -29,6 +30,7 @@ __all__ = [
     "topk_softmax",
     "unpermute",
     "load_probabilities",
+    "noisy_topk_gate",
     "batchwise_mask",
     "threshold_mask",
 ]

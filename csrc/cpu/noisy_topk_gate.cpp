@@ -1,0 +1,375 @@
+// The noisy top-k gate of Shazeer et al. 2017 (eqs 3-5, 8-10) from its logits, fused on CPU:
+// per row, stddev = Softplus(raw) + eps and H = clean + noise * stddev (eq 4), the top k+1 of H,
+// the gate weights Softmax(top k of H) (eq 3), and P(x, i) (eq 9) summed over the tokens into
+// Load(X) (eq 10) without ever writing P. The backward recomputes stddev and the two threshold
+// noisy logits from the saved inputs and writes d clean and d raw in one pass per row.
+//
+// The math is moe_kernels.reference.noisy_topk_gate's (the composition of softplus,
+// load_probabilities and a softmax): intermediate values are rounded to the input dtype where
+// torch's unfused ops round them, so that H, and hence the selection, is the one the unfused
+// path computes (Softplus itself agrees with torch's to about one float ulp).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "moe_kernels/topk_softmax.h"
+#include "vec_math.h"
+
+namespace moe_kernels {
+namespace {
+
+// Above this many kept pairs an insertion list costs O(E * k) on ascending rows; a partial sort
+// of all pairs is O(E log k) and wins (the same limit as topk_softmax).
+constexpr int64_t kInsertionMax = 16;
+// Rows per partial Load sum. Fixed, so that the summation order (float within a block, double
+// across blocks in block order) does not depend on the number of threads.
+constexpr int64_t kBlockRows = 64;
+
+struct Strided {
+  const void* data;
+  int64_t stride_t, stride_e;
+};
+
+template <typename scalar_t>
+float at(const Strided& s, int64_t t, int64_t e) {
+  return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
+}
+
+// Row t as float32: the row itself when it already is one (contiguous float32), else a copy.
+template <typename scalar_t>
+const float* row_f32(const Strided& s, int64_t t, int64_t E, float* buffer) {
+  const scalar_t* p = static_cast<const scalar_t*>(s.data) + t * s.stride_t;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (s.stride_e == 1) return p;
+  }
+  for (int64_t e = 0; e < E; ++e) buffer[e] = (float)p[e * s.stride_e];
+  return buffer;
+}
+
+// x rounded to scalar_t, as torch rounds the output of each unfused op (free for float32).
+template <typename scalar_t>
+MK_VEC_INLINE float round_to(float x) {
+  if constexpr (std::is_same_v<scalar_t, float>) return x;
+  return (float)(scalar_t)x;
+}
+
+// noise_stddev = Softplus(raw) + eps, as torch's `softplus(raw) + eps`.
+template <typename scalar_t>
+MK_VEC_INLINE float stddev_of(float raw, float eps) {
+  return round_to<scalar_t>(round_to<scalar_t>(vec_math::softplus(raw)) + eps);
+}
+
+// H = clean + noise * stddev, as torch's `clean + noise * stddev` (two roundings, no FMA).
+template <typename scalar_t>
+MK_VEC_INLINE float noisy_of(float clean, float noise, float stddev) {
+  return round_to<scalar_t>(clean + round_to<scalar_t>(noise * stddev));
+}
+
+template <typename scalar_t>
+MK_VECTORISE MK_ROW_CLONES void noisy_row(const float* __restrict clean, const float* __restrict raw, const float* __restrict noise,
+                            float eps, int64_t E, float* __restrict stddev, float* __restrict noisy) {
+  for (int64_t e = 0; e < E; ++e) {
+    const float s = stddev_of<scalar_t>(raw[e], eps);
+    stddev[e] = s;
+    noisy[e] = noisy_of<scalar_t>(clean[e], noise[e], s);
+  }
+}
+
+// load[e] += w * Phi(z_e), z_e = (clean_e - threshold_e) / stddev_e with threshold_e the (k+1)-th
+// largest noisy logit when e is selected (selected[e] = 1), else the k-th (eq 9).
+MK_VECTORISE MK_ROW_CLONES void add_probabilities_row(const float* __restrict clean, const float* __restrict stddev,
+                                        const float* __restrict selected, float kth, float k1th, float w,
+                                        int64_t E, float* __restrict load) {
+  for (int64_t e = 0; e < E; ++e) {
+    const float z = vec_math::z_score(clean[e], selected[e] != 0.0f ? k1th : kth, stddev[e]);
+    load[e] += w * vec_math::normal_cdf(z);
+  }
+}
+
+// The kept largest rank pairs of a row, descending (best must hold E pairs when kept > kInsertionMax).
+void top_pairs(const float* noisy, int64_t E, int64_t kept, int64_t* best) {
+  if (kept <= kInsertionMax) {
+    int filled = 0;
+    int64_t e = 0;
+    for (; e < E && filled < kept; ++e)
+      filled = topk_softmax::insert_pair(best, filled, (int)kept, rank_pair(noisy[e], (int32_t)e));
+    // Once the list is full, an element can only enter if it ranks above the last kept one: a
+    // larger value or NaN. An equal value (also -0 vs +0) comes later, so it loses the tie. One
+    // float compare per element instead of building its rank pair.
+    float last = kept > 0 ? noisy[pair_index(best[kept - 1])] : 0.0f;
+    for (; e < E; ++e) {
+      if (noisy[e] <= last) continue;
+      filled = topk_softmax::insert_pair(best, filled, (int)kept, rank_pair(noisy[e], (int32_t)e));
+      last = noisy[pair_index(best[kept - 1])];
+    }
+  } else {
+    for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(noisy[e], (int32_t)e);
+    std::partial_sort(best, best + kept, best + E, std::greater<int64_t>());
+  }
+}
+
+// Softmax over the k selected noisy logits h[0..k) (in rank order, so h[0] is the maximum), in
+// float32 as torch.softmax(values.float()).
+void softmax_top(const float* h, int64_t k, float* w) {
+  float sum = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    w[j] = std::exp(h[j] - h[0]);
+    sum += w[j];
+  }
+  for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+}
+
+template <typename scalar_t>
+void forward_blocks(const Strided& clean, const Strided& raw, const Strided& noise, const float* token_weights,
+                    float eps, int64_t block_begin, int64_t block_end, int64_t T, int64_t E, int64_t k,
+                    scalar_t* weights,  // [T, k]
+                    int64_t* top,       // [T, k+1]
+                    float* partial) {   // [blocks, E]
+  const int64_t kept = std::min(k + 1, E);  // pairs needed: k+1, or all E when k = E
+  std::vector<int64_t> best(kept > kInsertionMax ? E : kept);
+  std::vector<float> cbuf(E), rbuf(E), nbuf(E), stddev(E), noisy(E), selected(E, 0.0f), h(k), w(k);
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    float* load = partial + b * E;
+    std::fill_n(load, E, 0.0f);
+    for (int64_t t = b * kBlockRows; t < std::min(T, (b + 1) * kBlockRows); ++t) {
+      const float* c = row_f32<scalar_t>(clean, t, E, cbuf.data());
+      noisy_row<scalar_t>(c, row_f32<scalar_t>(raw, t, E, rbuf.data()), row_f32<scalar_t>(noise, t, E, nbuf.data()),
+                          eps, E, stddev.data(), noisy.data());
+      top_pairs(noisy.data(), E, kept, best.data());
+      int64_t* top_row = top + t * (k + 1);
+      for (int64_t s = 0; s <= k; ++s) top_row[s] = s < kept ? pair_index(best[s]) : -1;
+      // The thresholds are read from the row (not decoded from the key: NaN payloads and -0).
+      const float kth = noisy[top_row[k - 1]];
+      const float k1th = k < E ? noisy[top_row[k]] : -INFINITY;
+      for (int64_t j = 0; j < k; ++j) {
+        h[j] = noisy[top_row[j]];
+        selected[top_row[j]] = 1.0f;
+      }
+      softmax_top(h.data(), k, w.data());
+      for (int64_t j = 0; j < k; ++j) weights[t * k + j] = (scalar_t)w[j];
+      add_probabilities_row(c, stddev.data(), selected.data(), kth, k1th, token_weights ? token_weights[t] : 1.0f, E,
+                            load);
+      for (int64_t j = 0; j < k; ++j) selected[top_row[j]] = 0.0f;
+    }
+  }
+}
+
+void check_inputs(const char* name, const at::Tensor& clean, const at::Tensor& raw, const at::Tensor& noise,
+                  const std::optional<at::Tensor>& token_weights, int64_t k) {
+  TORCH_CHECK(clean.dim() == 2 && raw.sizes() == clean.sizes() && noise.sizes() == clean.sizes(), name,
+              ": clean_logits, raw_noise_stddev and noise must be [T, E] of one shape");
+  const auto dtype = clean.scalar_type();
+  TORCH_CHECK(raw.scalar_type() == dtype && noise.scalar_type() == dtype, name,
+              ": the three inputs must share one dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, name,
+              ": inputs must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(k >= 1 && k <= clean.size(1), name, ": need 1 <= k <= E, got k=", k, ", E=", clean.size(1));
+  TORCH_CHECK(clean.size(1) <= INT32_MAX, name, ": E too large");
+  if (token_weights.has_value()) {
+    TORCH_CHECK(token_weights->dim() == 1 && token_weights->size(0) == clean.size(0) &&
+                    token_weights->scalar_type() == at::kFloat,
+                name, ": token_weights must be float32 [T]");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> noisy_topk_gate_cpu(const at::Tensor& clean_logits,
+                                                                   const at::Tensor& raw_noise_stddev,
+                                                                   const at::Tensor& noise, int64_t k,
+                                                                   double noise_epsilon,
+                                                                   const std::optional<at::Tensor>& token_weights) {
+  check_inputs("noisy_topk_gate", clean_logits, raw_noise_stddev, noise, token_weights, k);
+  const int64_t T = clean_logits.size(0), E = clean_logits.size(1);
+  auto weights = at::empty({T, k}, clean_logits.options());
+  auto top = at::empty({T, k + 1}, clean_logits.options().dtype(at::kLong));
+  auto load = at::zeros({E}, clean_logits.options().dtype(at::kFloat));
+  if (T == 0) return {weights, top, load};
+  const auto tw = token_weights.has_value() ? token_weights->contiguous() : at::Tensor();
+  const float* tw_ptr = tw.defined() ? tw.const_data_ptr<float>() : nullptr;
+  const int64_t blocks = (T + kBlockRows - 1) / kBlockRows;
+  std::vector<float> partial(blocks * E);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, clean_logits.scalar_type(), "noisy_topk_gate", [&] {
+    const Strided c{clean_logits.const_data_ptr(), clean_logits.stride(0), clean_logits.stride(1)};
+    const Strided r{raw_noise_stddev.const_data_ptr(), raw_noise_stddev.stride(0), raw_noise_stddev.stride(1)};
+    const Strided n{noise.const_data_ptr(), noise.stride(0), noise.stride(1)};
+    scalar_t* wp = weights.mutable_data_ptr<scalar_t>();
+    int64_t* tp = top.mutable_data_ptr<int64_t>();
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      forward_blocks<scalar_t>(c, r, n, tw_ptr, (float)noise_epsilon, begin, end, T, E, k, wp, tp, partial.data());
+    });
+  });
+  std::vector<double> sum(E, 0.0);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t e = 0; e < E; ++e) sum[e] += partial[b * E + e];
+  float* lp = load.mutable_data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) lp[e] = (float)sum[e];
+  return {weights, top, load};
+}
+
+// Backward of one row, with z_e = (clean_e - thr_e) / s_e and G_e = w_t d loss / d Load_e:
+//   d clean_e = G_e phi(z_e) / s_e,  d s_e = -d clean_e z_e  (0 where z is infinite),
+// -d clean_e accumulates into thr_e's noisy logit (the k-th or the (k+1)-th of the row), the
+// softmax sends d weights to the k selected noisy logits, and a noisy logit's gradient goes to
+// clean (d H / d clean = 1), to s (d H / d s = noise) and to noise (d H / d noise = s). Finally
+// d raw = d s * sigmoid(raw).
+
+// stddev[e] = Softplus(raw[e]) + eps exactly as the forward computed it, and sigmoid(raw[e]).
+template <typename scalar_t>
+MK_VECTORISE MK_ROW_CLONES void stddev_sigmoid_row(const float* __restrict raw, float eps, int64_t E,
+                                                   float* __restrict stddev, float* __restrict sigmoid) {
+  for (int64_t e = 0; e < E; ++e) {
+    stddev[e] = stddev_of<scalar_t>(raw[e], eps);
+    sigmoid[e] = vec_math::sigmoid(raw[e]);
+  }
+}
+
+// gc = d clean and gs = d s of the load term for every element of the row; returns the sums of
+// gc over the unselected (*unselected) and the selected elements (*selected_sum), whose negatives
+// are the gradients of the two threshold noisy logits. The sums are vector reductions (omp simd:
+// the lanes' partial sums are added at the end, an order fixed by the build).
+MK_VECTORISE MK_ROW_CLONES void load_gradient_row(const float* __restrict clean, const float* __restrict stddev,
+                                                  const float* __restrict selected, const float* __restrict grad_load,
+                                                  float w, float kth, float k1th, int64_t E, float* __restrict gc,
+                                                  float* __restrict gs, float* unselected, float* selected_sum) {
+  constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+  float out = 0.0f, in = 0.0f;
+#pragma omp simd reduction(+ : out, in)
+  for (int64_t e = 0; e < E; ++e) {
+    const float s = stddev[e];
+    const bool sel = selected[e] != 0.0f;
+    const float z = vec_math::z_score(clean[e], sel ? k1th : kth, s);
+    const float g = grad_load[e] * w * kInvSqrt2Pi * vec_math::exp(-0.5f * z * z) / s;
+    // 0 where z is infinite, by a bit mask: GCC does not vectorise this loop with a select here.
+    const uint32_t finite = 0u - (uint32_t)((z < 0.0f ? -z : z) != INFINITY);
+    const float d = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, g) & finite);
+    gc[e] = d;
+    gs[e] = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, -g * z) & finite);
+    out += sel ? 0.0f : d;
+    in += sel ? d : 0.0f;
+  }
+  *unselected = out;
+  *selected_sum = in;
+}
+
+template <typename scalar_t>
+MK_VECTORISE MK_ROW_CLONES void write_gradients_row(const float* __restrict gc, const float* __restrict gs,
+                                                    const float* __restrict sigmoid, int64_t E,
+                                                    scalar_t* __restrict g_clean, scalar_t* __restrict g_raw) {
+  for (int64_t e = 0; e < E; ++e) {
+    g_clean[e] = (scalar_t)gc[e];
+    g_raw[e] = (scalar_t)(gs[e] * sigmoid[e]);
+  }
+}
+
+template <typename scalar_t>
+void backward_rows(const float* grad_weights,  // [T, k] float32
+                   const float* grad_load,     // [E] float32
+                   const float* token_weights, const Strided& clean, const Strided& raw, const Strided& noise,
+                   const int64_t* top,  // [T, k+1]
+                   float eps, int64_t begin, int64_t end, int64_t E, int64_t k,
+                   scalar_t* g_clean, scalar_t* g_raw,  // [T, E]
+                   float* g_noise_top) {                // [T, k+1]: d noise at top's elements
+  std::vector<float> cbuf(E), rbuf(E), stddev(E), sigmoid(E), selected(E, 0.0f), gc(E), gs(E), h(k + 1), w(k),
+      gh(k + 1);
+  const int64_t kept = std::min(k + 1, E);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t* top_row = top + t * (k + 1);
+    const float* c = row_f32<scalar_t>(clean, t, E, cbuf.data());
+    stddev_sigmoid_row<scalar_t>(row_f32<scalar_t>(raw, t, E, rbuf.data()), eps, E, stddev.data(), sigmoid.data());
+    // The noisy logits of the kept elements, as the forward computed them.
+    for (int64_t j = 0; j < kept; ++j) {
+      const int64_t i = top_row[j];
+      h[j] = noisy_of<scalar_t>(c[i], at<scalar_t>(noise, t, i), stddev[i]);
+    }
+    const float kth = h[k - 1];
+    const float k1th = k < E ? h[k] : -INFINITY;
+    for (int64_t j = 0; j < k; ++j) selected[top_row[j]] = 1.0f;
+    float unselected = 0.0f, selected_sum = 0.0f;
+    load_gradient_row(c, stddev.data(), selected.data(), grad_load, token_weights ? token_weights[t] : 1.0f, kth, k1th,
+                      E, gc.data(), gs.data(), &unselected, &selected_sum);
+    for (int64_t j = 0; j < k; ++j) selected[top_row[j]] = 0.0f;
+    // d h at the kept elements: the softmax backward w (g - <w, g>), plus the threshold sums.
+    softmax_top(h.data(), k, w.data());
+    const float* gw = grad_weights + t * k;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < k; ++j) dot += w[j] * gw[j];
+    for (int64_t j = 0; j < k; ++j) gh[j] = w[j] * (gw[j] - dot);
+    if (k < E) gh[k] = 0.0f;
+    gh[k - 1] -= unselected;
+    if (k < E) gh[k] -= selected_sum;
+    for (int64_t j = 0; j <= k; ++j) {
+      if (j >= kept) {
+        g_noise_top[t * (k + 1) + j] = 0.0f;
+        continue;
+      }
+      const int64_t i = top_row[j];
+      gc[i] += gh[j];
+      gs[i] += gh[j] * at<scalar_t>(noise, t, i);
+      g_noise_top[t * (k + 1) + j] = gh[j] * stddev[i];
+    }
+    write_gradients_row<scalar_t>(gc.data(), gs.data(), sigmoid.data(), E, g_clean + t * E, g_raw + t * E);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> noisy_topk_gate_backward_cpu(
+    const at::Tensor& grad_weights, const at::Tensor& grad_load, const at::Tensor& clean_logits,
+    const at::Tensor& raw_noise_stddev, const at::Tensor& noise, const std::optional<at::Tensor>& token_weights,
+    const at::Tensor& top, int64_t k, double noise_epsilon) {
+  check_inputs("noisy_topk_gate_backward", clean_logits, raw_noise_stddev, noise, token_weights, k);
+  const int64_t T = clean_logits.size(0), E = clean_logits.size(1);
+  TORCH_CHECK(grad_weights.dim() == 2 && grad_weights.size(0) == T && grad_weights.size(1) == k &&
+                  grad_load.dim() == 1 && grad_load.size(0) == E && top.dim() == 2 && top.size(0) == T &&
+                  top.size(1) == k + 1 && top.scalar_type() == at::kLong,
+              "noisy_topk_gate_backward: bad arguments");
+  auto g_clean = at::empty({T, E}, clean_logits.options());
+  auto g_raw = at::empty({T, E}, raw_noise_stddev.options());
+  auto g_noise_top = at::empty({T, k + 1}, clean_logits.options().dtype(at::kFloat));
+  if (T == 0) return {g_clean, g_raw, g_noise_top};
+  const auto gw = grad_weights.to(at::kFloat).contiguous();
+  const auto gl = grad_load.to(at::kFloat).contiguous();
+  const auto tp = top.contiguous();
+  const auto tw = token_weights.has_value() ? token_weights->contiguous() : at::Tensor();
+  const float* tw_ptr = tw.defined() ? tw.const_data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, clean_logits.scalar_type(), "noisy_topk_gate_backward", [&] {
+    const Strided c{clean_logits.const_data_ptr(), clean_logits.stride(0), clean_logits.stride(1)};
+    const Strided r{raw_noise_stddev.const_data_ptr(), raw_noise_stddev.stride(0), raw_noise_stddev.stride(1)};
+    const Strided n{noise.const_data_ptr(), noise.stride(0), noise.stride(1)};
+    // About 16k elements per task: balances without a costly fork per row.
+    const int64_t grain = std::max<int64_t>(1, 16384 / E);
+    at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+      backward_rows<scalar_t>(gw.const_data_ptr<float>(), gl.const_data_ptr<float>(), tw_ptr, c, r, n,
+                              tp.const_data_ptr<int64_t>(), (float)noise_epsilon, begin, end, E, k,
+                              g_clean.mutable_data_ptr<scalar_t>(), g_raw.mutable_data_ptr<scalar_t>(),
+                              g_noise_top.mutable_data_ptr<float>());
+    });
+  });
+  return {g_clean, g_raw, g_noise_top};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
+  m.def(
+      "noisy_topk_gate(Tensor clean_logits, Tensor raw_noise_stddev, Tensor noise, int k, float noise_epsilon, "
+      "Tensor? token_weights) -> (Tensor weights, Tensor top, Tensor load)");
+  m.def(
+      "noisy_topk_gate_backward(Tensor grad_weights, Tensor grad_load, Tensor clean_logits, Tensor raw_noise_stddev, "
+      "Tensor noise, Tensor? token_weights, Tensor top, int k, float noise_epsilon) -> "
+      "(Tensor grad_clean, Tensor grad_raw, Tensor grad_noise_top)");
+}
+
+TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
+  m.impl("noisy_topk_gate", &noisy_topk_gate_cpu);
+  m.impl("noisy_topk_gate_backward", &noisy_topk_gate_backward_cpu);
+}
+
+}  // namespace moe_kernels
