@@ -205,7 +205,7 @@ def balanced_assignment(scores: torch.Tensor, capacity: int):
     """Exact capacity-constrained assignment.
 
     Args:
-      scores: [n, k] floating point, finite. capacity: int with capacity * k >= n.
+      scores: [n, k] floating point, finite (else ValueError). capacity: int with capacity * k >= n.
     Returns:
       (experts [n] int64, value 0-dim float64 = sum_i scores[i, experts[i]] in float64,
        distances [k, k] float64: d*, the cheapest cost of moving one token from expert j to j'
@@ -214,6 +214,8 @@ def balanced_assignment(scores: torch.Tensor, capacity: int):
     """
     n, k = scores.shape
     s = scores.detach().double().cpu().tolist()
+    if not all(math.isfinite(x) for row in s for x in row):
+        raise ValueError("balanced_assignment: scores must be finite (no NaN or inf)")
     z, value, dist = (
         solve(s, capacity) if n else ([], 0.0, [[0.0 if a == b else math.inf for b in range(k)] for a in range(k)])
     )
