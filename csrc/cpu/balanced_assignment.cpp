@@ -1,4 +1,4 @@
-// Exact balanced assignment on CPU: an epsilon-scaled auction warm start, then cycle cancelling
+// Exact balanced assignment on CPU: an auction warm start, then cycle cancelling
 // with Floyd-Warshall over the k experts (+ one node for the free slots when capacity * k > n).
 // Same algorithm, visiting order, tie rules and float64 arithmetic as the reference
 // (moe_kernels/reference/balanced_assignment.py); docs/balanced_assignment.md explains it.
@@ -22,10 +22,11 @@ namespace {
 namespace ba = balanced_assignment;
 
 // Keep in sync with the reference's EPS_* and TOL_REL constants.
-constexpr double kEpsStartDiv = 16.0;
-constexpr double kEpsFactor = 512.0;
-constexpr int kEpsPhases = 2;
+constexpr double kEpsDiv = 32768.0;
+constexpr double kBidBudget = 4.0;  // bids per token before restarting from column-mean prices
 constexpr double kTolRel = 1e-12;
+// Element operations (token x expert) below which the d rows are computed on one thread.
+constexpr int64_t kMinParallelWork = int64_t(1) << 18;
 
 using Holder = std::pair<double, int64_t>;  // (bid, -token): a min-heap evicts the lowest bid,
                                             // the higher token index on equal bids.
@@ -86,6 +87,15 @@ bool score_range(const scalar_t* s, int64_t len, double* lo, double* hi) {
   return nf == 0 && std::isfinite(*lo) && std::isfinite(*hi);
 }
 
+// prices[j] = mean over i of s[i][j], summed in token order in float64 (as the reference does).
+template <typename scalar_t>
+void column_means(const scalar_t* s, int64_t n, int64_t k, double* prices) {
+  std::fill(prices, prices + k, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) prices[j] += (double)s[i * k + j];
+  for (int64_t j = 0; j < k; ++j) prices[j] /= (double)n;
+}
+
 template <typename scalar_t>
 struct Solver {
   const scalar_t* s;  // [n, k] contiguous
@@ -93,16 +103,17 @@ struct Solver {
   double tol;
   std::vector<int64_t> z;
 
-  // One auction phase; see reference.auction.
-  void auction(std::vector<double>& prices, double eps) {
+  // The auction from `prices`; see reference.auction. False (z incomplete) after `budget` bids.
+  bool auction(std::vector<double>& prices, double eps, double budget) {
     std::vector<std::vector<Holder>> holders(k);
     for (auto& h : holders) h.reserve(capacity);
     std::vector<int64_t> queue(n);
-    queue.reserve(4 * n);
+    queue.reserve(5 * n);
     for (int64_t i = 0; i < n; ++i) queue[i] = i;
     std::fill(z.begin(), z.end(), -1);
     std::vector<double> values(k);
     for (size_t head = 0; head < queue.size(); ++head) {
+      if ((double)head >= budget) return false;
       const int64_t i = queue[head];
       int64_t j1;
       double v1, v2;
@@ -130,6 +141,7 @@ struct Solver {
       queue.push_back(out);
       prices[j1] = h.front().first;
     }
+    return true;
   }
 
   // d[j][j'] = min over the tokens of j of s[i][j] - s[i][j'], one expert per task. Only the rows
@@ -138,7 +150,9 @@ struct Solver {
   // vectorisable min.
   void move_costs(std::vector<double>& d, const std::vector<int64_t>& start, const std::vector<int64_t>& tokens,
                   const std::vector<int64_t>& rows) {
-    at::parallel_for(0, (int64_t)rows.size(), 1, [&](int64_t b, int64_t e) {
+    // Split only work worth a fork (~0.1 ms): waiting for a second thread costs far more on a busy machine.
+    const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, capacity * k));
+    at::parallel_for(0, (int64_t)rows.size(), grain, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const int64_t j = rows[r];
         double* dj = d.data() + j * k;
@@ -252,10 +266,10 @@ double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t*
   if (!(spread > 0)) spread = 1.0;
   S.tol = kTolRel * std::max(1.0, amax);
   std::vector<double> prices(k, 0.0);
-  double eps = spread / kEpsStartDiv;
-  for (int phase = 0; phase < kEpsPhases; ++phase) {
-    S.auction(prices, eps);
-    eps /= kEpsFactor;
+  const double eps = spread / kEpsDiv;
+  if (!S.auction(prices, eps, kBidBudget * (double)n)) {
+    column_means(s, n, k, prices.data());
+    S.auction(prices, eps, ba::inf());
   }
   const bool slack = n < capacity * k;
   const int64_t N = slack ? k + 1 : k;
