@@ -109,7 +109,7 @@ def main():
         print("OR-tools not installed: not measured")
     rows, quality_lines = [], []
     for n, k in grid:
-        # Held-out seed: the auction schedule was tuned on seeds n + k + {0, 100, 200}.
+        # Held-out seed: the auction parameters were chosen on seeds n + k + {0, 100, 200, 300}.
         s = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k + 1000))
         capacity = math.ceil(n / k)
         config = {"n": n, "k": k}

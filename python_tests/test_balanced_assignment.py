@@ -1,6 +1,7 @@
 """balanced_assignment: optimality against scipy's assignment solver on the expanded matrix,
 capacity, agreement of the C++ kernel with the reference, d*, bad arguments."""
 
+import importlib
 import math
 
 import numpy as np
@@ -12,6 +13,8 @@ from shapes import ASSIGNMENT_SHAPES
 import moe_kernels
 from moe_kernels import reference
 from moe_kernels.ops import balanced_assignment
+
+ref_module = importlib.import_module("moe_kernels.reference.balanced_assignment")  # the package re-exports the function
 
 
 def run(backend, scores, capacity=None, **kw):
@@ -44,6 +47,8 @@ def instance(seed: int, n: int, k: int, kind: str) -> torch.Tensor:
         s = torch.randn(n, k, generator=g) * 100
         s[:, 0] += 1000
         return s
+    if kind == "bias":  # experts differ in popularity: the auction restarts from column means
+        return torch.randn(n, k, generator=g) + 3 * torch.randn(1, k, generator=g)
     raise ValueError(kind)
 
 
@@ -60,7 +65,7 @@ def check(scores, capacity, experts, value):
     assert achieved >= best - 1e-9 * scale * max(n, 1), f"suboptimal: {achieved} < {best}"
 
 
-@pytest.mark.parametrize("kind", ["randn", "integer", "equal", "wide"])
+@pytest.mark.parametrize("kind", ["randn", "integer", "equal", "wide", "bias"])
 def test_optimal_on_many_random_instances(backend, kind):
     g = torch.Generator().manual_seed(7)
     for t in range(60):
@@ -90,11 +95,16 @@ def test_default_capacity_is_exact_balance():
     assert torch.equal(torch.bincount(experts, minlength=8), torch.full((8,), 8))
 
 
+@pytest.mark.parametrize("kind", ["randn", "bias"])
 @pytest.mark.parametrize("n,k", [(96, 8), (100, 7), (256, 16)])
-def test_kernel_matches_reference(kernel_backend, n, k):
+def test_kernel_matches_reference(kernel_backend, n, k, kind):
     """Same algorithm, order and arithmetic: identical experts and d* (unique optimum a.s.)."""
     for seed in range(3):
-        scores = instance(seed, n, k, "randn")
+        scores = instance(seed, n, k, kind)
+        if kind == "bias":  # the restart from column-mean prices is exercised
+            s = scores.double().tolist()
+            eps = (scores.max() - scores.min()).item() / ref_module.EPS_DIV
+            assert ref_module.auction(s, math.ceil(n / k), [0.0] * k, eps, ref_module.BID_BUDGET * n) is None
         e, v, d = run(kernel_backend, scores, return_distances=True)
         e_ref, v_ref, d_ref = reference.balanced_assignment(scores, math.ceil(n / k))
         assert torch.equal(e, e_ref)
@@ -156,6 +166,31 @@ def test_compile(backend):
     fn = torch.compile(lambda s: balanced_assignment(s, 4), fullgraph=False)
     scores = instance(0, 16, 4, "randn")
     assert torch.equal(fn(scores), run(backend, scores, 4))
+
+
+def test_compile_fullgraph(kernel_backend):
+    """The C++ solver checks finiteness itself: no host read in the wrapper, no graph break."""
+    fn = torch.compile(lambda s: balanced_assignment(s, 4, return_distances=True), fullgraph=True)
+    scores = instance(0, 16, 4, "randn")
+    with moe_kernels.use_backend(kernel_backend):
+        e, v, d = fn(scores)
+        bad = scores.clone()
+        bad[3, 2] = float("nan")
+        with pytest.raises(ValueError, match="finite"):
+            fn(bad)
+    e_ref, v_ref, d_ref = run(kernel_backend, scores, 4, return_distances=True)
+    assert torch.equal(e, e_ref) and torch.equal(v, v_ref) and torch.equal(d, d_ref)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_non_finite_scores_raise(backend, value, dtype):
+    for n, k in [(10, 3), (37, 5)]:  # the C++ check runs in vector lanes: a remainder too
+        for at in [(0, 0), (n - 1, k - 1), (n // 2, 1)]:
+            bad = instance(1, n, k, "randn").to(dtype)
+            bad[at] = value
+            with pytest.raises(ValueError, match="finite"):
+                run(backend, bad)
 
 
 def test_opcheck():

@@ -1,11 +1,10 @@
-// Exact balanced assignment on CPU: an epsilon-scaled auction warm start, then cycle cancelling
+// Exact balanced assignment on CPU: an auction warm start, then cycle cancelling
 // with Floyd-Warshall over the k experts (+ one node for the free slots when capacity * k > n).
 // Same algorithm, visiting order, tie rules and float64 arithmetic as the reference
 // (moe_kernels/reference/balanced_assignment.py); docs/balanced_assignment.md explains it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
@@ -23,13 +22,79 @@ namespace {
 namespace ba = balanced_assignment;
 
 // Keep in sync with the reference's EPS_* and TOL_REL constants.
-constexpr double kEpsStartDiv = 16.0;
-constexpr double kEpsFactor = 512.0;
-constexpr int kEpsPhases = 2;
+constexpr double kEpsDiv = 32768.0;
+constexpr double kBidBudget = 4.0;  // bids per token before restarting from column-mean prices
 constexpr double kTolRel = 1e-12;
+// Element operations (token x expert) below which the d rows are computed on one thread.
+constexpr int64_t kMinParallelWork = int64_t(1) << 18;
 
 using Holder = std::pair<double, int64_t>;  // (bid, -token): a min-heap evicts the lowest bid,
                                             // the higher token index on equal bids.
+
+// ba::best_two written branch-free so that it vectorises, with the same values and expert: v1 =
+// the max of s[j] - price[j], j1 = its first index, v2 = the max over j != j1 (a max is exact in
+// any order; a -0.0 / +0.0 tie changes no bid). `values` is [k] scratch.
+template <typename scalar_t>
+void best_two(const scalar_t* row, const double* prices, int64_t k, double* values, int64_t* j1, double* v1,
+              double* v2) {
+  double best = -ba::inf();
+#pragma omp simd reduction(max : best)
+  for (int64_t j = 0; j < k; ++j) {
+    const double v = (double)row[j] - prices[j];
+    values[j] = v;
+    best = v > best ? v : best;
+  }
+  int64_t first = 0;
+  while (values[first] != best) ++first;
+  values[first] = -ba::inf();
+  double second = -ba::inf();
+#pragma omp simd reduction(max : second)
+  for (int64_t j = 0; j < k; ++j) second = values[j] > second ? values[j] : second;
+  *j1 = first;
+  *v1 = best;
+  *v2 = second;
+}
+
+// Replaces the top (lowest) bid of the min-heap h by x >= it and restores the heap.
+void replace_lowest(std::vector<Holder>& h, const Holder& x) {
+  const size_t size = h.size();
+  size_t i = 0;
+  while (true) {
+    size_t c = 2 * i + 1;
+    if (c >= size) break;
+    if (c + 1 < size && h[c + 1] < h[c]) ++c;
+    if (!(h[c] < x)) break;
+    h[i] = h[c];
+    i = c;
+  }
+  h[i] = x;
+}
+
+// min and max of the scores (exact: in their own type), false if one is NaN or inf (x - x is 0,
+// or NaN for NaN and inf). Every reduction here is independent of the order, so simd is exact.
+template <typename scalar_t>
+bool score_range(const scalar_t* s, int64_t len, double* lo, double* hi) {
+  scalar_t mn = s[0], mx = s[0], nf = 0;
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(+ : nf)
+  for (int64_t t = 0; t < len; ++t) {
+    const scalar_t x = s[t];
+    mn = x < mn ? x : mn;  // not std::min: its reference return keeps GCC from vectorising
+    mx = x > mx ? x : mx;
+    nf += x - x;
+  }
+  *lo = (double)mn;
+  *hi = (double)mx;
+  return nf == 0 && std::isfinite(*lo) && std::isfinite(*hi);
+}
+
+// prices[j] = mean over i of s[i][j], summed in token order in float64 (as the reference does).
+template <typename scalar_t>
+void column_means(const scalar_t* s, int64_t n, int64_t k, double* prices) {
+  std::fill(prices, prices + k, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) prices[j] += (double)s[i * k + j];
+  for (int64_t j = 0; j < k; ++j) prices[j] /= (double)n;
+}
 
 template <typename scalar_t>
 struct Solver {
@@ -38,33 +103,45 @@ struct Solver {
   double tol;
   std::vector<int64_t> z;
 
-  // One auction phase; see reference.auction.
-  void auction(std::vector<double>& prices, double eps) {
+  // The auction from `prices`; see reference.auction. False (z incomplete) after `budget` bids.
+  bool auction(std::vector<double>& prices, double eps, double budget) {
     std::vector<std::vector<Holder>> holders(k);
+    for (auto& h : holders) h.reserve(capacity);
     std::vector<int64_t> queue(n);
-    queue.reserve(4 * n);
+    queue.reserve(5 * n);
     for (int64_t i = 0; i < n; ++i) queue[i] = i;
     std::fill(z.begin(), z.end(), -1);
-    const auto later = std::greater<Holder>();
+    std::vector<double> values(k);
     for (size_t head = 0; head < queue.size(); ++head) {
+      if ((double)head >= budget) return false;
       const int64_t i = queue[head];
       int64_t j1;
       double v1, v2;
-      ba::best_two(s + i * k, prices.data(), k, &j1, &v1, &v2);
-      const double b = ba::bid(prices[j1], v1, v2, k, eps);
+      best_two(s + i * k, prices.data(), k, values.data(), &j1, &v1, &v2);
+      const Holder bid{ba::bid(prices[j1], v1, v2, k, eps), -i};
       auto& h = holders[j1];
-      h.emplace_back(b, -i);
-      std::push_heap(h.begin(), h.end(), later);
-      z[i] = j1;
-      if ((int64_t)h.size() > capacity) {
-        std::pop_heap(h.begin(), h.end(), later);
-        const int64_t out = -h.back().second;
-        h.pop_back();
-        z[out] = -1;
-        queue.push_back(out);
+      if ((int64_t)h.size() < capacity) {
+        h.push_back(bid);
+        std::push_heap(h.begin(), h.end(), std::greater<Holder>());
+        z[i] = j1;
+        if ((int64_t)h.size() == capacity) prices[j1] = h.front().first;
+        continue;
       }
-      if ((int64_t)h.size() == capacity) prices[j1] = h.front().first;
+      // Full: of the capacity + 1 bids the lowest leaves, as a push and a pop would decide, but
+      // with one sift-down. The new bid is >= the price, so it is the one leaving only when it
+      // equals the price (float64 rounding) and its token index is higher.
+      if (bid < h.front()) {
+        queue.push_back(i);
+        continue;
+      }
+      const int64_t out = -h.front().second;
+      replace_lowest(h, bid);
+      z[i] = j1;
+      z[out] = -1;
+      queue.push_back(out);
+      prices[j1] = h.front().first;
     }
+    return true;
   }
 
   // d[j][j'] = min over the tokens of j of s[i][j] - s[i][j'], one expert per task. Only the rows
@@ -73,7 +150,9 @@ struct Solver {
   // vectorisable min.
   void move_costs(std::vector<double>& d, const std::vector<int64_t>& start, const std::vector<int64_t>& tokens,
                   const std::vector<int64_t>& rows) {
-    at::parallel_for(0, (int64_t)rows.size(), 1, [&](int64_t b, int64_t e) {
+    // Split only work worth a fork (~0.1 ms): waiting for a second thread costs far more on a busy machine.
+    const int64_t grain = std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, capacity * k));
+    at::parallel_for(0, (int64_t)rows.size(), grain, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const int64_t j = rows[r];
         double* dj = d.data() + j * k;
@@ -138,21 +217,17 @@ void floyd_warshall_cycles(const std::vector<double>& w, int64_t N, double tol, 
 template <typename scalar_t>
 double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t* z_out, double* dist_out) {
   Solver<scalar_t> S{s, n, k, capacity, 0.0, std::vector<int64_t>(n, -1)};
-  double lo = ba::inf(), hi = -ba::inf(), amax = 0.0;
-  for (int64_t t = 0; t < n * k; ++t) {
-    const double x = (double)s[t];
-    lo = std::min(lo, x);
-    hi = std::max(hi, x);
-    amax = std::max(amax, std::abs(x));
-  }
+  double lo, hi;
+  TORCH_CHECK_VALUE(score_range(s, n * k, &lo, &hi), "balanced_assignment: scores must be finite (no NaN or inf)");
+  const double amax = std::max(std::abs(lo), std::abs(hi));
   double spread = hi - lo;
   if (!(spread > 0)) spread = 1.0;
   S.tol = kTolRel * std::max(1.0, amax);
   std::vector<double> prices(k, 0.0);
-  double eps = spread / kEpsStartDiv;
-  for (int phase = 0; phase < kEpsPhases; ++phase) {
-    S.auction(prices, eps);
-    eps /= kEpsFactor;
+  const double eps = spread / kEpsDiv;
+  if (!S.auction(prices, eps, kBidBudget * (double)n)) {
+    column_means(s, n, k, prices.data());
+    S.auction(prices, eps, ba::inf());
   }
   const bool slack = n < capacity * k;
   const int64_t N = slack ? k + 1 : k;
@@ -209,9 +284,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_cpu(const at:
               capacity, ", k=", k, ", n=", n);
   TORCH_CHECK(k < INT32_MAX, "balanced_assignment: k too large");
   auto experts = at::empty({n}, scores.options().dtype(at::kLong));
-  auto dist = at::full({k, k}, ba::inf(), scores.options().dtype(at::kDouble));
-  for (int64_t j = 0; j < k; ++j) dist[j][j] = 0.0;
-  if (n == 0) return {experts, at::scalar_tensor(0.0, scores.options().dtype(at::kDouble)), dist};
+  auto dist = at::empty({k, k}, scores.options().dtype(at::kDouble));
+  if (n == 0) {
+    double* d = dist.mutable_data_ptr<double>();
+    for (int64_t t = 0; t < k * k; ++t) d[t] = t % (k + 1) == 0 ? 0.0 : ba::inf();
+    return {experts, at::scalar_tensor(0.0, scores.options().dtype(at::kDouble)), dist};
+  }
   double value;
   if (scores.scalar_type() == at::kDouble) {
     const auto x = scores.contiguous();

@@ -32,8 +32,12 @@ if backends._extension.defines("balanced_assignment"):
 backends.register("balanced_assignment", torch=reference.balanced_assignment, cpu=_cpp, cuda=_cpp)
 
 
-def check_scores(name: str, scores, capacity):
-    """Validate [n, k] scores and the capacity; returns the capacity (default ceil(n / k))."""
+def check_scores(name: str, scores, capacity, *, check_finite: bool = False):
+    """Validate [n, k] scores and the capacity; returns the capacity (default ceil(n / k)).
+
+    Reads no tensor value unless check_finite (a host sync): the solvers reject NaN / inf
+    themselves, so balanced_assignment compiles without a graph break.
+    """
     _validate.tensor(name, scores, dim=2, shape="[n, k]", dtypes=SCORE_DTYPES)
     n, k = scores.shape
     if k < 1:
@@ -43,8 +47,7 @@ def check_scores(name: str, scores, capacity):
     _validate.integer("capacity", capacity, low=1)
     if capacity * k < n:
         raise ValueError(f"capacity * k must be >= n (every token needs a slot), got {capacity} * {k} < {n}")
-    # A host sync; the CUDA solver synchronises anyway (its done flag), the others run on the host.
-    if n and not bool(torch.isfinite(scores).all()):
+    if check_finite and n and not bool(torch.isfinite(scores).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
     return capacity
 
@@ -54,8 +57,10 @@ def balanced_assignment(scores: torch.Tensor, capacity: int | None = None, *, re
     sum_i scores[i, experts[i]] (eq 4 of Kool et al. with scores = a / tau + g; BASE layers).
 
     Args:
-      scores: [n, k] float64 / float32 / float16 / bfloat16, finite. Adding a constant to a row
-        changes nothing, so log-probabilities and logits give the same assignment.
+      scores: [n, k] float64 / float32 / float16 / bfloat16, finite: NaN / inf raise ValueError
+        from the solver (no host sync here, so torch.compile(fullgraph=True) works on the C++
+        backend). Adding a constant to a row changes nothing, so log-probabilities and logits give
+        the same assignment.
       capacity: slots per expert, capacity * k >= n. Default ceil(n / k) (exactly n / k tokens per
         expert when k divides n).
       return_distances: also return the optimal value and d*.
@@ -71,7 +76,9 @@ def balanced_assignment(scores: torch.Tensor, capacity: int | None = None, *, re
     float64 rounding). On ties any optimal assignment may be returned; each backend is deterministic.
     Not differentiable (an argmax).
     """
-    capacity = check_scores("scores", scores, capacity)
+    # The CPU kernel and the reference reject NaN / inf themselves (no host read here, so
+    # torch.compile(fullgraph=True) works on CPU); the CUDA solver does not, and synchronises anyway.
+    capacity = check_scores("scores", scores, capacity, check_finite=scores.is_cuda)
     if not isinstance(return_distances, bool):
         raise TypeError(f"return_distances must be a bool, got {type(return_distances).__name__}")
     experts, value, distances = backends.implementation("balanced_assignment", scores)(scores, capacity)

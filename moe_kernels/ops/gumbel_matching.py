@@ -33,7 +33,7 @@ def gumbel_matching(
        q[i, experts[i]] is the importance-weight denominator of eq 6). Not differentiable (the
        estimators treat q as a constant proposal).
     """
-    capacity = check_scores("logits", logits, capacity)
+    capacity = check_scores("logits", logits, capacity, check_finite=True)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
         raise ValueError(f"tau must be a positive number, got {tau!r}")
     if gumbels is None:

@@ -1,4 +1,4 @@
-"""Reference balanced assignment: an epsilon-scaled auction start, then cycle cancelling with
+"""Reference balanced assignment: an auction warm start, then cycle cancelling with
 Floyd-Warshall over the experts (Kool et al., 004_62bca7777c830867.txt, Appendix D.2).
 
 Problem (eq 4 with s = a / tau + g, or BASE layers' scores):
@@ -15,26 +15,30 @@ import math
 
 import torch
 
-# The auction is only a warm start (cycle cancelling makes the result exact), so its epsilon is
-# tuned for speed: two phases, eps = spread / 16 then spread / 8192, where spread = max(s) - min(s).
-# Chosen on randn scores at (4096, 64), (8192, 64), (16384, 128), 3 seeds each, by counted work
-# (bids * k + rounds * (k + 1)^3; timings on the shared machine were too noisy): 30-55% less
-# work than four phases dividing by 8 (spread / 8 ... / 4096), which left 3-8 rounds. The
-# paper's eps = 1.0 leaves thousands of cycles to cancel (issue 7).
-EPS_START_DIV = 16.0
-EPS_FACTOR = 512.0
-EPS_PHASES = 2
+# The auction is only a warm start (cycle cancelling makes the result exact), so its parameters are
+# tuned for speed: one phase at eps = spread / 32768 (spread = max(s) - min(s)) from zero prices;
+# if that has not finished after 4 bids per token, it restarts from prices = the column means of s.
+# Chosen by measured CPU time of the C++ kernel (one thread, the minimum of repeated runs) at
+# (4096, 64), (8192, 64), (16384, 128) on randn, integer, all-equal, per-expert-bias, Gumbel-
+# perturbed log-softmax, low-rank and one-dominant-expert scores (docs/balanced_assignment.md).
+# The earlier schedule (eps = spread / 16, then / 8192, restarting from scratch) fought price wars
+# of ~factor bids per token on tied scores (integer or equal: 300-1400 ms at these sizes); zero
+# prices cost nothing on ties but many small bids when experts differ in popularity, where
+# column-mean prices start near the right level. The paper's eps = 1.0 leaves thousands of cycles
+# to cancel (issue 7).
+EPS_DIV = 32768.0
+BID_BUDGET = 4
 # Cycles whose cost is above -TOL_REL * max(1, max|s|) are not cancelled: float64 rounding noise.
 TOL_REL = 1e-12
 
 
-def auction(s: list[list[float]], capacity: int, prices: list[float], eps: float) -> list[int]:
-    """One auction phase (Bertsekas, tokens bid for expert slots). Updates `prices` in place.
+def auction(s: list[list[float]], capacity: int, prices: list[float], eps: float, budget: float) -> list[int] | None:
+    """The auction (Bertsekas, tokens bid for expert slots) from `prices`, updated in place.
 
     Each unassigned token (FIFO queue, initially 0..n-1) bids for its best expert j1 by value
     s[i][j] - price[j] (ties to the lower j): bid = price[j1] + (best - second best) + eps. An
     expert keeps its `capacity` highest bids (on equal bids the lower token index stays); when full,
-    its price is its lowest kept bid. Returns z [n].
+    its price is its lowest kept bid. Returns z [n], or None if `budget` bids did not finish it.
     """
     n, k = len(s), len(s[0])
     z = [-1] * n
@@ -42,6 +46,8 @@ def auction(s: list[list[float]], capacity: int, prices: list[float], eps: float
     queue = list(range(n))
     head = 0
     while head < len(queue):
+        if head >= budget:
+            return None
         i = queue[head]
         head += 1
         j1, v1, v2 = -1, -math.inf, -math.inf
@@ -62,6 +68,16 @@ def auction(s: list[list[float]], capacity: int, prices: list[float], eps: float
         if len(holders[j1]) == capacity:
             prices[j1] = holders[j1][0][0]
     return z
+
+
+def column_means(s: list[list[float]]) -> list[float]:
+    """mean over tokens of s[i][j] per expert, summed in token order (as the C++ kernel does)."""
+    k = len(s[0])
+    total = [0.0] * k
+    for row in s:
+        for j in range(k):
+            total[j] += row[j]
+    return [t / len(s) for t in total]
 
 
 def move_costs(s, z, k):
@@ -174,12 +190,10 @@ def solve(s: list[list[float]], capacity: int):
     spread = (max(flat) - min(flat)) if flat else 0.0
     spread = spread if spread > 0 else 1.0
     tol = TOL_REL * max(1.0, max((abs(x) for x in flat), default=0.0))
-    prices = [0.0] * k
-    eps = spread / EPS_START_DIV
-    z = []
-    for _ in range(EPS_PHASES):
-        z = auction(s, capacity, prices, eps) if n else []
-        eps /= EPS_FACTOR
+    eps = spread / EPS_DIV
+    z = auction(s, capacity, [0.0] * k, eps, BID_BUDGET * n) if n else []
+    if z is None:
+        z = auction(s, capacity, column_means(s), eps, math.inf)
     slack = n < capacity * k
     while True:
         counts = [0] * k
@@ -205,7 +219,7 @@ def balanced_assignment(scores: torch.Tensor, capacity: int):
     """Exact capacity-constrained assignment.
 
     Args:
-      scores: [n, k] floating point, finite. capacity: int with capacity * k >= n.
+      scores: [n, k] floating point, finite (else ValueError). capacity: int with capacity * k >= n.
     Returns:
       (experts [n] int64, value 0-dim float64 = sum_i scores[i, experts[i]] in float64,
        distances [k, k] float64: d*, the cheapest cost of moving one token from expert j to j'
@@ -214,6 +228,8 @@ def balanced_assignment(scores: torch.Tensor, capacity: int):
     """
     n, k = scores.shape
     s = scores.detach().double().cpu().tolist()
+    if not all(math.isfinite(x) for row in s for x in row):
+        raise ValueError("balanced_assignment: scores must be finite (no NaN or inf)")
     z, value, dist = (
         solve(s, capacity) if n else ([], 0.0, [[0.0 if a == b else math.inf for b in range(k)] for a in range(k)])
     )

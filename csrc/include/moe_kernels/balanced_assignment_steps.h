@@ -35,8 +35,11 @@
 namespace moe_kernels {
 namespace balanced_assignment {
 
-// The auction's epsilon schedule: the CPU kernel's (csrc/cpu/balanced_assignment.cpp, tuned there
-// for its sequential auction), not retuned for the parallel one (no GPU here to time it).
+// The auction's epsilon schedule: the CPU kernel's earlier two-phase schedule, not retuned for the
+// parallel auction (no GPU here to time it). The CPU kernel has since moved to one fine phase
+// with a column-mean restart (docs/balanced_assignment.md), chosen by sequential-auction timings
+// that say nothing of a Jacobi auction; the two-phase schedule's price wars on heavily tied scores
+// (hundreds of bids per token on the CPU) may hit the device too. Tune on a GPU.
 constexpr double kDeviceEpsStartDiv = 16.0;
 constexpr double kDeviceEpsFactor = 512.0;
 constexpr int kDeviceEpsPhases = 2;
