@@ -1,6 +1,7 @@
-// row_vector.h's primitives. GCC vector extensions with target_clones: an AVX2 body and a
-// baseline (SSE2) body of the same source, chosen once at load time, so the extension still runs
-// on any x86-64 while machines with AVX2 use it.
+// row_vector.h's primitives: GCC vector extensions (the selections) and vec_math.h's
+// auto-vectorised elementwise math (the exp sum), each compiled per instruction set by
+// MK_ROW_CLONES (vec_math.h) and chosen once at load time, so the extension still runs on any
+// x86-64 while machines with AVX2 / AVX-512 use them.
 #include "row_vector.h"
 
 #include <climits>
@@ -9,16 +10,12 @@
 
 #include "moe_kernels/common.h"
 #include "moe_kernels/topk_softmax.h"
+#include "vec_math.h"
 
 // The lane helpers below pass 256-bit vectors by value; GCC warns that the default (non-AVX) clone
 // would pass them differently from an AVX one. They are always inlined, so no such call exists.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MK_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MK_VECTOR_CLONES
-#endif
 
 namespace moe_kernels {
 namespace {
@@ -50,34 +47,9 @@ inline int32_t max_lane(lanes_i32 x) {
   return x[0] > x[1] ? x[0] : x[1];
 }
 
-// exp(x) for x <= 0 (or NaN), lane-wise: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
-// polynomial (Cephes' expf coefficients), 2^n built in the exponent bits. Below -87 the result
-// is 0 (2^n would leave the normal range; such terms are invisible next to the max's 1).
-inline lanes_f32 exp_nonpositive(lanes_f32 x) {
-  const lanes_f32 xc = x < -87.0f ? (lanes_f32){} - 87.0f : x;  // NaN compares false: kept
-  const float round_magic = 12582912.0f;                          // 1.5 * 2^23: round to integer
-  const lanes_f32 t = xc * 1.44269504088896341f + round_magic;
-  const lanes_f32 n = t - round_magic;
-  lanes_f32 r = xc - n * 0.693359375f;  // ln2 split in two so n * ln2_hi is exact
-  r = r - n * -2.12194440e-4f;
-  lanes_f32 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  lanes_i32 t_bits;
-  std::memcpy(&t_bits, &t, sizeof t_bits);
-  const lanes_i32 scale_bits = ((t_bits - 0x4b400000) + 127) << 23;  // (n + 127) << 23
-  lanes_f32 scale;
-  std::memcpy(&scale, &scale_bits, sizeof scale);
-  const lanes_f32 e = p * scale;
-  return x < -87.0f ? (lanes_f32){} : e;
-}
-
 }  // namespace
 
-MK_VECTOR_CLONES
+MK_ROW_CLONES
 int32_t row_argmax_f32(const float* row, int64_t E) {
   // Lane l sees the elements l, l + 8, l + 16, ... in order and keeps the first of its largest
   // keys (strict >); the lanes are merged by key, then by the lower index.
@@ -109,7 +81,7 @@ int32_t row_argmax_f32(const float* row, int64_t E) {
   return arg;
 }
 
-MK_VECTOR_CLONES
+MK_ROW_CLONES
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
   using topk_softmax::insert_pair;
   int filled = 0;
@@ -131,26 +103,17 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
   for (; e < E; ++e) insert_pair(best, k, k, rank_pair(row[e], (int32_t)e));
 }
 
-MK_VECTOR_CLONES
-float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps) {
+MK_VECTORISE MK_ROW_CLONES
+float row_exp_sum_f32(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
+  // The terms first (a loop with no reduction vectorises), then the sum in 8 lanes (a float sum
+  // in one accumulator would not: the compiler may not reorder it).
+  for (int64_t e = 0; e < E; ++e) exps[e] = vec_math::exp(row[e] - vmax);
   lanes_f32 sum = {};
   int64_t e = 0;
-  for (; e + kLanes <= E; e += kLanes) {
-    const lanes_f32 term = exp_nonpositive(load(row + e) - vmax);
-    if (exps != nullptr) std::memcpy(exps + e, &term, sizeof term);
-    sum += term;
-  }
-  if (e < E) {  // the tail through one padded vector: the same arithmetic as the other terms
-    float pad[kLanes];
-    for (int l = 0; l < kLanes; ++l) pad[l] = e + l < E ? row[e + l] : -INFINITY;
-    const lanes_f32 term = exp_nonpositive(load(pad) - vmax);
-    for (int l = 0; e + l < E; ++l) {
-      if (exps != nullptr) exps[e + l] = term[l];
-    }
-    sum += term;
-  }
+  for (; e + kLanes <= E; e += kLanes) sum += load(exps + e);
   float total = 0.0f;
   for (int l = 0; l < kLanes; ++l) total += sum[l];
+  for (; e < E; ++e) total += exps[e];
   return total;
 }
 

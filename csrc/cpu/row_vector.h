@@ -15,9 +15,9 @@ int32_t row_argmax_f32(const float* row, int64_t E);
 // compare; only chunks holding a larger key go through the insertion list (topk_softmax.h).
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
 
-// sum over e of exp(row[e] - vmax); also stores each term to exps[e] when exps is not null.
-// vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and sum).
-// Terms below exp(-87) (including those of -inf logits) are 0. Error: a few ulp per term.
+// sum over e of exp(row[e] - vmax), each term also stored to exps[e] (exps [E], not aliasing
+// row). vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and
+// sum). vec_math::exp: terms below e^-80 (including those of -inf logits) are 0; a few ulp each.
 float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps);
 
 }  // namespace moe_kernels

@@ -58,7 +58,7 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
   using topk_softmax::exp_term;
   using topk_softmax::weight;
   std::vector<int64_t> best(k > kInsertionMaxK ? E : k);
-  std::vector<float> row_buffer(E);
+  std::vector<float> row_buffer(E), exps(renormalize ? 0 : E);
   for (int64_t t = begin; t < end; ++t) {
     const float* x = float_row(logits + t * stride_t, stride_e, E, row_buffer.data());
     select_topk(x, E, k, best);
@@ -69,7 +69,7 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
     if (renormalize) {
       for (int64_t s = 0; s < k; ++s) denom += exp_term(x[pair_index(best[s])], vmax);
     } else if (vmax != -INFINITY) {
-      denom = row_exp_sum_f32(x, E, vmax, nullptr);
+      denom = row_exp_sum_f32(x, E, vmax, exps.data());
     }
     for (int64_t s = 0; s < k; ++s) {
       const int32_t e = pair_index(best[s]);
