@@ -23,14 +23,12 @@
 #include <vector>
 
 #include "moe_kernels/topk_softmax.h"
+#include "row_vector.h"
 #include "vec_math.h"
 
 namespace moe_kernels {
 namespace {
 
-// Above this many kept pairs an insertion list costs O(E * k) on ascending rows; a partial sort
-// of all pairs is O(E log k) and wins (the same limit as topk_softmax).
-constexpr int64_t kInsertionMax = 16;
 // Rows per partial Load sum. Fixed, so that the summation order (float within a block, double
 // across blocks in block order) does not depend on the number of threads.
 constexpr int64_t kBlockRows = 64;
@@ -96,28 +94,6 @@ MK_VECTORISE MK_ROW_CLONES void add_probabilities_row(const float* __restrict cl
   }
 }
 
-// The kept largest rank pairs of a row, descending (best must hold E pairs when kept > kInsertionMax).
-void top_pairs(const float* noisy, int64_t E, int64_t kept, int64_t* best) {
-  if (kept <= kInsertionMax) {
-    int filled = 0;
-    int64_t e = 0;
-    for (; e < E && filled < kept; ++e)
-      filled = topk_softmax::insert_pair(best, filled, (int)kept, rank_pair(noisy[e], (int32_t)e));
-    // Once the list is full, an element can only enter if it ranks above the last kept one: a
-    // larger value or NaN. An equal value (also -0 vs +0) comes later, so it loses the tie. One
-    // float compare per element instead of building its rank pair.
-    float last = kept > 0 ? noisy[pair_index(best[kept - 1])] : 0.0f;
-    for (; e < E; ++e) {
-      if (noisy[e] <= last) continue;
-      filled = topk_softmax::insert_pair(best, filled, (int)kept, rank_pair(noisy[e], (int32_t)e));
-      last = noisy[pair_index(best[kept - 1])];
-    }
-  } else {
-    for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(noisy[e], (int32_t)e);
-    std::partial_sort(best, best + kept, best + E, std::greater<int64_t>());
-  }
-}
-
 // Softmax over the k selected noisy logits h[0..k) (in rank order, so h[0] is the maximum), in
 // float32 as torch.softmax(values.float()).
 void softmax_top(const float* h, int64_t k, float* w) {
@@ -136,7 +112,7 @@ void forward_blocks(const Strided& clean, const Strided& raw, const Strided& noi
                     int64_t* top,       // [T, k+1]
                     float* partial) {   // [blocks, E]
   const int64_t kept = std::min(k + 1, E);  // pairs needed: k+1, or all E when k = E
-  std::vector<int64_t> best(kept > kInsertionMax ? E : kept);
+  std::vector<int64_t> best(kept > kRowInsertionMaxK ? E : kept);  // row_top_pairs
   std::vector<float> cbuf(E), rbuf(E), nbuf(E), stddev(E), noisy(E), selected(E, 0.0f), h(k), w(k);
   for (int64_t b = block_begin; b < block_end; ++b) {
     float* load = partial + b * E;
@@ -145,7 +121,7 @@ void forward_blocks(const Strided& clean, const Strided& raw, const Strided& noi
       const float* c = row_f32<scalar_t>(clean, t, E, cbuf.data());
       noisy_row<scalar_t>(c, row_f32<scalar_t>(raw, t, E, rbuf.data()), row_f32<scalar_t>(noise, t, E, nbuf.data()),
                           eps, E, stddev.data(), noisy.data());
-      top_pairs(noisy.data(), E, kept, best.data());
+      row_top_pairs(noisy.data(), E, kept, best.data());
       int64_t* top_row = top + t * (k + 1);
       for (int64_t s = 0; s <= k; ++s) top_row[s] = s < kept ? pair_index(best[s]) : -1;
       // The thresholds are read from the row (not decoded from the key: NaN payloads and -0).

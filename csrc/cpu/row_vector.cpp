@@ -4,7 +4,9 @@
 // x86-64 while machines with AVX2 / AVX-512 use them.
 #include "row_vector.h"
 
+#include <algorithm>
 #include <climits>
+#include <functional>
 #include <cmath>
 #include <cstring>
 
@@ -101,6 +103,18 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
     }
   }
   for (; e < E; ++e) insert_pair(best, k, k, rank_pair(row[e], (int32_t)e));
+}
+
+void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best) {
+  if (k == 1) {
+    const int32_t e = row_argmax_f32(row, E);
+    best[0] = rank_pair(row[e], e);
+  } else if (k <= kRowInsertionMaxK) {
+    row_topk_f32(row, E, (int)k, best);
+  } else {
+    for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(row[e], (int32_t)e);
+    std::partial_sort(best, best + k, best + E, std::greater<int64_t>());
+  }
 }
 
 MK_VECTORISE MK_ROW_CLONES

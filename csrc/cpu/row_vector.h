@@ -15,6 +15,15 @@ int32_t row_argmax_f32(const float* row, int64_t E);
 // compare; only chunks holding a larger key go through the insertion list (topk_softmax.h).
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
 
+// Above this k an insertion list costs O(E k) on adversarial (ascending) rows; a partial sort of
+// all pairs is O(E log k) and wins.
+constexpr int64_t kRowInsertionMaxK = 16;
+
+// The k largest rank pairs of row[0 .. E) into best, descending, 1 <= k <= E: row_argmax_f32
+// (k = 1), row_topk_f32 (k <= kRowInsertionMaxK), else a partial sort (best must then hold E
+// pairs). Every top-k selection of the CPU kernels goes through here.
+void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
+
 // sum over e of exp(row[e] - vmax), each term also stored to exps[e] (exps [E], not aliasing
 // row). vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and
 // sum). vec_math::exp: terms below e^-80 (including those of -inf logits) are 0; a few ulp each.

@@ -20,10 +20,6 @@
 namespace moe_kernels {
 namespace {
 
-// Above this k the insertion list costs O(E*k) on adversarial (ascending) rows; a partial sort
-// of all pairs is O(E log k) and wins.
-constexpr int64_t kInsertionMaxK = 16;
-
 // The row as contiguous float32: itself when it already is, else converted into `buffer` [E].
 // The conversion is exact and keeps the order, -0 and NaN, so selecting on it selects on the row.
 template <typename scalar_t>
@@ -35,20 +31,6 @@ const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* 
   return buffer;
 }
 
-// The k largest rank pairs of row x [E] into best, descending: the vectorised argmax (k = 1) and
-// chunk-filtered insertion list (k <= kInsertionMaxK) of row_vector.h, a partial sort above.
-void select_topk(const float* x, int64_t E, int64_t k, std::vector<int64_t>& best) {
-  if (k == 1) {
-    const int32_t e = row_argmax_f32(x, E);
-    best[0] = rank_pair(x[e], e);
-  } else if (k <= kInsertionMaxK) {
-    row_topk_f32(x, E, (int)k, best.data());
-  } else {
-    for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(x[e], (int32_t)e);
-    std::partial_sort(best.begin(), best.begin() + k, best.end(), std::greater<int64_t>());
-  }
-}
-
 template <typename scalar_t>
 void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, stride_e)
                        int64_t stride_t, int64_t stride_e, int64_t begin, int64_t end,
@@ -57,11 +39,11 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
                        int64_t* experts) {      // [T, k] contiguous
   using topk_softmax::exp_term;
   using topk_softmax::weight;
-  std::vector<int64_t> best(k > kInsertionMaxK ? E : k);
+  std::vector<int64_t> best(k > kRowInsertionMaxK ? E : k);
   std::vector<float> row_buffer(E), exps(renormalize ? 0 : E);
   for (int64_t t = begin; t < end; ++t) {
     const float* x = float_row(logits + t * stride_t, stride_e, E, row_buffer.data());
-    select_topk(x, E, k, best);
+    row_top_pairs(x, E, k, best.data());
     // Values are re-read from the row rather than decoded from the key: NaN payloads and -0
     // must come out exactly as the reference sees them.
     const float vmax = x[pair_index(best[0])];
