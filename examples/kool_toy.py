@@ -137,13 +137,30 @@ HEADER = (
 )
 
 
-def summarize(path: str) -> None:
-    """Print the table of every row in a results file (rows in the order they were first written)."""
+def summarize(paths: list[str]) -> None:
+    """Print, for every (loss, sinkhorn) of the results files, a grid of estimator x tau cells
+    'solved/seeds (median final MSE)' over the seeds finished so far, then
+    the long table of every row, in the order the rows were first written."""
     rows: dict = {}
-    with open(path) as fh:
-        for line in fh:
-            r = json.loads(line)
-            rows.setdefault(row_key(r), {})[r["seed"]] = r
+    for path in paths:
+        with open(path) as fh:
+            for line in fh:
+                r = json.loads(line)
+                rows.setdefault(row_key(r), {})[r["seed"]] = r
+    grids: dict = {}
+    for (loss, sink, name, tau, steps), runs in rows.items():
+        mses = sorted(run["mse"] for run in runs.values())
+        med = (mses[(len(mses) - 1) // 2] + mses[len(mses) // 2]) / 2
+        cell = f"{sum(m < SUCCESS for m in mses)}/{len(mses)} ({med:.3f})"
+        grids.setdefault((loss, sink, steps), {}).setdefault(name, {})[tau] = cell
+    for (loss, sink, steps), grid in grids.items():
+        taus = sorted({tau for cells in grid.values() for tau in cells})
+        print(f"\n{loss}, {'Sinkhorn' if sink else 'plain'} proposals, {steps} steps:\n")
+        print("| estimator | " + " | ".join(f"tau = {t:g}" for t in taus) + " |")
+        print("|---|" + "---|" * len(taus))
+        for name, cells in grid.items():
+            print(f"| {name} | " + " | ".join(cells.get(t, "-") for t in taus) + " |")
+    print()
     print(HEADER)
     for runs in rows.values():
         print(format_row(list(runs.values())))
@@ -160,7 +177,7 @@ def main():
     parser.add_argument("--loss", choices=LOSSES, default="reinforce")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (one thread each)")
     parser.add_argument("--out", help="append one JSON line per finished run; runs already there are skipped")
-    parser.add_argument("--summarize", metavar="FILE", help="only print the table of a results file")
+    parser.add_argument("--summarize", metavar="FILE", nargs="+", help="only print the tables of results files")
     args = parser.parse_args()
     if args.summarize:
         summarize(args.summarize)
