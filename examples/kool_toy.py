@@ -158,7 +158,8 @@ def summarize(paths: list[str]) -> None:
         print(f"\n{loss}, {'Sinkhorn' if sink else 'plain'} proposals, {steps} steps:\n")
         print("| estimator | " + " | ".join(f"tau = {t:g}" for t in taus) + " |")
         print("|---|" + "---|" * len(taus))
-        for name, cells in grid.items():
+        order = {name: i for i, name in enumerate(estimators.ESTIMATORS)}
+        for name, cells in sorted(grid.items(), key=lambda item: order.get(item[0], len(order))):
             print(f"| {name} | " + " | ".join(cells.get(t, "-") for t in taus) + " |")
     print()
     print(HEADER)
