@@ -26,6 +26,15 @@ same either way (balancing does not change the solution of eq 4); sinkhorn=True 
 plain 'gumbel_matching' weights, to p / p~ (our reading of Appendix E: "we take it into account
 when computing the importance weights"). `importance_weights=False` drops p/q everywhere (Figure
 3, right column); the skip correction of sample_skip_iw is kept.
+
+With sinkhorn=True the plain 'gumbel_matching' weights p / p~ are exactly those of
+'gumbel_matching_sh' (same samples, same denominator): the two coincide under Sinkhorn proposals.
+
+`gating_loss` is the paper's biased baseline, differentiable gating (Section 3.1): the same samples
+and weights, but no REINFORCE term; the expert output is multiplied by the router probability
+p(z_i | x_i) so that f_i carries the router's gradient, and a load-balancing loss is added:
+
+    gating_loss = (1 / N) * sum_i w_i * f_i + load_weight * load_balancing_loss       (weight 0.01)
 """
 
 from __future__ import annotations
@@ -133,9 +142,24 @@ def surrogate(log_p: torch.Tensor, sample: RoutingSample, f: torch.Tensor, basel
     return (w * (lp * (f.detach() - baseline) + f)).sum() / sample.normalizer
 
 
+def gating_loss(log_p: torch.Tensor, sample: RoutingSample, f: torch.Tensor, load_weight: float = 0.01) -> torch.Tensor:
+    """Differentiable gating with a load loss (Section 3.1; module docstring).
+
+    log_p: [n, k] router log-probabilities (differentiable); f: [n] per-token loss of the *gated*
+    output p(z_i | x_i) * expert_{z_i}(x_i), differentiable in the router and the experts;
+    load_weight: the weight of `load_balancing_loss` (0.01 in Figure 2c, 0.03 also works there).
+    """
+    w = sample.weights.to(f.dtype)
+    return (w * f).sum() / sample.normalizer + load_weight * load_balancing_loss(log_p.exp(), sample.experts)
+
+
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Switch-style load loss k * sum_j (fraction of tokens routed to j) * (mean router prob of j),
-    1 when balanced; used with differentiable gating (Section 3.1, weight 0.01)."""
+    1 when balanced; used with differentiable gating (Section 3.1, weight 0.01, the paper's [8]).
+
+    probs: [n, k] router probabilities (differentiable); experts: [n] int64 sampled experts (before
+    any skipping, as the Switch Transformer counts dispatched tokens before the capacity cut).
+    """
     n, k = probs.shape
     frac = torch.bincount(experts, minlength=k).to(probs.dtype) / max(n, 1)
     return k * (frac * probs.mean(0)).sum()

@@ -80,3 +80,31 @@ def test_ema_baseline_and_load_loss():
     assert torch.isclose(estimators.load_balancing_loss(probs, torch.arange(8) % 4), torch.tensor(1.0))
     with pytest.raises(ValueError, match="unknown estimator"):
         estimators.sample_routing("nope", probs.log())
+
+
+def test_gumbel_matching_with_sinkhorn_is_gumbel_matching_sh():
+    """Sinkhorn does not change the Gumbel-Matching samples, and with Sinkhorn proposals the plain
+    estimator's weights p / p~ are those of Gumbel-Matching SH (module docstring)."""
+    log_p = torch.log_softmax(torch.randn(12, 3, dtype=torch.float64), -1)
+    a = estimators.sample_routing(
+        "gumbel_matching", log_p, tau=2.0, use_sinkhorn=True, generator=torch.Generator().manual_seed(3)
+    )
+    b = estimators.sample_routing("gumbel_matching_sh", log_p, tau=2.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.experts, b.experts) and torch.allclose(a.weights, b.weights)
+
+
+def test_gating_loss():
+    """The weighted mean of the gated losses plus 0.01 x the load loss; the router gets the load
+    loss's gradient even where f does not depend on it, and skipped tokens (weight 0) none."""
+    theta = torch.randn(6, 2, dtype=torch.float64, requires_grad=True)
+    log_p = torch.log_softmax(theta, -1)
+    s = estimators.sample_routing("sample_skip", log_p, capacity=2, tau=2.0, generator=torch.Generator().manual_seed(0))
+    f = torch.rand(6, dtype=torch.float64)
+    expected = (s.weights * f).sum() / s.normalizer + 0.01 * estimators.load_balancing_loss(log_p.exp(), s.experts)
+    loss = estimators.gating_loss(log_p, s, f, 0.01)
+    assert torch.isclose(loss, expected)
+    loss.backward()
+    assert theta.grad.abs().sum() > 0
+    f_param = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    estimators.gating_loss(log_p.detach(), s, f_param, 0.0).backward()
+    assert torch.equal(f_param.grad == 0, s.weights == 0)
