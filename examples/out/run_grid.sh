@@ -5,7 +5,7 @@
 # command skips the runs already in its --out file.
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH=$PWD
-run() { nice -n 19 /work/main/.venv/bin/python examples/kool_toy.py "$@"; }
+run() { nice -n 19 .venv/bin/python examples/kool_toy.py "$@"; }
 R="--loss reinforce --out examples/out/reinforce.jsonl"
 G="--loss gating --out examples/out/gating.jsonl"
 (
