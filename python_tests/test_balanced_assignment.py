@@ -17,9 +17,13 @@ from moe_kernels.ops import balanced_assignment
 ref_module = importlib.import_module("moe_kernels.reference.balanced_assignment")  # the package re-exports the function
 
 
-def run(backend, scores, capacity=None, **kw):
+def skip_triton(backend):
     if backend == "triton":
         pytest.skip("balanced_assignment has no Triton kernel (a sequential solver)")
+
+
+def run(backend, scores, capacity=None, **kw):
+    skip_triton(backend)
     with moe_kernels.use_backend(backend):
         return balanced_assignment(scores, capacity, **kw)
 
@@ -170,6 +174,7 @@ def test_compile(backend):
 
 def test_compile_fullgraph(kernel_backend):
     """The C++ solver checks finiteness itself: no host read in the wrapper, no graph break."""
+    skip_triton(kernel_backend)
     fn = torch.compile(lambda s: balanced_assignment(s, 4, return_distances=True), fullgraph=True)
     scores = instance(0, 16, 4, "randn")
     with moe_kernels.use_backend(kernel_backend):
