@@ -11,6 +11,9 @@ Default order: CPU tensors use "cpu", else "torch"; CUDA tensors use "triton", e
 "torch". Triton comes first on GPU because its kernels are executed by the test suite (in the
 interpreter) while the CUDA kernels are only compiled there.
 
+A kernel registered as opt-in (`register(..., opt_in=("cuda",))`: compiled here but never run on
+its device) is used only when forced; the default order skips it.
+
 Override with the environment variable MOE_KERNELS_BACKEND=torch|cpu|triton|cuda, or for a block
 of code with `with moe_kernels.use_backend("triton"): ...` (scoped, thread- and task-local). A
 forced backend that cannot run the op on the tensor's device raises a ValueError naming the valid
@@ -44,18 +47,23 @@ class _Op:
     cpu: Callable | None
     triton: Callable | None
     cuda: Callable | None
+    opt_in: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, _Op] = {}
 
 
-def register(op: str, *, torch: Callable, cpu=None, triton=None, cuda=None) -> None:
+def register(op: str, *, torch: Callable, cpu=None, triton=None, cuda=None, opt_in: tuple[str, ...] = ()) -> None:
     """Declare the implementations of `op`. Each is a callable with the op's signature, or None.
 
     `cpu` / `cuda` are used only when the extension registered a kernel for that dispatch key;
-    `triton` only when triton imports (and, for CPU tensors, under TRITON_INTERPRET=1).
+    `triton` only when triton imports (and, for CPU tensors, under TRITON_INTERPRET=1). Backends
+    named in `opt_in` run only when forced (use_backend / MOE_KERNELS_BACKEND).
     """
-    _REGISTRY[op] = _Op(torch=torch, cpu=cpu, triton=triton, cuda=cuda)
+    unknown = set(opt_in) - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"register({op!r}): unknown opt_in backends {sorted(unknown)}; valid names: {BACKENDS}")
+    _REGISTRY[op] = _Op(torch=torch, cpu=cpu, triton=triton, cuda=cuda, opt_in=tuple(opt_in))
 
 
 def triton_importable() -> bool:
@@ -108,7 +116,7 @@ def choose(op: str, device_type: str) -> str:
             )
         return name
     for name in _ORDER.get(device_type, ("torch",)):
-        if _available(op, name, device_type):
+        if name not in _REGISTRY[op].opt_in and _available(op, name, device_type):
             return name
     return "torch"
 

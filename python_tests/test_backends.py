@@ -75,3 +75,19 @@ def test_environment_override(name):
     else:
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == name
+
+
+def test_opt_in_backend_runs_only_when_forced(monkeypatch):
+    # balanced_assignment's CUDA solver never ran on a GPU: it must not be the default for CUDA
+    # tensors even where the extension has the kernel, but a forced "cuda" gets it.
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)
+    monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
+    assert backends.choose("balanced_assignment", "cuda") == "torch"
+    with moe_kernels.use_backend("cuda"):
+        assert backends.choose("balanced_assignment", "cuda") == "cuda"
+    assert backends.choose("topk_softmax", "cuda") in ("triton", "cuda")  # not opt-in
+
+
+def test_register_rejects_unknown_opt_in():
+    with pytest.raises(ValueError, match="opt_in"):
+        backends.register("no_such_op", torch=lambda: None, opt_in=("gpu",))

@@ -81,6 +81,14 @@ def test_optimal_on_many_random_instances(backend, kind):
         check(scores, capacity, experts, value)
 
 
+def test_capacity_far_above_n(backend):
+    # "No capacity limit" as a huge capacity: every token takes its best expert, and the solver
+    # allocates per token, not per slot (2**40 slots per expert would not fit in memory).
+    scores = instance(2, 50, 4, "randn")
+    experts = run(backend, scores, 2**40)
+    assert torch.equal(experts, scores.argmax(1))
+
+
 @pytest.mark.parametrize("n,k,capacity", ASSIGNMENT_SHAPES)
 @pytest.mark.parametrize("kind", ["randn", "integer"])
 def test_edge_shapes(backend, n, k, capacity, kind):

@@ -139,14 +139,22 @@ def test_nan_late_in_a_long_row(backend):
     assert e1[:, 0].tolist() == [35, e_ref[1, 0].item(), 17]
 
 
-def test_non_contiguous(backend):
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_non_contiguous(backend, renormalize):
+    # Strided rows are converted into a float32 row buffer by the C++ kernel, forward and backward.
     base = torch.randn(12, 40)
     logits = base.t()[:, ::2]  # [40, 6], strides (1, 80)
     assert not logits.is_contiguous()
-    w, e = run(backend, logits, 3)
-    w_ref, e_ref = reference.topk_softmax(logits.contiguous(), 3)
+    x = logits.detach().requires_grad_()  # a leaf with the same strides
+    w, e = run(backend, x, 3, renormalize)
+    g = torch.randn_like(w)
+    w.backward(g)
+    xr = logits.contiguous().requires_grad_()
+    w_ref, e_ref = reference.topk_softmax(xr, 3, renormalize)
+    w_ref.backward(g)
     assert torch.equal(e, e_ref)
     assert_close(w, w_ref)
+    assert_close(x.grad, xr.grad)
 
 
 def test_weights_sum_to_one_when_renormalized(backend):
@@ -173,14 +181,15 @@ def test_gradients_match_reference(backend, renormalize):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gradients_low_precision(backend, dtype):
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gradients_low_precision(backend, dtype, renormalize):
     logits = torch.randn(20, 16)
     x = logits.to(dtype).requires_grad_()
-    w, _ = run(backend, x, 2)
+    w, _ = run(backend, x, 2, renormalize)
     w.float().pow(2).sum().backward()
     assert x.grad.dtype == dtype
     x32 = logits.to(dtype).float().requires_grad_()
-    w32, _ = reference.topk_softmax(x32, 2)
+    w32, _ = reference.topk_softmax(x32, 2, renormalize)
     w32.pow(2).sum().backward()
     assert_close(x.grad, x32.grad, dtype=dtype)
 

@@ -106,7 +106,8 @@ struct Solver {
   // The auction from `prices`; see reference.auction. False (z incomplete) after `budget` bids.
   bool auction(std::vector<double>& prices, double eps, double budget) {
     std::vector<std::vector<Holder>> holders(k);
-    for (auto& h : holders) h.reserve(capacity);
+    // An expert never holds more than n tokens; capacity may be far above n ("no limit").
+    for (auto& h : holders) h.reserve(std::min(capacity, n));
     std::vector<int64_t> queue(n);
     queue.reserve(5 * n);
     for (int64_t i = 0; i < n; ++i) queue[i] = i;

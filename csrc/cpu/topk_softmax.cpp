@@ -56,7 +56,8 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
     for (int64_t s = 0; s < k; ++s) {
       const int32_t e = pair_index(best[s]);
       experts[t * k + s] = e;
-      weights[t * k + s] = (scalar_t)weight(x[e], vmax, denom);
+      // The full softmax reuses the sum's own terms (the backward recomputes those exactly).
+      weights[t * k + s] = (scalar_t)(renormalize || vmax == -INFINITY ? weight(x[e], vmax, denom) : exps[e] / denom);
     }
   }
 }

@@ -47,7 +47,10 @@ MK_VEC_INLINE float exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const float value = p * __builtin_bit_cast(float, (int32_t)(((int32_t)n + 127) << 23));
+  // n is NaN for a NaN x (the clamps let it through): converting that to int is undefined, so
+  // convert 0 instead; p is NaN already and carries the NaN out.
+  const float n_int = n == n ? n : 0.0f;
+  const float value = p * __builtin_bit_cast(float, (int32_t)(((int32_t)n_int + 127) << 23));
   return underflow ? 0.0f : value;
 }
 

@@ -29,7 +29,9 @@ if backends._extension.defines("balanced_assignment"):
         )
 
 
-backends.register("balanced_assignment", torch=reference.balanced_assignment, cpu=_cpp, cuda=_cpp)
+# The CUDA solver is compile-checked and host-emulated but has never run on a GPU: CUDA tensors
+# use it only when asked (use_backend("cuda") / MOE_KERNELS_BACKEND=cuda), else the reference.
+backends.register("balanced_assignment", torch=reference.balanced_assignment, cpu=_cpp, cuda=_cpp, opt_in=("cuda",))
 
 
 def check_scores(name: str, scores, capacity, *, check_finite: bool = False):
