@@ -5,9 +5,11 @@
 // noisy logits from the saved inputs and writes d clean and d raw in one pass per row.
 //
 // The math is moe_kernels.reference.noisy_topk_gate's (the composition of softplus,
-// load_probabilities and a softmax): intermediate values are rounded to the input dtype where
-// torch's unfused ops round them, so that H, and hence the selection, is the one the unfused
-// path computes (Softplus itself agrees with torch's to about one float ulp).
+// load_probabilities and a softmax): H is rounded to the input dtype where torch's unfused ops
+// round it, so the selection is the unfused path's up to Softplus, which agrees with torch's to
+// about one float ulp (noisy logits tied within an ulp could select differently). P is summed
+// into Load in float32, not rounded to a float16 / bfloat16 input's dtype first as the reference
+// does: the low-precision load is compared at that dtype's tolerance.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

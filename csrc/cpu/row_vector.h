@@ -21,7 +21,8 @@ constexpr int64_t kRowInsertionMaxK = 16;
 
 // The k largest rank pairs of row[0 .. E) into best, descending, 1 <= k <= E: row_argmax_f32
 // (k = 1), row_topk_f32 (k <= kRowInsertionMaxK), else a partial sort (best must then hold E
-// pairs). Every top-k selection of the CPU kernels goes through here.
+// pairs). topk_softmax and noisy_topk_gate select through here (load_probabilities still has its own
+// scalar insertion list).
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 
 // sum over e of exp(row[e] - vmax), each term also stored to exps[e] (exps [E], not aliasing

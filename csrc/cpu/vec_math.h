@@ -19,8 +19,9 @@ namespace vec_math {
 
 // A row loop compiled three times, for AVX-512, AVX2 and the baseline (SSE2), the best one chosen
 // at load time (an ifunc): the build has no -march, and these loops are compute-bound (16 lanes
-// run them ~4x faster than SSE2's 4). No FMA is enabled, so every variant computes the same
-// values as the scalar code. GCC on x86-64 glibc only; elsewhere the baseline build.
+// run them ~4x faster than SSE2's 4). MK_VECTORISE turns FMA contraction off (the AVX-512 target
+// would allow it), so elementwise values are the same in every variant; a lane-wise reduction
+// adds in the variant's lane count, so its last bits depend on the machine (not on the run). GCC on x86-64 glibc only; elsewhere the baseline build.
 // Helpers called from such loops must be inlined into every variant (GCC will not inline a plain
 // inline function across target options: each element would become a call).
 #define MK_VEC_INLINE MK_VECTORISE inline __attribute__((always_inline))
