@@ -10,22 +10,9 @@ backend it picks: Triton and CUDA have no fused gate kernel and use their load_p
 
 import torch
 
-from moe_kernels import backends
+from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 from moe_kernels.ops.load_probabilities import load_probabilities
-
-
-def _composed(clean_logits, raw_noise_stddev, noise, k, noise_epsilon, mask):
-    """The reference's composition with the public load_probabilities (any backend)."""
-    stddev = torch.nn.functional.softplus(raw_noise_stddev) + noise_epsilon
-    noisy = clean_logits + noise * stddev
-    P, top = load_probabilities(clean_logits, noisy, stddev, k, return_topk=True)
-    experts = top[:, :k]
-    compute = torch.float64 if clean_logits.dtype == torch.float64 else torch.float32
-    weights = torch.softmax(noisy.gather(1, experts).to(compute), dim=-1).to(clean_logits.dtype)
-    p = P.to(compute)
-    load = (p * mask.to(p.dtype)[:, None]).sum(0) if mask is not None else p.sum(0)
-    return weights, experts, load
 
 
 def _setup_context(ctx, inputs, output):
@@ -128,4 +115,6 @@ def noisy_topk_gate(
         token_weights = None if mask is None else mask.detach().to(torch.float32)
         weights, top, load = _cpp(clean_logits, raw_noise_stddev, noise, k, float(noise_epsilon), token_weights)
         return weights, top[:, :k], load
-    return _composed(clean_logits, raw_noise_stddev, noise, k, float(noise_epsilon), mask)
+    return reference.noisy_topk_gate(
+        clean_logits, raw_noise_stddev, noise, k, float(noise_epsilon), mask, load_probabilities_fn=load_probabilities
+    )

@@ -15,6 +15,8 @@ def noisy_topk_gate(
     k: int,
     noise_epsilon: float = 1e-2,
     mask: torch.Tensor | None = None,
+    *,
+    load_probabilities_fn=load_probabilities,
 ):
     """(weights [T, k], experts [T, k], load [E]) of the noisy top-k gate:
 
@@ -32,13 +34,15 @@ def noisy_topk_gate(
       k: 1 <= k <= E.
       noise_epsilon: added to the softplus (the authors' code uses 1e-2).
       mask: optional [T] bool / 0-1 token weights (padding does not count in load).
+      load_probabilities_fn: the P it composes; the reference's by default (the public op's
+        fallback passes moe_kernels.ops.load_probabilities, which runs on any backend).
 
     Computed in float32 (float64 for float64 input): load is returned in that dtype. Differentiable
     in the three [T, E] inputs.
     """
     stddev = torch.nn.functional.softplus(raw_noise_stddev) + noise_epsilon
     noisy = clean_logits + noise * stddev
-    P, top = load_probabilities(clean_logits, noisy, stddev, k, return_topk=True)
+    P, top = load_probabilities_fn(clean_logits, noisy, stddev, k, return_topk=True)
     experts = top[:, :k]
     compute = torch.float64 if clean_logits.dtype == torch.float64 else torch.float32
     weights = torch.softmax(noisy.gather(1, experts).to(compute), dim=-1).to(clean_logits.dtype)
