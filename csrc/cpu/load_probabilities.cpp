@@ -15,6 +15,7 @@
 
 #include "moe_kernels/load_probabilities.h"
 #include "moe_kernels/topk_softmax.h"
+#include "row_vector.h"
 #include "vec_math.h"
 
 namespace moe_kernels {
@@ -23,16 +24,6 @@ namespace {
 // Above this many kept pairs an insertion list costs O(E * k) on ascending rows; a partial sort
 // of all pairs is O(E log k) and wins (the same limit as topk_softmax).
 constexpr int64_t kInsertionMax = 16;
-
-struct Strided {
-  const void* data;
-  int64_t stride_t, stride_e;
-};
-
-template <typename scalar_t>
-float at(const Strided& s, int64_t t, int64_t e) {
-  return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
-}
 
 using vec_math::normal_cdf;
 

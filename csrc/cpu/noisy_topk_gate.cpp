@@ -35,26 +35,6 @@ namespace {
 // across blocks in block order) does not depend on the number of threads.
 constexpr int64_t kBlockRows = 64;
 
-struct Strided {
-  const void* data;
-  int64_t stride_t, stride_e;
-};
-
-template <typename scalar_t>
-float at(const Strided& s, int64_t t, int64_t e) {
-  return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
-}
-
-// Row t as float32: the row itself when it already is one (contiguous float32), else a copy.
-template <typename scalar_t>
-const float* row_f32(const Strided& s, int64_t t, int64_t E, float* buffer) {
-  const scalar_t* p = static_cast<const scalar_t*>(s.data) + t * s.stride_t;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (s.stride_e == 1) return p;
-  }
-  for (int64_t e = 0; e < E; ++e) buffer[e] = (float)p[e * s.stride_e];
-  return buffer;
-}
 
 // x rounded to scalar_t, as torch rounds the output of each unfused op (free for float32).
 template <typename scalar_t>
@@ -120,8 +100,8 @@ void forward_blocks(const Strided& clean, const Strided& raw, const Strided& noi
     float* load = partial + b * E;
     std::fill_n(load, E, 0.0f);
     for (int64_t t = b * kBlockRows; t < std::min(T, (b + 1) * kBlockRows); ++t) {
-      const float* c = row_f32<scalar_t>(clean, t, E, cbuf.data());
-      noisy_row<scalar_t>(c, row_f32<scalar_t>(raw, t, E, rbuf.data()), row_f32<scalar_t>(noise, t, E, nbuf.data()),
+      const float* c = float_row<scalar_t>(clean, t, E, cbuf.data());
+      noisy_row<scalar_t>(c, float_row<scalar_t>(raw, t, E, rbuf.data()), float_row<scalar_t>(noise, t, E, nbuf.data()),
                           eps, E, stddev.data(), noisy.data());
       row_top_pairs(noisy.data(), E, kept, best.data());
       int64_t* top_row = top + t * (k + 1);
@@ -261,8 +241,8 @@ void backward_rows(const float* grad_weights,  // [T, k] float32
   const int64_t kept = std::min(k + 1, E);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t* top_row = top + t * (k + 1);
-    const float* c = row_f32<scalar_t>(clean, t, E, cbuf.data());
-    stddev_sigmoid_row<scalar_t>(row_f32<scalar_t>(raw, t, E, rbuf.data()), eps, E, stddev.data(), sigmoid.data());
+    const float* c = float_row<scalar_t>(clean, t, E, cbuf.data());
+    stddev_sigmoid_row<scalar_t>(float_row<scalar_t>(raw, t, E, rbuf.data()), eps, E, stddev.data(), sigmoid.data());
     // The noisy logits of the kept elements, as the forward computed them.
     for (int64_t j = 0; j < kept; ++j) {
       const int64_t i = top_row[j];

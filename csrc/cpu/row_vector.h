@@ -3,8 +3,37 @@
 // libm expf calls (the softmax denominators); these bodies have neither.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 namespace moe_kernels {
+
+// A [T, E] input of any float dtype and strides, read element-wise as float32.
+struct Strided {
+  const void* data;
+  int64_t stride_t, stride_e;
+};
+
+template <typename scalar_t>
+float at(const Strided& s, int64_t t, int64_t e) {
+  return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
+}
+
+// The row as contiguous float32: itself when it already is, else converted into `buffer` [E].
+// The conversion is exact and keeps the order, -0 and NaN, so selecting on it selects on the row.
+template <typename scalar_t>
+const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* buffer) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (stride_e == 1) return row;
+  }
+  for (int64_t e = 0; e < E; ++e) buffer[e] = (float)row[e * stride_e];
+  return buffer;
+}
+
+// Row t of a Strided input as contiguous float32 (float_row).
+template <typename scalar_t>
+const float* float_row(const Strided& s, int64_t t, int64_t E, float* buffer) {
+  return float_row(static_cast<const scalar_t*>(s.data) + t * s.stride_t, s.stride_e, E, buffer);
+}
 
 // Index of the largest element of row[0 .. E) in the routing ops' rank order (rank_key in
 // moe_kernels/common.h: NaN highest, -0 == +0, ties to the lower index). E >= 1.

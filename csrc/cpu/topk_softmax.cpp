@@ -20,17 +20,6 @@
 namespace moe_kernels {
 namespace {
 
-// The row as contiguous float32: itself when it already is, else converted into `buffer` [E].
-// The conversion is exact and keeps the order, -0 and NaN, so selecting on it selects on the row.
-template <typename scalar_t>
-const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* buffer) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (stride_e == 1) return row;
-  }
-  for (int64_t e = 0; e < E; ++e) buffer[e] = (float)row[e * stride_e];
-  return buffer;
-}
-
 template <typename scalar_t>
 void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, stride_e)
                        int64_t stride_t, int64_t stride_e, int64_t begin, int64_t end,
