@@ -13,6 +13,7 @@ from moe_kernels.reference.permute import permute, unpermute
 from moe_kernels.reference.sinkhorn import sinkhorn
 from moe_kernels.reference.skip_sample import skip_sample
 from moe_kernels.reference.smooth_step import smooth_step
+from moe_kernels.reference.topk_router import topk_router
 from moe_kernels.reference.topk_softmax import topk_softmax
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "skip_sample",
     "smooth_step",
     "topk_softmax",
+    "topk_router",
     "unpermute",
     "load_probabilities",
     "noisy_topk_gate",

@@ -1,0 +1,111 @@
+"""moe_kernels.ops.topk_router: the router of today's MoE models in one op.
+
+Softmax or sigmoid scores, a selection-only correction bias, group-limited top-k, renormalisation
+and a scaling factor (docs/routers.md maps each transformers family to its call).
+
+Implementations: reference (moe_kernels/reference/topk_router.py). backends.py chooses among the
+registered ones.
+"""
+
+import math
+
+import torch
+
+from moe_kernels import backends, reference
+from moe_kernels.ops import _validate
+from moe_kernels.reference.topk_router import GROUP_SCORINGS, SCORINGS
+
+backends.register("topk_router", torch=reference.topk_router)
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {allowed}, got {type(value).__name__}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def topk_router(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    scoring: str = "softmax",
+    bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    group_scoring: str = "top2_sum",
+    renormalize: bool = False,
+    scaling_factor: float = 1.0,
+):
+    """The k experts of each token and their routing weights, as today's MoE routers compute them.
+
+    scores = softmax(logits) or sigmoid(logits) in float32 (float64 for float64 logits);
+    choice = scores + bias selects, among the experts of the topk_groups best groups, the k
+    largest; weights = the selected scores (never the bias), divided by their sum if
+    `renormalize` (a zero sum gives zeros), times `scaling_factor`.
+
+    Args:
+      logits: [T, E] float32 / float16 / bfloat16 / float64, any strides.
+      k: experts per token, 1 <= k <= topk_groups * E / num_groups.
+      scoring: "softmax" (Mixtral, Qwen-MoE, OLMoE, ...) or "sigmoid" (DeepSeek-V3, GLM-4.5, ...).
+      bias: None or [E] floating tensor on the logits' device: the selection-only correction bias
+        (DeepSeek-V3's aux-loss-free balancing). No gradient flows to it.
+      num_groups: experts split into this many contiguous groups (must divide E); 1 = no groups.
+      topk_groups: how many groups are eligible (None = all), 1 <= topk_groups <= num_groups.
+      group_scoring: a group's score: "top2_sum" (sum of its two largest choice values,
+        DeepSeek-V3; groups must hold >= 2 experts) or "max" (its largest, DeepSeek-V2).
+      renormalize: divide the selected weights by their sum.
+      scaling_factor: finite real number multiplying the weights (routed_scaling_factor).
+
+    Returns:
+      (weights [T, k] float32 (float64 for float64 logits),
+       experts [T, k] int64, by descending choice value, ties to the lower expert index).
+
+    Differentiable with respect to `logits`. NaN ranks above every number. With no bias and no
+    groups the experts are ranked by the logits themselves (see the reference's docstring).
+    """
+    _validate.tensor("logits", logits, dim=2, shape="[T, E]", dtypes=_validate.FLOAT_DTYPES)
+    E = logits.shape[1]
+    if E < 1:
+        raise ValueError(f"logits must be [T, E] with E >= 1, got shape {tuple(logits.shape)}")
+    _choice("scoring", scoring, SCORINGS)
+    _choice("group_scoring", group_scoring, GROUP_SCORINGS)
+    _validate.integer("num_groups", num_groups, low=1, high=E, what=f" (E = {E} experts)")
+    if E % num_groups:
+        raise ValueError(f"num_groups must divide the number of experts E = {E}, got {num_groups}")
+    if topk_groups is None:
+        topk_groups = num_groups
+    _validate.integer("topk_groups", topk_groups, low=1, high=num_groups, what=f" (num_groups = {num_groups})")
+    group_size = E // num_groups
+    if group_scoring == "top2_sum" and topk_groups < num_groups and group_size < 2:
+        raise ValueError(
+            f"group_scoring='top2_sum' needs groups of >= 2 experts, got E / num_groups = {E} / {num_groups}"
+        )
+    eligible = topk_groups * group_size
+    _validate.integer(
+        "k", k, low=1, high=eligible, what=f" (eligible experts: topk_groups * E / num_groups = {eligible})"
+    )
+    if bias is not None:
+        _validate.tensor("bias", bias, dim=1, shape="[E]", dtypes=_validate.FLOAT_DTYPES)
+        if bias.shape[0] != E:
+            raise ValueError(f"bias must be [E] = [{E}], got shape {tuple(bias.shape)}")
+        if bias.device != logits.device:
+            raise ValueError(f"bias is on {bias.device} but logits are on {logits.device}; they must share a device")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, int | float):
+        raise TypeError(f"scaling_factor must be a float, got {type(scaling_factor).__name__}")
+    if not math.isfinite(scaling_factor):
+        raise ValueError(f"scaling_factor must be finite, got {scaling_factor}")
+    return backends.implementation("topk_router", logits)(
+        logits,
+        k,
+        scoring=scoring,
+        bias=bias,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        group_scoring=group_scoring,
+        renormalize=renormalize,
+        scaling_factor=float(scaling_factor),
+    )
