@@ -3,8 +3,8 @@
 Softmax or sigmoid scores, a selection-only correction bias, group-limited top-k, renormalisation
 and a scaling factor (docs/routers.md maps each transformers family to its call).
 
-Implementations: reference (moe_kernels/reference/topk_router.py). backends.py chooses among the
-registered ones.
+Implementations: reference (moe_kernels/reference/topk_router.py), C++ CPU
+(csrc/cpu/topk_router.cpp, forward and backward fused). backends.py chooses among them.
 """
 
 import math
@@ -15,7 +15,49 @@ from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 from moe_kernels.reference.topk_router import GROUP_SCORINGS, SCORINGS
 
-backends.register("topk_router", torch=reference.topk_router)
+
+def _kernel_call(op):
+    """The extension op behind the public keyword signature."""
+
+    def call(logits, k, *, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor):
+        return op(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor)
+
+    return call
+
+
+def _setup_context(ctx, inputs, output):
+    logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.scoring, ctx.renormalize, ctx.scaling_factor = scoring, renormalize, scaling_factor
+
+
+def _backward(ctx, grad_weights, grad_experts):
+    logits, experts = ctx.saved_tensors
+    grad = None
+    if grad_weights is not None and ctx.needs_input_grad[0]:
+        grad = torch.ops.moe_kernels.topk_router_backward(
+            grad_weights, logits, experts, ctx.scoring, ctx.renormalize, ctx.scaling_factor
+        )
+    return grad, None, None, None, None, None, None, None, None
+
+
+_cpp = None
+if backends._extension.has_kernel("topk_router", "CPU"):
+    _cpp = _kernel_call(torch.ops.moe_kernels.topk_router)
+
+    @torch.library.register_fake("moe_kernels::topk_router")
+    def _fake(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor):
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        T = logits.shape[0]
+        return logits.new_empty((T, k), dtype=dtype), logits.new_empty((T, k), dtype=torch.int64)
+
+    @torch.library.register_fake("moe_kernels::topk_router_backward")
+    def _fake_backward(grad_weights, logits, experts, scoring, renormalize, scaling_factor):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    torch.library.register_autograd("moe_kernels::topk_router", _backward, setup_context=_setup_context)
+
+backends.register("topk_router", torch=reference.topk_router, cpu=_cpp)
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> str:

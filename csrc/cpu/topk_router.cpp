@@ -1,0 +1,373 @@
+// topk_router on CPU: one pass over each row computes what the row's router needs and nothing
+// more, in float32 (double for float64 logits).
+//   - no bias, one group: the experts are ranked by the logits (the reference's rule), so the
+//     selection is exact and the scores are computed only where needed: softmax with
+//     renormalisation reads the k selected logits only; the full softmax adds one vectorised
+//     exp-sum pass; sigmoid reads the k selected logits.
+//   - a bias or groups: every score (one vectorised exp pass), choice = score + bias, the groups'
+//     scores, the eligible experts gathered in index order, and the top k among them.
+// The weights' renormalisation and its gradient are the shared rules of topk_router.h.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "moe_kernels/topk_router.h"
+#include "row_vector.h"
+#include "vec_math.h"
+
+namespace moe_kernels {
+namespace {
+
+using topk_router::kSigmoid;
+using topk_router::kSoftmax;
+using topk_router::ranks_above;
+
+struct RouterArgs {
+  int64_t k;
+  int scoring;
+  int group_scoring;
+  int64_t num_groups, topk_groups;
+  bool renormalize;
+  double scaling;
+  bool grouped() const { return topk_groups < num_groups; }
+};
+
+int parse_scoring(const std::string& s) {
+  TORCH_CHECK(s == "softmax" || s == "sigmoid", "topk_router: scoring must be 'softmax' or 'sigmoid', got '", s, "'");
+  return s == "softmax" ? kSoftmax : kSigmoid;
+}
+
+int parse_group_scoring(const std::string& s) {
+  TORCH_CHECK(s == "top2_sum" || s == "max", "topk_router: group_scoring must be 'top2_sum' or 'max', got '", s, "'");
+  return s == "top2_sum" ? topk_router::kTop2Sum : topk_router::kMax;
+}
+
+// Per-thread buffers of one row: the row in the compute type, the scores, the eligible choice
+// values and their expert ids, the selection.
+template <typename acc_t>
+struct RowBuffers {
+  std::vector<acc_t> x, p, cand;
+  std::vector<int64_t> cand_id, best, group_order;
+  std::vector<acc_t> group_scores;
+  explicit RowBuffers(int64_t E, int64_t G)
+      : x(E), p(E), cand(E), cand_id(E), best(E), group_order(G), group_scores(G) {}
+};
+
+// The row as contiguous acc_t (float rows may alias the input).
+template <typename scalar_t, typename acc_t>
+const acc_t* load_row(const scalar_t* row, int64_t stride_e, int64_t E, acc_t* buffer) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return float_row(row, stride_e, E, buffer);
+  } else {
+    for (int64_t e = 0; e < E; ++e) buffer[e] = (acc_t)row[e * stride_e];
+    return buffer;
+  }
+}
+
+// The k largest of v[0 .. n) in rank order into idx[0 .. k) (positions in v). idx holds n.
+void select_top(const float* v, int64_t n, int64_t k, int64_t* idx) {
+  row_top_pairs(v, n, k, idx);
+  for (int64_t s = 0; s < k; ++s) idx[s] = pair_index(idx[s]);
+}
+
+void select_top(const double* v, int64_t n, int64_t k, int64_t* idx) {
+  std::iota(idx, idx + n, 0);
+  std::partial_sort(idx, idx + k, idx + n, [v](int64_t a, int64_t b) { return ranks_above(v[a], a, v[b], b); });
+}
+
+// Index of the rank-largest element (NaN first), for the softmax's shift.
+int64_t row_max_index(const float* v, int64_t n) { return row_argmax_f32(v, n); }
+int64_t row_max_index(const double* v, int64_t n) {
+  int64_t m = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (ranks_above(v[i], i, v[m], m)) m = i;
+  return m;
+}
+
+// exps[e] = exp(v[e] - vmax), returns their sum. float: the vectorised pass of row_vector.h.
+float exp_sum(const float* v, int64_t n, float vmax, float* exps) { return row_exp_sum_f32(v, n, vmax, exps); }
+double exp_sum(const double* v, int64_t n, double vmax, double* exps) {
+  double total = 0;
+  for (int64_t e = 0; e < n; ++e) total += (exps[e] = std::exp(v[e] - vmax));
+  return total;
+}
+
+MK_VEC_INLINE float sigmoid_of(float x) { return vec_math::sigmoid(x); }
+inline double sigmoid_of(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+MK_VECTORISE MK_ROW_CLONES void sigmoid_row(const float* __restrict x, int64_t n, float* __restrict p) {
+  for (int64_t e = 0; e < n; ++e) p[e] = vec_math::sigmoid(x[e]);
+}
+void sigmoid_row(const double* x, int64_t n, double* p) {
+  for (int64_t e = 0; e < n; ++e) p[e] = sigmoid_of(x[e]);
+}
+
+// Every score of a row into p [E]. softmax: a row whose largest logit is -inf gets zeros.
+template <typename acc_t>
+void all_scores(const acc_t* x, int64_t E, int scoring, acc_t* p) {
+  if (scoring == kSigmoid) {
+    sigmoid_row(x, E, p);
+    return;
+  }
+  const acc_t vmax = x[row_max_index(x, E)];
+  if (vmax == -INFINITY) {
+    std::fill_n(p, E, acc_t(0));
+    return;
+  }
+  const acc_t inv = acc_t(1) / exp_sum(x, E, vmax, p);
+  for (int64_t e = 0; e < E; ++e) p[e] *= inv;
+}
+
+// Forward of rows [begin, end).
+template <typename scalar_t, typename acc_t>
+void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
+                 const acc_t* bias,                                          // [E] or null
+                 int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                 acc_t* weights,     // [T, k] contiguous
+                 int64_t* experts) { // [T, k] contiguous
+  const int64_t k = a.k, G = a.num_groups, size = E / G;
+  const acc_t scaling = (acc_t)a.scaling;
+  RowBuffers<acc_t> buf(E, G);
+  for (int64_t t = begin; t < end; ++t) {
+    const acc_t* x = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, buf.x.data());
+    acc_t* w = weights + t * k;
+    int64_t* ex = experts + t * k;
+    int64_t* best = buf.best.data();
+    if (bias == nullptr && !a.grouped()) {
+      select_top(x, E, k, best);  // ranked by the logits
+      if (a.scoring == kSigmoid) {
+        for (int64_t s = 0; s < k; ++s) w[s] = sigmoid_of(x[best[s]]);
+      } else {
+        const acc_t vmax = x[best[0]];
+        if (vmax == -INFINITY) {
+          for (int64_t s = 0; s < k; ++s) w[s] = 0;
+        } else if (a.renormalize) {
+          // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
+          for (int64_t s = 0; s < k; ++s) w[s] = std::exp(x[best[s]] - vmax);
+        } else {
+          const acc_t inv = acc_t(1) / exp_sum(x, E, vmax, buf.p.data());
+          for (int64_t s = 0; s < k; ++s) w[s] = buf.p[best[s]] * inv;
+        }
+      }
+      for (int64_t s = 0; s < k; ++s) ex[s] = best[s];
+      topk_router::finish_weights(w, k, a.renormalize, scaling);
+      continue;
+    }
+    acc_t* p = buf.p.data();
+    all_scores(x, E, a.scoring, p);
+    acc_t* choice = buf.cand.data();
+    for (int64_t e = 0; e < E; ++e) choice[e] = bias ? p[e] + bias[e] : p[e];
+    const acc_t* pool = choice;
+    int64_t pool_size = E;
+    const int64_t* pool_id = nullptr;
+    if (a.grouped()) {
+      // The topk_groups best groups (rank order over group scores, lower group first on ties),
+      // then their experts gathered in ascending index order so that the selection's "lower
+      // position first" is still "lower expert first".
+      for (int64_t g = 0; g < G; ++g)
+        buf.group_scores[g] = topk_router::group_score(choice + g * size, size, a.group_scoring);
+      int64_t* order = buf.group_order.data();
+      std::iota(order, order + G, 0);
+      const acc_t* gs = buf.group_scores.data();
+      std::partial_sort(order, order + a.topk_groups, order + G,
+                        [gs](int64_t u, int64_t v) { return ranks_above(gs[u], u, gs[v], v); });
+      std::sort(order, order + a.topk_groups);
+      // Compacted in place: eligible groups are gathered in ascending order, never overtaking
+      // the positions they read from.
+      int64_t n = 0;
+      for (int64_t j = 0; j < a.topk_groups; ++j)
+        for (int64_t e = order[j] * size; e < (order[j] + 1) * size; ++e) {
+          buf.cand_id[n] = e;
+          choice[n++] = choice[e];
+        }
+      pool_size = n;
+      pool_id = buf.cand_id.data();
+    }
+    select_top(pool, pool_size, k, best);
+    for (int64_t s = 0; s < k; ++s) {
+      const int64_t e = pool_id ? pool_id[best[s]] : best[s];
+      ex[s] = e;
+      w[s] = p[e];
+    }
+    topk_router::finish_weights(w, k, a.renormalize, scaling);
+  }
+}
+
+// Backward of rows [begin, end): d loss / d logits [T, E] from d loss / d weights [T, k]. The
+// gradient depends on the selected experts only, not on how they were chosen (bias, groups).
+//   sigmoid: grad_e = gp_e p_e (1 - p_e) at the selected e, 0 elsewhere;
+//   softmax: grad_i = p_i (gp_i - sum_j gp_j p_j), gp zero outside the selected.
+template <typename scalar_t, typename acc_t, typename grad_t>
+void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
+                          const grad_t* grad_w,    // [T, k] contiguous
+                          const int64_t* experts,  // [T, k] contiguous, ids checked in [0, E)
+                          int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                          scalar_t* grad) {        // [T, E] contiguous
+  const int64_t k = a.k;
+  const acc_t scaling = (acc_t)a.scaling;
+  RowBuffers<acc_t> buf(E, 1);
+  std::vector<acc_t> ps(k), g(k), gp(k);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t* ex = experts + t * k;
+    for (int64_t s = 0; s < k; ++s)
+      TORCH_CHECK_INDEX(ex[s] >= 0 && ex[s] < E, "topk_router_backward: experts[", t, ", ", s, "] = ", ex[s],
+                        " is out of range for E = ", E);
+    scalar_t* out = grad + t * E;
+    const acc_t* x = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, buf.x.data());
+    acc_t* p = buf.p.data();
+    if (a.scoring == kSigmoid) {
+      for (int64_t s = 0; s < k; ++s) {
+        ps[s] = sigmoid_of(x[ex[s]]);
+        g[s] = (acc_t)grad_w[t * k + s];
+      }
+      topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, a.renormalize, scaling);
+      std::fill_n(out, E, (scalar_t)0);
+      for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((acc_t)out[ex[s]] + gp[s] * ps[s] * (1 - ps[s]));
+      continue;
+    }
+    all_scores(x, E, kSoftmax, p);
+    if (x[row_max_index(x, E)] == -INFINITY) {  // a fully masked token: scores 0, gradient 0
+      std::fill_n(out, E, (scalar_t)0);
+      continue;
+    }
+    for (int64_t s = 0; s < k; ++s) {
+      ps[s] = p[ex[s]];
+      g[s] = (acc_t)grad_w[t * k + s];
+    }
+    topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, a.renormalize, scaling);
+    acc_t dot = 0;
+    for (int64_t s = 0; s < k; ++s) dot += gp[s] * ps[s];
+    // grad_i = p_i (gp_i - dot): first -p_i dot everywhere, then p_i gp_i at the selected.
+    for (int64_t e = 0; e < E; ++e) buf.cand[e] = -p[e] * dot;
+    for (int64_t s = 0; s < k; ++s) buf.cand[ex[s]] += p[ex[s]] * gp[s];
+    for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)buf.cand[e];
+  }
+}
+
+void check_logits(const at::Tensor& logits, const char* op) {
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must be [T, E], got ", logits.sizes());
+  TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) <= INT32_MAX, op, ": need 1 <= E <= 2^31 - 1, got E = ",
+              logits.size(1));
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kDouble, op,
+              ": logits must be float32, float16, bfloat16 or float64, got ", dt);
+}
+
+at::ScalarType compute_type(const at::Tensor& logits) {
+  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+int64_t row_grain(int64_t E) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(E, 1)); }
+
+std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int64_t k, std::string scoring,
+                                                   const std::optional<at::Tensor>& bias, int64_t num_groups,
+                                                   int64_t topk_groups, std::string group_scoring, bool renormalize,
+                                                   double scaling_factor) {
+  check_logits(logits, "topk_router");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(num_groups >= 1 && E % num_groups == 0, "topk_router: num_groups must divide E = ", E, ", got ",
+              num_groups);
+  TORCH_CHECK(topk_groups >= 1 && topk_groups <= num_groups, "topk_router: need 1 <= topk_groups <= num_groups = ",
+              num_groups, ", got ", topk_groups);
+  const int64_t eligible = topk_groups * (E / num_groups);
+  TORCH_CHECK(k >= 1 && k <= eligible, "topk_router: need 1 <= k <= topk_groups * E / num_groups = ", eligible,
+              ", got k = ", k);
+  RouterArgs a{k, parse_scoring(scoring), parse_group_scoring(group_scoring), num_groups, topk_groups, renormalize,
+               scaling_factor};
+  TORCH_CHECK(!a.grouped() || a.group_scoring == topk_router::kMax || E / num_groups >= 2,
+              "topk_router: group_scoring 'top2_sum' needs groups of >= 2 experts");
+  const auto acc = compute_type(logits);
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E, "topk_router: bias must be [E] = [", E, "], got ",
+                bias->sizes());
+    TORCH_CHECK(bias->device() == logits.device(), "topk_router: bias is on ", bias->device(), " but logits are on ",
+                logits.device());
+    TORCH_CHECK(at::isFloatingType(bias->scalar_type()), "topk_router: bias must be floating, got ",
+                bias->scalar_type());
+    b = bias->to(acc).contiguous();
+  }
+  auto weights = at::empty({T, k}, logits.options().dtype(acc));
+  auto experts = at::empty({T, k}, logits.options().dtype(at::kLong));
+  if (T == 0) return {weights, experts};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "topk_router", [&] {
+    using logit_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES(acc, "topk_router_acc", [&] {
+      using acc_t = scalar_t;
+      const acc_t* bp = b.defined() ? b.const_data_ptr<acc_t>() : nullptr;
+      at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
+        router_rows<logit_t, acc_t>(logits.const_data_ptr<logit_t>(), logits.stride(0), logits.stride(1), bp, begin,
+                                    end, E, a, weights.mutable_data_ptr<acc_t>(),
+                                    experts.mutable_data_ptr<int64_t>());
+      });
+    });
+  });
+  return {weights, experts};
+}
+
+at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Tensor& logits,
+                                    const at::Tensor& experts, std::string scoring, bool renormalize,
+                                    double scaling_factor) {
+  check_logits(logits, "topk_router_backward");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == T && experts.scalar_type() == at::kLong,
+              "topk_router_backward: experts must be int64 [T, k] with T = ", T, ", got ", experts.scalar_type(), " ",
+              experts.sizes());
+  TORCH_CHECK(grad_weights.sizes() == experts.sizes(), "topk_router_backward: grad_weights must be ", experts.sizes(),
+              ", got ", grad_weights.sizes());
+  TORCH_CHECK(at::isFloatingType(grad_weights.scalar_type()), "topk_router_backward: grad_weights must be floating");
+  TORCH_CHECK(grad_weights.device() == logits.device() && experts.device() == logits.device(),
+              "topk_router_backward: grad_weights, logits and experts must be on one device");
+  const int64_t k = experts.size(1);
+  TORCH_CHECK(k >= 1, "topk_router_backward: experts must have k >= 1 columns");
+  RouterArgs a{k, parse_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize, scaling_factor};
+  auto grad = at::empty({T, E}, logits.options());
+  if (T == 0) return grad;
+  const auto g = grad_weights.contiguous();
+  const auto ex = experts.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "topk_router_backward", [&] {
+    using logit_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "topk_router_backward_g", [&] {
+      using grad_t = scalar_t;
+      auto run = [&](auto acc_tag) {
+        using acc_t = decltype(acc_tag);
+        at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
+          router_backward_rows<logit_t, acc_t, grad_t>(logits.const_data_ptr<logit_t>(), logits.stride(0),
+                                                       logits.stride(1), g.const_data_ptr<grad_t>(),
+                                                       ex.const_data_ptr<int64_t>(), begin, end, E, a,
+                                                       grad.mutable_data_ptr<logit_t>());
+        });
+      };
+      if (compute_type(logits) == at::kDouble) run(double{}); else run(float{});
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
+  m.def(
+      "topk_router(Tensor logits, int k, str scoring, Tensor? bias, int num_groups, int topk_groups, "
+      "str group_scoring, bool renormalize, float scaling_factor) -> (Tensor weights, Tensor experts)");
+  m.def(
+      "topk_router_backward(Tensor grad_weights, Tensor logits, Tensor experts, str scoring, bool renormalize, "
+      "float scaling_factor) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
+  m.impl("topk_router", &topk_router_cpu);
+  m.impl("topk_router_backward", &topk_router_backward_cpu);
+}
+
+}  // namespace moe_kernels

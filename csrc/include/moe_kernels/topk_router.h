@@ -1,0 +1,73 @@
+// topk_router rules shared by the CPU kernel (csrc/cpu/topk_router.cpp) and any device kernel:
+// the rank order, the group score, the weights' renormalisation and its gradient. No torch
+// headers. The specification is moe_kernels/reference/topk_router.py.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+#include "moe_kernels/common.h"
+
+namespace moe_kernels {
+namespace topk_router {
+
+enum Scoring : int { kSoftmax = 0, kSigmoid = 1 };
+enum GroupScoring : int { kTop2Sum = 0, kMax = 1 };
+
+// The routing ops' rank order on (value, index): NaN above every number, -0 == +0, equal values
+// to the lower index. For float this is the order of rank_pair (common.h).
+template <typename T>
+MK_HD bool ranks_above(T a, int64_t ia, T b, int64_t ib) {
+  const bool na = a != a, nb = b != b;
+  if (na || nb) return na && (!nb || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
+// A group's score from the choice values v[0 .. n) of its experts: the largest ("max",
+// DeepSeek-V2) or the sum of the two largest ("top2_sum", DeepSeek-V3; n >= 2), in rank order.
+template <typename T>
+MK_HD T group_score(const T* v, int64_t n, int group_scoring) {
+  int64_t first = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (ranks_above(v[i], i, v[first], first)) first = i;
+  if (group_scoring == kMax) return v[first];
+  int64_t second = first == 0 ? 1 : 0;
+  for (int64_t i = 0; i < n; ++i)
+    if (i != first && ranks_above(v[i], i, v[second], second)) second = i;
+  return v[first] + v[second];
+}
+
+// weights[s] = scaling * p[s] / sum(p) (renormalize; a zero sum gives zeros) or scaling * p[s].
+// Returns the divisor used (1 without renormalisation, 0 for a zero sum) for the backward.
+template <typename T>
+MK_HD T finish_weights(T* w, int64_t k, bool renormalize, T scaling) {
+  T total = 1;
+  if (renormalize) {
+    total = 0;
+    for (int64_t s = 0; s < k; ++s) total += w[s];
+  }
+  for (int64_t s = 0; s < k; ++s) w[s] = total == 0 ? T(0) : scaling * (w[s] / total);
+  return total;
+}
+
+// d loss / d p[s] of the selected scores p [k] from d loss / d weights g [k] (finish_weights'
+// backward), into gp [k]: renormalize: scaling / S (g_s - sum_j g_j p_j / S), S = sum(p), 0 when
+// S == 0; else scaling * g_s.
+template <typename T>
+MK_HD void weights_backward(const T* p, const T* g, T* gp, int64_t k, bool renormalize, T scaling) {
+  if (!renormalize) {
+    for (int64_t s = 0; s < k; ++s) gp[s] = scaling * g[s];
+    return;
+  }
+  T total = 0;
+  for (int64_t s = 0; s < k; ++s) total += p[s];
+  if (total == 0) {
+    for (int64_t s = 0; s < k; ++s) gp[s] = 0;
+    return;
+  }
+  T dot = 0;
+  for (int64_t s = 0; s < k; ++s) dot += g[s] * (p[s] / total);
+  for (int64_t s = 0; s < k; ++s) gp[s] = scaling / total * (g[s] - dot);
+}
+
+}  // namespace topk_router
+}  // namespace moe_kernels

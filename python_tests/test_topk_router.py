@@ -1,0 +1,206 @@
+"""topk_router: every backend against the reference, forward and backward, on random, tied,
+grouped, biased and adversarial input."""
+
+import pytest
+import torch
+from shapes import ADVERSARIAL_KINDS, adversarial_logits
+from tolerances import assert_close
+
+import moe_kernels
+from moe_kernels import reference
+from moe_kernels.ops import topk_router
+
+# (name, E, k, kwargs): one line per router shape of the families in docs/routers.md.
+ROUTERS = [
+    ("mixtral", 8, 2, dict(renormalize=True)),
+    ("qwen2_moe", 60, 4, dict()),
+    ("llama4", 16, 1, dict(scoring="sigmoid")),
+    ("sigmoid_renorm_scaled", 24, 3, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.5)),
+    ("minimax_m2", 32, 8, dict(scoring="sigmoid", bias=True, renormalize=True)),
+    ("ernie", 16, 4, dict(bias=True, renormalize=True)),
+    (
+        "deepseek_v3",
+        64,
+        8,
+        dict(scoring="sigmoid", bias=True, num_groups=8, topk_groups=4, renormalize=True, scaling_factor=2.5),
+    ),
+    ("deepseek_v2", 64, 6, dict(num_groups=8, topk_groups=3, group_scoring="max", scaling_factor=16.0)),
+    ("groups_no_bias_sigmoid", 12, 2, dict(scoring="sigmoid", num_groups=4, topk_groups=2)),
+    ("k_is_eligible", 12, 6, dict(scoring="sigmoid", bias=True, num_groups=4, topk_groups=2)),
+    ("k_is_E", 5, 5, dict(renormalize=True)),
+    ("one_expert", 1, 1, dict(bias=True)),
+    ("wide", 300, 20, dict(scoring="sigmoid", bias=True, num_groups=10, topk_groups=5)),  # k above the insertion limit
+]
+ROUTER_IDS = [r[0] for r in ROUTERS]
+
+
+def kwargs_for(E, kwargs, seed=0, dtype=torch.float32):
+    out = dict(kwargs)
+    if out.get("bias"):
+        out["bias"] = (0.05 * torch.randn(E, generator=torch.Generator().manual_seed(seed + 7))).to(dtype)
+    return out
+
+
+def run(backend, logits, k, **kwargs):
+    with moe_kernels.use_backend(backend):
+        return topk_router(logits, k, **kwargs)
+
+
+def selection_gap(logits, k, kwargs):
+    """Per row: the gap between the k-th and (k+1)-th choice values (inf if there is none).
+
+    With a bias or groups the choice values go through exp, whose last bit can differ between
+    backends; rows whose gap is below a few ulps may then rank differently (docs/routers.md,
+    Exactness). Exact ties (equal logits and biases) give equal values on every backend.
+    """
+    if kwargs.get("bias") is None and kwargs.get("num_groups", 1) == 1:
+        return torch.full((logits.shape[0],), float("inf"))
+    x = logits.float()
+    scores = reference.topk_router.__globals__["router_scores"](x, kwargs.get("scoring", "softmax"))
+    choice = scores + (kwargs["bias"].float() if kwargs.get("bias") is not None else 0)
+    if choice.shape[1] <= k:
+        return torch.full((logits.shape[0],), float("inf"))
+    top = torch.sort(choice, dim=1, descending=True)[0]
+    gaps = (top[:, k - 1] - top[:, k]).abs()
+    return torch.where(gaps == 0, float("inf"), gaps)  # an exact tie is decided exactly
+
+
+def assert_same_selection(e, e_ref, logits, k, kwargs):
+    differ = (e != e_ref).any(dim=1)
+    if differ.any():
+        near = selection_gap(logits, k, kwargs) < 1e-6
+        assert bool((~differ | near).all()), f"experts differ on rows without a near tie: {differ.nonzero().tolist()}"
+
+
+@pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_matches_reference_random(backend, router, dtype):
+    _, E, k, kw = router
+    for T in (0, 1, 37):
+        logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T + E)).to(dtype)
+        kwargs = kwargs_for(E, kw, seed=T)
+        w, e = run(backend, logits, k, **kwargs)
+        w_ref, e_ref = reference.topk_router(logits, k, **kwargs)
+        assert w.shape == e.shape == (T, k)
+        assert w.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and e.dtype == torch.int64
+        assert_same_selection(e, e_ref, logits, k, kwargs)
+        same = (e == e_ref).all(dim=1)
+        assert_close(w[same], w_ref[same])
+
+
+@pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
+@pytest.mark.parametrize("kind", ADVERSARIAL_KINDS + ["nan", "pos_inf"])
+def test_adversarial(backend, router, kind):
+    _, E, k, kw = router
+    if kind == "nan":
+        logits = adversarial_logits("ties", 11, E, seed=E)
+        logits[torch.rand(11, E, generator=torch.Generator().manual_seed(E)) < 0.15] = float("nan")
+    elif kind == "pos_inf":
+        logits = adversarial_logits("random", 11, E, seed=E)
+        logits[torch.rand(11, E, generator=torch.Generator().manual_seed(E)) < 0.1] = float("inf")
+    else:
+        logits = adversarial_logits(kind, 11, E, seed=E)
+    kwargs = kwargs_for(E, kw)
+    if kind in ("ties", "all_equal", "signed_zero") and kwargs.get("bias") is not None:
+        kwargs["bias"] = torch.round(kwargs["bias"] * 20) / 20  # ties in the choice values too
+    w, e = run(backend, logits, k, **kwargs)
+    w_ref, e_ref = reference.topk_router(logits, k, **kwargs)
+    # Ties, -0, masked rows and NaN are decided exactly on every backend: no near-tie allowance.
+    if kind in ("ties", "all_equal", "signed_zero", "all_neg_inf", "nan"):
+        assert torch.equal(e, e_ref), (kind, e, e_ref)
+    else:
+        assert_same_selection(e, e_ref, logits, k, kwargs)
+    same = (e == e_ref).all(dim=1)
+    assert_close(w[same], w_ref[same])
+
+
+def test_non_contiguous(backend):
+    base = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
+    views = {64: [base[:, :64], base.t().contiguous().t()[:, 64:], base[::2, ::2]], 8: [base[::3, ::16]]}
+    for _, E, k, kw in ROUTERS:
+        for x in views.get(E, []):
+            assert not x.is_contiguous()
+            kwargs = kwargs_for(E, kw)
+            w, e = run(backend, x, k, **kwargs)
+            w_ref, e_ref = reference.topk_router(x.contiguous(), k, **kwargs)
+            assert_same_selection(e, e_ref, x, k, kwargs)
+            assert_close(w, w_ref)
+
+
+@pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_gradients_match_reference(backend, router, dtype):
+    _, E, k, kw = router
+    logits = torch.randn(23, E, generator=torch.Generator().manual_seed(E)).to(dtype)
+    logits[3] = float("-inf")  # a fully masked token
+    if E > 2:
+        logits[5, :2] = float("-inf")
+    kwargs = kwargs_for(E, kw)
+    grad_w = torch.randn(23, k, generator=torch.Generator().manual_seed(2))
+    x = logits.clone().requires_grad_()
+    w, e = run(backend, x, k, **kwargs)
+    (g,) = torch.autograd.grad((w * grad_w.to(w.dtype)).sum(), x)
+    x_ref = logits.clone().requires_grad_()
+    w_ref, e_ref = reference.topk_router(x_ref, k, **kwargs)
+    (g_ref,) = torch.autograd.grad((w_ref * grad_w.to(w_ref.dtype)).sum(), x_ref)
+    assert torch.equal(e, e_ref)
+    assert g.dtype == dtype
+    assert_close(g.double(), g_ref.double(), dtype=torch.float32 if dtype != torch.float64 else torch.float64)
+
+
+@pytest.mark.parametrize("router", ROUTERS[:8], ids=ROUTER_IDS[:8])
+def test_gradcheck_float64(kernel_backend, router):
+    _, E, k, kw = router
+    logits = torch.randn(6, E, dtype=torch.float64, generator=torch.Generator().manual_seed(E), requires_grad=True)
+    kwargs = kwargs_for(E, kw, dtype=torch.float64)
+    with moe_kernels.use_backend(kernel_backend):
+        torch.autograd.gradcheck(lambda x: topk_router(x, k, **kwargs)[0], (logits,))
+
+
+def test_no_gradient_to_bias(backend):
+    logits = torch.randn(9, 16, requires_grad=True)
+    bias = torch.zeros(16, requires_grad=True)
+    w, _ = run(backend, logits, 2, scoring="sigmoid", bias=bias, num_groups=4, topk_groups=2)
+    w.sum().backward()
+    assert bias.grad is None and logits.grad is not None
+
+
+def test_opcheck():
+    if not moe_kernels._extension.has_kernel("topk_router", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    op = torch.ops.moe_kernels.topk_router
+    for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 8, 8)]:
+        for scoring in ("softmax", "sigmoid"):
+            logits = torch.randn(T, E, requires_grad=True)
+            torch.library.opcheck(op, (logits, k, scoring, None, 1, 1, "top2_sum", True, 1.0))
+            torch.library.opcheck(op, (logits, min(k, 4), scoring, torch.randn(E), 2, 1, "max", False, 2.0))
+            _, experts = reference.topk_router(logits.detach(), k, scoring=scoring)
+            torch.library.opcheck(
+                torch.ops.moe_kernels.topk_router_backward,
+                (torch.randn(T, k), logits.detach(), experts, scoring, True, 1.5),
+            )
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 10**6])
+def test_backward_rejects_out_of_range_experts(bad):
+    # A raw call with malicious indices raises instead of reading or writing out of bounds.
+    if not moe_kernels._extension.has_kernel("topk_router_backward", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    experts = torch.tensor([[0, 1], [2, bad]])
+    with pytest.raises(IndexError, match="experts"):
+        torch.ops.moe_kernels.topk_router_backward(torch.randn(2, 2), torch.randn(2, 8), experts, "softmax", True, 1.0)
+
+
+def test_torch_compile_fullgraph(kernel_backend):
+    bias = 0.1 * torch.randn(16)
+
+    def route(x):
+        w, e = topk_router(x, 4, scoring="sigmoid", bias=bias, num_groups=4, topk_groups=2, renormalize=True)
+        return (w * e.float()).sum(-1)
+
+    x = torch.randn(16, 16)
+    with moe_kernels.use_backend(kernel_backend):
+        compiled = torch.compile(
+            route, fullgraph=True, backend="aot_eager" if kernel_backend == "triton" else "inductor"
+        )
+        assert_close(compiled(x), route(x))
