@@ -1,0 +1,325 @@
+"""Run the MoE blocks of Hugging Face transformers models on moe_kernels.
+
+    from moe_kernels.integrations.transformers import apply_moe_kernels
+    report = apply_moe_kernels(model)   # in place; report["patched"], report["skipped"]
+
+Each router whose code is one of the router codes verified here (transformers 5.23) gets a forward
+computing the same thing through `moe_kernels.ops.topk_router`, with the same outputs, dtypes and
+return structure; the experts of the model switch to our experts implementation
+("moe_kernels", transformers_experts.py) through transformers' own experts interface. Nothing is
+added, removed or renamed: parameters, buffers and `state_dict()` are untouched, so saving,
+loading and `from_pretrained` keep working. `remove_moe_kernels(model)` undoes it.
+
+Recognition is by the router's code, not its name: a router class is patched only when the source
+of its forward is exactly one of the codes below (several families share each code). Anything
+else is left alone and reported with the reason. docs/routers.md lists the families.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import textwrap
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_kernels.integrations import transformers_experts
+from moe_kernels.ops import topk_router
+
+
+@dataclass(frozen=True)
+class RouterCode:
+    """One verified router code: what it computes, and our forward for it."""
+
+    name: str  # the family it was first written for
+    families: str  # the transformers 5.23 classes whose forward is exactly this code
+    forward: Callable  # our forward, bound to the router (or block) instance
+    method: str = "forward"  # the method replaced (DBRX routes in its block)
+    applicable: Callable = lambda module: None  # None, or why this instance cannot be patched
+
+
+def _source_hash(fn) -> str | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _2d(hidden_states, module):
+    return hidden_states.reshape(-1, module.hidden_dim)
+
+
+# Softmax routers. With no bias the op ranks by the logits: the same experts as ranking the
+# probabilities, except where distinct logits round to equal probabilities (docs/routers.md).
+
+
+def _mixtral(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self), self.weight)
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    return router_logits, weights, experts
+
+
+def _qwen2_moe(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self), self.weight)
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=bool(self.norm_topk_prob))
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
+def _qwen3_5_moe(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self), self.weight)
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
+def _granitemoe(self, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight).float()
+    # softmax over the top-k logits == the renormalised full softmax at the top k
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    return router_logits, weights.type_as(hidden_states), experts
+
+
+def _jamba(self, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, experts = topk_router(router_logits, self.top_k)
+    return router_logits, weights.to(hidden_states.dtype), experts
+
+
+def _gpt_oss(self, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
+def _deepseek_v2(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self).type(torch.float32), self.weight.type(torch.float32))
+    groups = {}
+    if self.topk_method == "group_limited_greedy":
+        groups = dict(num_groups=self.num_group, topk_groups=self.topk_group, group_scoring="max")
+    weights, experts = topk_router(
+        router_logits, self.top_k, scaling_factor=float(self.routed_scaling_factor), **groups
+    )
+    return router_logits, weights, experts
+
+
+def _deepseek_v2_applicable(module):
+    if module.topk_method not in ("greedy", "group_limited_greedy"):
+        return f"topk_method {module.topk_method!r} is neither 'greedy' nor 'group_limited_greedy'"
+    return None
+
+
+def _ernie4_5_moe(self, hidden_states):
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    bias = self.moe_statics.e_score_correction_bias.reshape(-1)
+    weights, experts = topk_router(router_logits, self.top_k, bias=bias, renormalize=True)
+    return router_logits, weights.to(hidden_states.dtype), experts
+
+
+def _ernie_applicable(module):
+    if module.moe_statics.e_score_correction_bias.numel() != module.weight.shape[0]:
+        return "more than one group of correction biases"
+    return None
+
+
+def _dbrx_route(self, router_logits):
+    # softmax in the logits' dtype, top k, L1 normalisation (p = 1) or none
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=self.moe_normalize_expert_weights is not None)
+    return weights.to(router_logits.dtype), experts
+
+
+def _dbrx_applicable(module):
+    if module.moe_normalize_expert_weights not in (None, 1, 1.0):
+        return f"moe_normalize_expert_weights = {module.moe_normalize_expert_weights} (only the L1 norm, p = 1, maps)"
+    return None
+
+
+# Sigmoid routers.
+
+
+def _deepseek_v3(self, hidden_states):
+    router_logits = F.linear(
+        hidden_states.view(-1, self.hidden_dim).type(torch.float32), self.weight.type(torch.float32)
+    )
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=self.e_score_correction_bias,
+        num_groups=self.num_group,
+        topk_groups=self.topk_group,
+        renormalize=bool(self.norm_topk_prob),
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights, experts
+
+
+def _minimax_m2(self, hidden_states, e_score_correction_bias):
+    router_logits = F.linear(_2d(hidden_states, self).to(self.weight.dtype), self.weight)
+    weights, experts = topk_router(
+        router_logits, self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
+    )
+    return router_logits, weights, experts
+
+
+def _hy_v3(self, hidden_states, e_score_correction_bias):
+    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float())
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=e_score_correction_bias,
+        renormalize=True,
+        scaling_factor=float(self.router_scaling_factor),
+    )
+    return router_logits, weights, experts
+
+
+def _afmoe(self, hidden_states, expert_bias):
+    router_logits = self.gate(hidden_states.view(-1, hidden_states.shape[-1])).to(torch.float32)
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=expert_bias,
+        renormalize=True,
+        scaling_factor=float(self.route_scale),
+    )
+    return router_logits, weights, experts
+
+
+def _lfm2_moe(self, hidden_states, expert_bias=None):
+    router_logits = F.linear(hidden_states, self.weight)
+    bias = expert_bias if self.use_expert_bias else None
+    weights, experts = topk_router(router_logits, self.top_k, scoring="sigmoid", bias=bias)
+    weights = weights.to(router_logits.dtype)
+    if self.norm_topk_prob:  # its own epsilon, kept exactly
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    return router_logits, weights * self.routed_scaling_factor, experts
+
+
+def _llama4(self, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    weights, experts = topk_router(router_logits, self.top_k, scoring="sigmoid")
+    # Llama 4 returns dense scores: sigmoid of the selected logits, sigmoid(-inf) = 0 elsewhere.
+    router_scores = torch.zeros_like(router_logits).scatter_(1, experts, weights.to(router_logits.dtype))
+    return router_scores, router_logits
+
+
+# The verified codes: sha256 (first 16 hex digits) of the dedented source of the router's forward
+# (DBRX: its block's route_tokens_to_experts) in transformers 5.23, with the model folders whose
+# classes have exactly that code. The family forwards above reproduce each one.
+_CODES: dict[str, RouterCode] = {
+    "214e75c14db855b8": RouterCode("mixtral", "minimax, mixtral", _mixtral),
+    "02cfb07d7fb817bb": RouterCode(
+        "qwen2_moe", "flex_olmo, mellum, olmoe, qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen4_exp", _qwen2_moe
+    ),
+    "fa092ef50b24a2b0": RouterCode("qwen3_5_moe", "qwen3_5_moe, qwen3_omni_moe, qwen3_vl_moe", _qwen3_5_moe),
+    "79f608dfcb5cda90": RouterCode(
+        "granitemoe", "granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared", _granitemoe
+    ),
+    "17cc5f6725963e35": RouterCode("jamba", "jamba", _jamba),
+    "e20157fa03acc250": RouterCode("gpt_oss", "gpt_oss", _gpt_oss),
+    "ae44633475492459": RouterCode(
+        "deepseek_v2", "deepseek_ocr2, deepseek_v2, unlimited_ocr", _deepseek_v2, applicable=_deepseek_v2_applicable
+    ),
+    "3deddaeeb4f6a675": RouterCode(
+        "ernie4_5_moe", "ernie4_5_moe, ernie4_5_vl_moe", _ernie4_5_moe, applicable=_ernie_applicable
+    ),
+    "c826a8f75cfa2d3e": RouterCode(
+        "deepseek_v3",
+        "axk1, bailing_hybrid, deepseek_v3, deepseek_v32, dots1, dots3_note, exaone_moe, glm4_moe, glm4_moe_lite, "
+        "glm4v_moe, glm5_next, glm_moe_dsa, hy_v4, kimi_linear, mimo_v2_flash, nemotron_h, solar_open",
+        _deepseek_v3,
+    ),
+    "6d636b4da06d2516": RouterCode("minimax_m2", "minimax_m2", _minimax_m2),
+    "a720f6ad8a794563": RouterCode("hy_v3", "dots3_note, hy_v3", _hy_v3),
+    "5bb1e5efa03e1eb3": RouterCode("afmoe", "afmoe", _afmoe),
+    "2b73b4c31a3e71aa": RouterCode("lfm2_moe", "lfm2_moe", _lfm2_moe),
+    "e160f4516649341a": RouterCode("llama4", "llama4", _llama4),
+    "03c681d064f24432": RouterCode(
+        "dbrx", "dbrx", _dbrx_route, method="route_tokens_to_experts", applicable=_dbrx_applicable
+    ),
+}
+
+
+def _router_methods(module: torch.nn.Module):
+    """(method name, bound original) candidates of a module: its forward, and DBRX's block routing."""
+    cls = type(module)
+    if "forward" in vars(cls):
+        yield "forward", cls.forward
+    if "route_tokens_to_experts" in vars(cls) and type(module).__name__ == "DbrxFFN":
+        yield "route_tokens_to_experts", cls.route_tokens_to_experts
+
+
+# Routers that only compute logits: the routing is in their block (patched through the block).
+_LOGITS_ONLY = {"DbrxRouter"}
+
+
+def _looks_like_router(module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return (name.endswith(("Router", "TopkRouter", "TopKRouter")) and name not in _LOGITS_ONLY) or name == "DbrxFFN"
+
+
+def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True) -> dict:
+    """Patch, in place, every supported MoE router of `model` and its experts implementation.
+
+    Args:
+      model: a transformers model (or any module holding transformers MoE blocks).
+      experts: also switch the model's experts implementation to "moe_kernels" (where the
+        model supports transformers' experts interface).
+
+    Returns:
+      {"patched": {module name: family code}, "skipped": {module name: reason},
+       "experts": the experts implementation now set, or why it was not}.
+    """
+    codes = _CODES
+    patched, skipped = {}, {}
+    for name, module in model.named_modules():
+        if not _looks_like_router(module):
+            continue
+        if any(m in vars(module) for m in ("forward", "route_tokens_to_experts")):
+            patched[name] = module.__dict__.get("_moe_kernels_code", "already patched")
+            continue
+        reason = f"unknown router code ({type(module).__name__}): not one of the verified transformers 5.23 routers"
+        for method, original in _router_methods(module):
+            code = codes.get(_source_hash(original))
+            if code is None or code.method != method:
+                continue
+            why = code.applicable(module)
+            if why is not None:
+                reason = f"{type(module).__name__}: {why}"
+                break
+            setattr(module, method, types.MethodType(code.forward, module))
+            module._moe_kernels_code = code.name
+            patched[name] = code.name
+            reason = None
+            break
+        if reason is not None:
+            skipped[name] = reason
+    report = {"patched": patched, "skipped": skipped, "experts": _set_experts(model) if experts else "not requested"}
+    return report
+
+
+def _set_experts(model) -> str:
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None or not getattr(type(model), "_can_set_experts_implementation", lambda: False)():
+        return "unchanged: the model does not use transformers' experts interface"
+    transformers_experts.register()
+    setter(transformers_experts.NAME)
+    return transformers_experts.NAME
+
+
+def remove_moe_kernels(model: torch.nn.Module, experts_implementation: str = "eager") -> None:
+    """Undo apply_moe_kernels: the routers' own methods again, and `experts_implementation`."""
+    for module in model.modules():
+        if "_moe_kernels_code" in vars(module):
+            for method in ("forward", "route_tokens_to_experts"):
+                module.__dict__.pop(method, None)
+            del module._moe_kernels_code
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is not None and getattr(type(model), "_can_set_experts_implementation", lambda: False)():
+        setter(experts_implementation)

@@ -1,0 +1,113 @@
+"""Tiny transformers MoE models from their configs (random weights; nothing is downloaded)."""
+
+import torch
+
+# model_type -> config overrides beyond the shared shrinking (each says why it is needed).
+FAMILIES = {
+    "mixtral": {},
+    "qwen2_moe": {"norm_topk_prob": True, "shared_expert_intermediate_size": 32},
+    "qwen3_moe": {"norm_topk_prob": False},
+    "qwen3_next": {"norm_topk_prob": True, "shared_expert_intermediate_size": 32},
+    "olmoe": {},
+    "deepseek_v2": {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.0},
+    "deepseek_v3": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+    "glm4_moe": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5},
+    "dots1": {"n_group": 2, "topk_group": 1},
+    "minimax_m2": {},
+    "ernie4_5_moe": {},
+    "gpt_oss": {},
+    "granitemoe": {},
+    "jamba": {},
+    "llama4_text": {},
+    "dbrx": {},
+    "lfm2_moe": {},
+}
+
+SHRINK = {
+    "hidden_size": 64,
+    "d_model": 64,
+    "intermediate_size": 64,
+    "intermediate_size_mlp": 64,
+    "moe_intermediate_size": 32,
+    "ffn_hidden_size": 32,
+    "num_hidden_layers": 2,
+    "n_layers": 2,
+    "num_attention_heads": 4,
+    "n_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "num_local_experts": 8,
+    "num_experts": 8,
+    "n_routed_experts": 8,
+    "moe_num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_top_k": 2,
+    "moe_k": 2,
+    "first_k_dense_replace": 0,
+    "moe_layer_start_index": 0,
+    "num_dense_layers": 0,
+    "max_position_embeddings": 256,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_shared_experts": 1,
+}
+
+
+def tiny_config(model_type: str):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    sub = getattr(config, "ffn_config", None)
+    for target in (config, sub):
+        if target is None:
+            continue
+        for key, value in SHRINK.items():
+            if hasattr(target, key):
+                setattr(target, key, value)
+        for key, value in FAMILIES[model_type].items():
+            if hasattr(target, key) or target is config:
+                setattr(target, key, value)
+    if model_type == "jamba":
+        config.attn_layer_period, config.attn_layer_offset = 2, 1
+        config.expert_layer_period, config.expert_layer_offset = 1, 0
+        config.mamba_d_state, config.mamba_expand, config.mamba_dt_rank = 8, 2, 8
+    if model_type == "lfm2_moe":
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+        config.num_dense_layers = 0
+    if model_type == "qwen3_next":  # one linear-attention and one full-attention layer
+        config.layer_types = ["linear_attention", "full_attention"]
+    if model_type == "gpt_oss":
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    if model_type.startswith("deepseek"):  # rope on qk_rope_head_dim
+        config.head_dim = config.qk_rope_head_dim
+    if model_type == "llama4_text":
+        config.interleave_moe_layer_step = 1
+        config.moe_layers = list(range(config.num_hidden_layers))
+        config.no_rope_layers = [1] * config.num_hidden_layers
+    if model_type == "dbrx":
+        config.ffn_config.moe_num_experts, config.ffn_config.moe_top_k = 8, 2
+        config.ffn_config.ffn_hidden_size = 32
+        if not hasattr(config.attn_config, "rope_theta"):
+            config.attn_config.rope_theta = 10000.0
+        config.attn_config.clip_qkv = 8.0  # None crashes in transformers 5.23 (clamp with no bound)
+    return config
+
+
+def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=dtype)
+    # Random, not zero, routers (several families zero-initialise theirs: every token would tie).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 1 and ("router" in name or "gate" in name.split(".")[-2:][0] or "bias" in name):
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if "correction_bias" in name or "expert_bias" in name:
+                b.copy_(0.05 * torch.randn_like(b))
+    return model.eval()
