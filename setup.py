@@ -20,6 +20,7 @@ major.minor (e.g. "torch>=2.13,<2.14").
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -122,6 +123,36 @@ def torch_requirement(torch_version: str) -> str:
     return f"torch>={major}.{minor},<{major}.{int(minor) + 1}"
 
 
+def find_cuda_home(environ=os.environ) -> str | None:
+    """The CUDA toolkit's root for torch's build: CUDA_HOME or CUDA_PATH if set, else the toolkit of
+    the nvcc on PATH. torch takes the parent of `which nvcc`, which is wrong when that is a symlink
+    or a wrapper script in /usr/local/bin (/usr/local/include has no cuda_runtime.h): the real
+    path is tried, then the TOP nvcc reports in a dry run."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if environ.get(var):
+            return environ[var]
+    nvcc = shutil.which("nvcc", path=environ.get("PATH"))
+    if nvcc is None:
+        return None
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    try:
+        dry = subprocess.run(
+            [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        top = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.M)
+        if top:
+            candidates.append(os.path.normpath(top.group(1).strip()))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for home in candidates:
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    return None
+
+
 def _rel(paths):
     return sorted(os.path.relpath(p, ROOT) for p in paths)
 
@@ -195,6 +226,10 @@ def extensions():
 
 
 def main():
+    # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import.
+    cuda_home = find_cuda_home()
+    if cuda_home is not None:
+        os.environ.setdefault("CUDA_HOME", cuda_home)
     import torch
     from torch.utils.cpp_extension import BuildExtension
 

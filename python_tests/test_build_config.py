@@ -142,3 +142,24 @@ def test_installed_metadata_matches():
     assert dist.version == moe_kernels.__version__
     major, minor = torch.__version__.split(".")[:2]
     assert f"torch<{major}.{int(minor) + 1},>={major}.{minor}" in [r.replace(" ", "") for r in dist.requires]
+
+
+def test_cuda_home_follows_the_nvcc_symlink(setup_py, tmp_path):
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "include").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    links = tmp_path / "bin"
+    links.mkdir()
+    (links / "nvcc").symlink_to(toolkit / "bin" / "nvcc")
+    assert setup_py.find_cuda_home({"PATH": str(links)}) == str(toolkit)
+    assert setup_py.find_cuda_home({"PATH": str(links), "CUDA_HOME": "/opt/cuda"}) == "/opt/cuda"
+    assert setup_py.find_cuda_home({"PATH": str(tmp_path / "none")}) is None
+    # a wrapper script (exec .../nvcc "$@"), not a symlink: the TOP of nvcc's dry run
+    wrappers = tmp_path / "wrappers"
+    wrappers.mkdir()
+    (wrappers / "nvcc").write_text(f'#!/bin/sh\necho "#$ TOP={toolkit}/bin/.." >&2\n')
+    (wrappers / "nvcc").chmod(0o755)
+    assert setup_py.find_cuda_home({"PATH": str(wrappers)}) == str(toolkit)
