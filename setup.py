@@ -68,7 +68,8 @@ def parse_archs(text: str, source: str = "MOE_KERNELS_CUDA_ARCHS") -> list[tuple
         if cc >= MAX_ARCH:
             raise ArchError(f"{source}: {entry!r} is no GPU architecture nvcc knows; accepted: {accepted}")
         if cc < MIN_ARCH:
-            raise ArchError(f"{source}: {entry!r} is older than sm_{MIN_ARCH}, the oldest target of nvcc 13; {accepted}")
+            oldest = f"sm_{MIN_ARCH}, the oldest target of nvcc 13"
+            raise ArchError(f"{source}: {entry!r} is older than {oldest}; {accepted}")
         key = (cc, m.group(3).lower())
         out[key] = out.get(key, False) or m.group(4) is not None
     return [(cc, suffix, ptx) for (cc, suffix), ptx in sorted(out.items())]

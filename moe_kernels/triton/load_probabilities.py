@@ -152,7 +152,8 @@ def _aot(dt, num_experts):
         "BLOCK_E": "constexpr",
     }
     constexprs = {"BLOCK_T": block_t, "BLOCK_E": block_e}
-    return load_probabilities_kernel, signature, constexprs, {"num_warps": num_warps, "maxnreg": max_registers(num_warps)}
+    options = {"num_warps": num_warps, "maxnreg": max_registers(num_warps)}
+    return load_probabilities_kernel, signature, constexprs, options
 
 
 AOT_KERNELS = [
