@@ -2,20 +2,17 @@
 variables it comes from, the nvcc flags), the nvcc / torch CUDA major check, and the runtime
 torch requirement."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+import setup_py as build_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def setup_py():
-    spec = importlib.util.spec_from_file_location("moe_kernels_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # defines the helpers; setup() runs only under __main__
-    return module
+    return build_setup.load()
 
 
 @pytest.mark.parametrize(
