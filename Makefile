@@ -30,7 +30,7 @@ CUDA_CHECK_VENV ?= .venv-cuda-check
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-report check-cuda-build FORCE
+.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-report _gpu-report check-cuda-build FORCE
 
 all: test
 
