@@ -136,5 +136,22 @@ def test_every_cuda_kernel_is_registered():
     found = cuda_ops_in_source()
     if os.environ.get("MOE_KERNELS_CUDA") != "1" and not any(_extension.has_kernel(op, "CUDA") for op in found):
         pytest.skip("the extension was built without CUDA kernels (MOE_KERNELS_CUDA=1 makes that an error)")
-    unregistered = {op: where for op, where in found.items() if not _extension.has_kernel(op, "CUDA")}
+    unregistered = unregistered_cuda_ops(_extension.has_kernel)
     assert not unregistered, f"ops with CUDA kernels in the sources but no CUDA registration: {unregistered}"
+
+
+def unregistered_cuda_ops(has_kernel) -> dict[str, str]:
+    """The ops of cuda_ops_in_source() without a CUDA kernel by `has_kernel(op, dispatch_key)`."""
+    return {op: where for op, where in cuda_ops_in_source().items() if not has_kernel(op, "CUDA")}
+
+
+def test_registration_check_names_a_missing_op():
+    """The check above on a build that lost one registration (a fake has_kernel): it is named,
+    with the source that says it should exist."""
+    from moe_kernels import _extension
+
+    if not _extension.LOADED:
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    missing = unregistered_cuda_ops(lambda op, key: op != "combine")
+    assert missing == {"combine": "an m.impl of csrc/cuda_ops.cpp"}
+    assert unregistered_cuda_ops(lambda op, key: True) == {}
