@@ -79,3 +79,16 @@ def test_redirect_is_a_no_op_for_cpu_backends(monkeypatch):
     before = (backends.choose, backends.implementation)
     with redirect(Backend("cpu"), monkeypatch):
         assert (backends.choose, backends.implementation) == before
+
+
+def test_redirect_skips_ops_without_a_kernel_of_the_backend():
+    """Under a GPU case, an op the backend has no kernel for is a skip naming it, not a failure
+    (here no op has a CUDA kernel; sinkhorn has none anywhere)."""
+    with pytest.MonkeyPatch.context() as mp, redirect(Backend("cuda", "cuda"), mp), moe_kernels.use_backend("cuda"):
+        with pytest.raises(pytest.skip.Exception, match="sinkhorn has no cuda kernel for cuda tensors"):
+            backends.choose("sinkhorn", "cpu")
+    if not backends.triton_importable():
+        pytest.skip("triton not installed")
+    with pytest.MonkeyPatch.context() as mp, redirect(Backend("triton", "cuda"), mp), moe_kernels.use_backend("triton"):
+        assert backends.choose("topk_softmax", "cpu") == "triton"  # answered for cuda tensors
+    assert backends.choose("topk_softmax", "cpu") != "triton" or backends.triton_interpreting()  # undone
