@@ -94,7 +94,7 @@ _gpu-report: $(EXT)
 # Without a GPU: a venv with the registry's CUDA torch 2.13.0, the CUDA build of a copy of this
 # tree (the tree's own .so and build/ stay untouched), then the suite on CPU, which includes the
 # check that every op with a .cu kernel has a CUDA registration. A multi-GB download and a long
-# compile (about 10 min on 2 cores): not part of `make test`.
+# compile (3 to 10 min on 2 cores): not part of `make test`.
 check-cuda-build:
 	test -x $(CUDA_CHECK_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_CHECK_VENV)
 	$(CUDA_CHECK_VENV)/bin/pip install --quiet $(TORCH_CUDA_PIP_FLAGS) torch==2.13.0
