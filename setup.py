@@ -4,18 +4,154 @@ Environment:
   MOE_KERNELS_CUDA=1        build the CUDA kernels; a failure is an error, never a silent skip.
   MOE_KERNELS_CUDA=0        never build them.
   (unset)                   build them when torch is a CUDA build and a CUDA toolkit is found.
-  MOE_KERNELS_CUDA_ARCHS    compute capabilities, default "80;90".
+  MOE_KERNELS_CUDA_ARCHS    GPU architectures (compute capabilities), e.g. "80;90", "8.0 9.0",
+                            "sm_80,sm_90", "9.0a", "8.0;9.0+PTX"; see parse_archs. When unset,
+                            TORCH_CUDA_ARCH_LIST (torch's variable, same spellings) is honoured;
+                            when both are unset: "80;90". The .so holds SASS for every listed
+                            arch plus PTX for the newest, so newer GPUs JIT-compile the kernels.
   DEBUG=1                   -O0 -g instead of -O3.
   MAX_JOBS                  parallel compile jobs (honoured by torch's ninja build).
+
+The distribution's metadata (name, version, dependencies) is in pyproject.toml, except the torch
+requirement, computed here: the extension is linked against the C++ ABI of the torch that builds
+it, which changes between torch minor releases, so the installed package requires the same
+major.minor (e.g. "torch>=2.13,<2.14").
 """
 
-import glob
 import os
+import re
+import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+DEFAULT_ARCHS = "80;90"
+# nvcc 13 dropped every target below Turing (sm_75); the kernels need nothing newer.
+MIN_ARCH = 75
+MAX_ARCH = 200  # above every compute capability there is (sm_121 in CUDA 13.0): a typo, not a GPU
+# The Python C API version the extension is compiled against (Py_LIMITED_API): the module init in
+# csrc/ops.cpp uses only the stable ABI, so one wheel serves every CPython >= 3.10.
+LIMITED_API = (3, 10)
+
+_ARCH = re.compile(r"^(?:sm_|compute_)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$", re.IGNORECASE)
+
+
+class ArchError(ValueError):
+    """A GPU architecture list that cannot be understood."""
+
+
+def parse_archs(text: str, source: str = "MOE_KERNELS_CUDA_ARCHS") -> list[tuple[int, str, bool]]:
+    """Parse a list of GPU architectures into (compute capability, suffix, explicit PTX) triples.
+
+    Separators: ";", "," or whitespace. Each entry is a compute capability written as nvcc does
+    ("80", "sm_80", "compute_80") or as torch does ("8.0"), optionally with an arch-specific
+    suffix ("90a", "9.0a", "sm_100f") and torch's "+PTX" (also embed PTX for that arch).
+    e.g. "80;90" -> [(80, "", False), (90, "", False)]; "8.0 9.0+PTX" -> [(80, "", False), (90, "", True)].
+    Anything else (names such as "Ampere", "8", "sm80x", an empty list, an arch below sm_75) raises
+    ArchError naming `source` and the accepted spellings. Duplicates are dropped, order is ascending.
+    """
+    accepted = 'e.g. "80;90", "8.0 9.0", "sm_80,sm_90", "9.0a", "10.0+PTX" (sm_75 or newer)'
+    entries = [e for e in re.split(r"[;,\s]+", text.strip()) if e]
+    if not entries:
+        raise ArchError(f"{source} is empty; give GPU architectures, {accepted}")
+    out: dict[tuple[int, str], bool] = {}
+    for entry in entries:
+        m = _ARCH.match(entry)
+        # "8" or "86.1" are not compute capabilities: nvcc's spelling has two or three digits.
+        dotted = m is not None and m.group(2) is not None
+        if m is None or len(m.group(1)) > (2 if dotted else 3) or len(m.group(1)) < (1 if dotted else 2):
+            raise ArchError(f"{source}: cannot read {entry!r} as a GPU architecture; accepted: {accepted}")
+        cc = int(m.group(1) + (m.group(2) or ""))
+        if cc >= MAX_ARCH:
+            raise ArchError(f"{source}: {entry!r} is no GPU architecture nvcc knows; accepted: {accepted}")
+        if cc < MIN_ARCH:
+            oldest = f"sm_{MIN_ARCH}, the oldest target of nvcc 13"
+            raise ArchError(f"{source}: {entry!r} is older than {oldest}; {accepted}")
+        key = (cc, m.group(3).lower())
+        out[key] = out.get(key, False) or m.group(4) is not None
+    return [(cc, suffix, ptx) for (cc, suffix), ptx in sorted(out.items())]
+
+
+def gencode_flags(archs: list[tuple[int, str, bool]]) -> list[str]:
+    """nvcc -gencode flags: SASS for every arch, PTX for the newest plain arch (the one newer
+    GPUs can JIT from; "a"/"f" PTX runs only on its own arch family) and for each "+PTX" entry."""
+    flags = [f"-gencode=arch=compute_{cc}{s},code=sm_{cc}{s}" for cc, s, _ in archs]
+    plain = [cc for cc, s, _ in archs if not s]
+    newest = max(plain) if plain else max(cc for cc, _, _ in archs)
+    ptx = {cc for cc, s, explicit in archs if explicit and not s} | {newest}
+    flags += [f"-gencode=arch=compute_{cc},code=compute_{cc}" for cc in sorted(ptx)]
+    return flags
+
+
+def chosen_archs(environ=os.environ) -> tuple[list[tuple[int, str, bool]], str]:
+    """The arch list and where it came from: MOE_KERNELS_CUDA_ARCHS, else TORCH_CUDA_ARCH_LIST,
+    else the default."""
+    for var in ("MOE_KERNELS_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST"):
+        if environ.get(var, "").strip():
+            return parse_archs(environ[var], var), var
+    return parse_archs(DEFAULT_ARCHS, "the default"), f"the default {DEFAULT_ARCHS!r}"
+
+
+def nvcc_version(cuda_home: str) -> str:
+    """nvcc's release, e.g. "13.0", from `nvcc --version`."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cannot read the CUDA release from `{nvcc} --version`:\n{out}")
+    return m.group(1)
+
+
+def check_cuda_versions(nvcc: str, torch_cuda: str) -> None:
+    """nvcc must have the major version torch was built with: kernels built by another major link
+    against a CUDA runtime the torch wheel does not ship (and torch's own check fails later, deep
+    in the build)."""
+    if nvcc.split(".")[0] != torch_cuda.split(".")[0]:
+        raise SystemExit(
+            f"moe_kernels: nvcc is CUDA {nvcc} but torch was built with CUDA {torch_cuda}: the major "
+            f"versions must match. Install the CUDA {torch_cuda.split('.')[0]}.x toolkit (or point CUDA_HOME "
+            f"at it), or a torch built for CUDA {nvcc.split('.')[0]}."
+        )
+
+
+def torch_requirement(torch_version: str) -> str:
+    """The runtime torch requirement for an extension built against `torch_version` ("2.13.0+cu130"):
+    the same major.minor, whose C++ ABI it links against (stable across patch releases)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch_version).groups()
+    return f"torch>={major}.{minor},<{major}.{int(minor) + 1}"
+
+
+def find_cuda_home(environ=os.environ) -> str | None:
+    """The CUDA toolkit's root for torch's build: CUDA_HOME or CUDA_PATH if set, else the toolkit of
+    the nvcc on PATH. torch takes the parent of `which nvcc`, which is wrong when that is a symlink
+    or a wrapper script in /usr/local/bin (/usr/local/include has no cuda_runtime.h): the real
+    path is tried, then the TOP nvcc reports in a dry run."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if environ.get(var):
+            return environ[var]
+    nvcc = shutil.which("nvcc", path=environ.get("PATH"))
+    if nvcc is None:
+        return None
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    try:
+        dry = subprocess.run(
+            [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        top = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.M)
+        if top:
+            candidates.append(os.path.normpath(top.group(1).strip()))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for home in candidates:
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    return None
 
 
 def _rel(paths):
@@ -43,11 +179,15 @@ def _want_cuda():
 
 
 def extensions():
-    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+    import glob
+
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
     debug = os.environ.get("DEBUG", "0") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3"]
-    cxx = opt + ["-std=c++20", "-fopenmp"]
+    limited = f"-DPy_LIMITED_API=0x{LIMITED_API[0]:02x}{LIMITED_API[1]:02x}0000"
+    cxx = opt + ["-std=c++20", "-fopenmp", limited]
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     sources = _rel([os.path.join(ROOT, "csrc", "ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
 
@@ -64,12 +204,16 @@ def extensions():
                 py_limited_api=True,
             )
         ]
-    archs = os.environ.get("MOE_KERNELS_CUDA_ARCHS", "80;90").split(";")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
+    check_cuda_versions(nvcc_version(CUDA_HOME), torch.version.cuda)
+    try:
+        archs, source = chosen_archs()
+    except ArchError as exc:
+        sys.exit(f"moe_kernels: {exc}")
+    gencode = gencode_flags(archs)
     sources += _rel(
         [os.path.join(ROOT, "csrc", "cuda_ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))
     )
-    print(f"moe_kernels: building the C++ CPU kernels and the CUDA kernels for sm {archs} ({why})")
+    print(f"moe_kernels: building the C++ CPU kernels and the CUDA kernels ({why}); archs from {source}: {gencode}")
     return [
         CUDAExtension(
             "moe_kernels._C",
@@ -83,16 +227,19 @@ def extensions():
 
 
 def main():
+    # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import.
+    cuda_home = find_cuda_home()
+    if cuda_home is not None:
+        os.environ.setdefault("CUDA_HOME", cuda_home)
+    import torch
     from torch.utils.cpp_extension import BuildExtension
 
     setup(
-        name="moe_kernels",
-        version="0.1.0",
         packages=find_packages(include=["moe_kernels", "moe_kernels.*"]),
         ext_modules=extensions(),
+        install_requires=[torch_requirement(torch.__version__), "numpy"],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-        options={"bdist_wheel": {"py_limited_api": "cp39"}},
-        python_requires=">=3.10",
+        options={"bdist_wheel": {"py_limited_api": f"cp{LIMITED_API[0]}{LIMITED_API[1]}"}},
     )
 
 

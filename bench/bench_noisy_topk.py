@@ -69,7 +69,7 @@ def main():
     print(f"backend: {moe_kernels.backends()['load_probabilities']}")
     rows = []
     for T, E, k in grid:
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator(device=torch.get_default_device()).manual_seed(0)  # the GPU under gpu-report
         clean = torch.randn(T, E, generator=g)
         raw = torch.randn(T, E, generator=g)
         noise = torch.randn(T, E, generator=g)

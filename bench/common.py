@@ -20,7 +20,12 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("MOE_KERNELS_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+# MOE_KERNELS_BENCH_DEVICE=cuda (make CUDA=1 bench, make gpu-report): the benchmarks' tensors are
+# created on the GPU (torch's default device) and timed with CUDA events (timeit_cuda).
+DEVICE = os.environ.get("MOE_KERNELS_BENCH_DEVICE", "cpu")
+if DEVICE != "cpu":
+    torch.set_default_device(DEVICE)
 
 
 def machine() -> str:
@@ -47,8 +52,31 @@ def commit() -> str:
         return "unknown"
 
 
+def timeit_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 15, min_time: float = 0.2) -> list[float]:
+    """GPU seconds of `fn()` per run, between CUDA events around each run on the current stream
+    (the launches are asynchronous: host wall-clock time would measure the launch, not the kernel)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    start = time.perf_counter()
+    while len(events) < reps or (time.perf_counter() - start < min_time and len(events) < 1000):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        events.append((begin, end))
+        if len(events) % 50 == 0:
+            torch.cuda.synchronize()  # keep the host from queueing far ahead of min_time
+    torch.cuda.synchronize()
+    return [b.elapsed_time(e) / 1e3 for b, e in events]
+
+
 def timeit(fn: Callable[[], object], *, warmup: int = 3, reps: int = 15, min_time: float = 0.2) -> list[float]:
-    """Wall-clock seconds of `fn()` over at least `reps` runs and `min_time` seconds."""
+    """Wall-clock seconds of `fn()` over at least `reps` runs and `min_time` seconds (on the GPU:
+    timeit_cuda)."""
+    if DEVICE == "cuda":
+        return timeit_cuda(fn, warmup=warmup, reps=reps, min_time=min_time)
     for _ in range(warmup):
         fn()
     times: list[float] = []

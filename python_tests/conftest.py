@@ -4,9 +4,15 @@ The suite runs twice (see the Makefile's `test` target):
   1. normally: the "torch" and "cpu" backends, the Triton ahead-of-time compiles, nvcc;
   2. under TRITON_INTERPRET=1 with `-m triton`: the Triton kernels on CPU tensors.
 TRITON_INTERPRET must be set before triton decorates a kernel, hence a separate process.
+
+The device axis (python_tests/devices.py): tests taking `backend` also run with the GPU backends
+"cuda:cuda" and "cuda:triton" on CUDA tensors, skipped with the reason where no GPU is present
+(`pytest -rs` lists them). `kernel_backend` tests (opcheck, torch.compile) stay on CPU backends:
+they name the registered op directly; the CUDA registrations are checked by `make check-cuda-build`.
 """
 
 import pytest
+from devices import Backend, gpu_params, redirect
 
 from moe_kernels import _extension, backends
 
@@ -26,9 +32,22 @@ def all_backends():
 
 def pytest_generate_tests(metafunc):
     if "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", all_backends())
+        cpu = [pytest.param(Backend(b), id=Backend(b).id) for b in all_backends()]
+        metafunc.parametrize("backend", cpu + gpu_params(INTERPRETING))
     if "kernel_backend" in metafunc.fixturenames:
         metafunc.parametrize("kernel_backend", kernel_backends())
+
+
+@pytest.fixture(autouse=True)
+def _device_axis(request, monkeypatch):
+    """GPU cases of `backend`: run the test's ops on the backend's device (devices.redirect)."""
+    callspec = getattr(request.node, "callspec", None)
+    backend = callspec.params.get("backend") if callspec is not None else None
+    if isinstance(backend, Backend):
+        with redirect(backend, monkeypatch):
+            yield
+    else:
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

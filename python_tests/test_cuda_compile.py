@@ -13,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import setup_py
 
 ROOT = Path(__file__).resolve().parents[1]
 CU_FILES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
@@ -31,26 +32,22 @@ def test_there_are_cuda_kernels():
     assert CU_FILES, "no .cu files found"
 
 
+def default_gencode() -> list[str]:
+    """The -gencode flags setup.py builds with by default (SASS sm_80, sm_90; PTX compute_90)."""
+    build = setup_py.load()
+    return build.gencode_flags(build.parse_archs(build.DEFAULT_ARCHS))
+
+
 @pytest.mark.parametrize("cu", CU_FILES, ids=lambda p: p.name)
 def test_nvcc_compiles_without_spills(cu, tmp_path):
-    cmd = [
-        nvcc(),
-        "-c",
-        "-std=c++20",
-        "-O3",
-        f"-I{ROOT / 'csrc' / 'include'}",
-        "-Xptxas",
-        "-v",
-        "-gencode=arch=compute_80,code=sm_80",
-        "-gencode=arch=compute_90,code=sm_90",
-        str(cu),
-        "-o",
-        str(tmp_path / "k.o"),
-    ]
+    cmd = [nvcc(), "-c", "-std=c++20", "-O3", f"-I{ROOT / 'csrc' / 'include'}", "-Xptxas", "-v", "--no-compress"]
+    cmd += default_gencode() + [str(cu), "-o", str(tmp_path / "k.o")]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     report = out.stderr + out.stdout
     assert "sm_80" in report and "sm_90" in report
+    # PTX of the newest arch in the object (uncompressed here), for GPUs newer than sm_90 to JIT
+    assert b".target sm_90" in (tmp_path / "k.o").read_bytes()
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) == 0, report
     assert "#include <torch" not in cu.read_text() and "ATen" not in cu.read_text(), (
@@ -90,3 +87,71 @@ def test_cuda_glue_syntax(tmp_path):
     cmd += [str(ROOT / "csrc" / "cuda_ops.cpp")]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
+
+
+def cuda_ops_in_source() -> dict[str, str]:
+    """Every op the CUDA sources say has a CUDA kernel, with where it was found: each
+    csrc/cuda/<op>.cu (one stem per op), each m.impl("<op>", ...) of csrc/cuda_ops.cpp, and each
+    launcher <op>_cuda(...) of a .cu file whose name is an op. Discovered, not listed, so a new
+    op's .cu file is covered the day it lands."""
+    import torch
+
+    import moe_kernels  # noqa: F401  (loads the extension: the schemas)
+
+    found = {cu.stem: f"csrc/cuda/{cu.name}" for cu in CU_FILES}
+    glue = (ROOT / "csrc" / "cuda_ops.cpp").read_text()
+    for op in re.findall(r'\bm\.impl\(\s*"(\w+)"', glue):
+        found.setdefault(op, "an m.impl of csrc/cuda_ops.cpp")
+    for cu in CU_FILES:
+        for name in re.findall(r"\bcudaError_t\s+(\w+)_cuda\s*\(", cu.read_text()):
+            if hasattr(torch.ops.moe_kernels, name):
+                found.setdefault(name, f"the launcher {name}_cuda of csrc/cuda/{cu.name}")
+    return found
+
+
+def test_cuda_ops_are_ops():
+    """Every op the CUDA sources name has a schema (registered with its CPU kernel, so checkable
+    here): a .cu file named after no op would escape the registration check below."""
+    from moe_kernels import _extension
+
+    if not _extension.LOADED:
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    found = cuda_ops_in_source()
+    assert {cu.stem for cu in CU_FILES} <= set(found)
+    missing = {op: where for op, where in found.items() if not _extension.defines(op)}
+    assert not missing, f"CUDA sources name ops without a schema (name .cu files after their op): {missing}"
+
+
+def test_every_cuda_kernel_is_registered():
+    """In a CUDA build (make check-cuda-build, or a GPU machine's make CUDA=1 test, both with
+    MOE_KERNELS_CUDA=1): every op with a CUDA kernel in the sources has a CUDA registration in the
+    loaded extension. Needs no GPU."""
+    import torch
+
+    from moe_kernels import _extension
+
+    if torch.version.cuda is None:
+        pytest.skip("CPU torch: the extension has no CUDA kernels (make check-cuda-build runs this with a CUDA torch)")
+    assert _extension.LOADED, _extension.LOAD_ERROR
+    found = cuda_ops_in_source()
+    if os.environ.get("MOE_KERNELS_CUDA") != "1" and not any(_extension.has_kernel(op, "CUDA") for op in found):
+        pytest.skip("the extension was built without CUDA kernels (MOE_KERNELS_CUDA=1 makes that an error)")
+    unregistered = unregistered_cuda_ops(_extension.has_kernel)
+    assert not unregistered, f"ops with CUDA kernels in the sources but no CUDA registration: {unregistered}"
+
+
+def unregistered_cuda_ops(has_kernel) -> dict[str, str]:
+    """The ops of cuda_ops_in_source() without a CUDA kernel by `has_kernel(op, dispatch_key)`."""
+    return {op: where for op, where in cuda_ops_in_source().items() if not has_kernel(op, "CUDA")}
+
+
+def test_registration_check_names_a_missing_op():
+    """The check above on a build that lost one registration (a fake has_kernel): it is named,
+    with the source that says it should exist."""
+    from moe_kernels import _extension
+
+    if not _extension.LOADED:
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    missing = unregistered_cuda_ops(lambda op, key: op != "combine")
+    assert missing == {"combine": "an m.impl of csrc/cuda_ops.cpp"}
+    assert unregistered_cuda_ops(lambda op, key: True) == {}

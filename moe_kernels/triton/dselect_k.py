@@ -10,9 +10,9 @@ from moe_kernels.triton.common import row_tile_config
 from moe_kernels.triton.smooth_step import _params, smooth_step_slope, smooth_step_value
 
 # 2^m selector entries of BLOCK_B rows in registers: at most 1024 per program and 8 per thread in
-# the forward; 512 and 4 in the backward, which holds three tiles (grad_gates, u and the partial
-# product) and unrolls m^2 products: 1024 entries per program spilled under ptxas for n = 256 on
-# sm_80 or sm_90 whatever the warp count (the AOT test checks).
+# the forward; 512 and 4 in the backward, which holds more tiles (grad_gates, the selector, u and
+# u at the flipped entries): 1024 entries per program spilled under ptxas for n = 256 on sm_80 or
+# sm_90 whatever the warp count (the AOT test checks).
 MAX_EXPERTS = 1024
 _TILE = 1024
 _PER_THREAD = 8
@@ -52,17 +52,6 @@ def _selector(z_ptr, rows, row_ok, ls, i, K, M: tl.constexpr, half, c1, c3):
     base = (rows.to(tl.int64) * K + i) * M
     for j in tl.static_range(M):
         r = r * _factor(z_ptr, base, row_ok, ls, j, half, c1, c3)
-    return r
-
-
-@triton.jit
-def _selector_without(z_ptr, rows, row_ok, ls, i, K, M: tl.constexpr, half, c1, c3, skip: tl.constexpr):
-    """r(S(z_bi)) with the factor of bit `skip` left out: d r_l / d s_skip up to sign."""
-    r = tl.full((rows.shape[0], ls.shape[0]), 1.0, tl.float32)
-    base = (rows.to(tl.int64) * K + i) * M
-    for j in tl.static_range(M):
-        if j != skip:  # both compile-time: the caller's loop is unrolled too
-            r = r * _factor(z_ptr, base, row_ok, ls, j, half, c1, c3)
     return r
 
 
@@ -142,21 +131,42 @@ def dselect_k_backward_kernel(
     )
     # d z_ij = S'(z_ij) sum_l u_il (+1 if bit j of l else -1) prod_{j' != j} factor_j'(l),
     # u_il = d loss / d r_il = p_i grad_gates_l + grad_selectors_il.
+    # Entries l and l ^ 2^j differ only in bit j, whose factors (s, 1 - s) sum to 1, so
+    # prod_{j' != j} factor_j'(l) = r_il + r_i(l ^ 2^j); re-indexing the second sum gives
+    #   sum_l sign_j(l) r_il (u_il - u_i(l ^ 2^j)),
+    # one selector per i and u reloaded at the flipped entries: O(M) tiles per selector instead of
+    # the M^2 products of a factor-by-factor product (which made ptxas spill under triton 3.7.1).
     for i in range(0, K):
-        u = _column(p, ks, i)[:, None] * g
-        if HAS_GRAD_SELECTORS:
-            sel = (rows[:, None].to(tl.int64) * K + i) * BLOCK_L + ls[None, :]
-            u += tl.load(grad_sel_ptr + sel, mask=row_ok[:, None], other=0.0)
+        p_i = _column(p, ks, i)[:, None]
+        r = _selector(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3)
+        u = _upstream(grad_gates_ptr, grad_sel_ptr, rows, row_ok, ls, p_i, i, K, N, HAS_GRAD_SELECTORS, BLOCK_L)
         base = (rows.to(tl.int64) * K + i) * M
-        # Unrolled (M^2 products): with a run-time loop here ptxas spilled a few bytes on sm_80 or
-        # sm_90 for every tile size tried; the cost is compile time (seconds for M = 10).
         for j in tl.static_range(M):
-            rest = _selector_without(z_ptr, rows, row_ok, ls, i, K, M, half, c1, c3, j)
+            flipped = ls ^ (1 << j)
+            u_flipped = _upstream(
+                grad_gates_ptr, grad_sel_ptr, rows, row_ok, flipped, p_i, i, K, N, HAS_GRAD_SELECTORS, BLOCK_L
+            )
             sign = tl.where(((ls >> j) & 1) == 1, 1.0, -1.0)
-            ds = tl.sum(u * sign[None, :] * rest, axis=1)
+            ds = tl.sum(sign[None, :] * r * (u - u_flipped), axis=1)
             zj = tl.load(z_ptr + base + j, mask=row_ok, other=0.0).to(tl.float32)
             dz = ds * smooth_step_slope(zj, half, c1, c3)
             tl.store(grad_z_ptr + base + j, dz.to(grad_z_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _upstream(grad_gates_ptr, grad_sel_ptr, rows, row_ok, ls, p_i, i, K, N, HAS_GRAD_SELECTORS: tl.constexpr, BLOCK_L):
+    """u_il = p_i grad_gates_l + grad_selectors_il [BLOCK_B, BLOCK_L] at entries `ls` (grad_gates is
+    0 past N: padding entries get no gate gradient)."""
+    g = tl.load(
+        grad_gates_ptr + rows[:, None].to(tl.int64) * N + ls[None, :],
+        mask=row_ok[:, None] & (ls[None, :] < N),
+        other=0.0,
+    )
+    u = p_i * g
+    if HAS_GRAD_SELECTORS:
+        sel = (rows[:, None].to(tl.int64) * K + i) * BLOCK_L + ls[None, :]
+        u += tl.load(grad_sel_ptr + sel, mask=row_ok[:, None], other=0.0)
+    return u
 
 
 def launch_config(num_rows: int, num_selector_entries: int, backward: bool = False):

@@ -77,6 +77,14 @@ def launch_config(num_tokens: int, num_experts: int):
     return row_tile_config(num_tokens, num_experts, _TILE, _PER_THREAD)
 
 
+def max_registers(num_warps: int) -> int | None:
+    """Triton's maxnreg for a launch of num_warps: the register file (64K) shared by the block's
+    threads, or None (ptxas's own choice) below 16 warps. At 16 warps ptxas capped itself at 64
+    registers and spilled on sm_90 under triton 3.7.1 (the widest tile, E = 4096); allowing 128
+    removes the spill at the cost of one block per SM, which a 4096-wide row fills anyway."""
+    return 65536 // (32 * num_warps) if num_warps >= 16 else None
+
+
 @torch.library.custom_op("moe_kernels_triton::load_probabilities", mutates_args=())
 def load_probabilities(
     clean_logits: torch.Tensor, noisy_logits: torch.Tensor, noise_stddev: torch.Tensor, k: int
@@ -111,6 +119,7 @@ def load_probabilities(
             BLOCK_T=block_t,
             BLOCK_E=block_e,
             num_warps=num_warps,
+            maxnreg=max_registers(num_warps),
         )
     return probs, top
 
@@ -143,7 +152,8 @@ def _aot(dt, num_experts):
         "BLOCK_E": "constexpr",
     }
     constexprs = {"BLOCK_T": block_t, "BLOCK_E": block_e}
-    return load_probabilities_kernel, signature, constexprs, {"num_warps": num_warps}
+    options = {"num_warps": num_warps, "maxnreg": max_registers(num_warps)}
+    return load_probabilities_kernel, signature, constexprs, options
 
 
 AOT_KERNELS = [
