@@ -131,10 +131,12 @@ def test_inapplicable_config_is_reported():
 
 def test_remove_restores_the_original_code():
     model = tiny_model("mixtral")
+    before = model.get_experts_implementation()
     apply_moe_kernels(model)
+    assert model.config._experts_implementation == "moe_kernels"
     remove_moe_kernels(model)
     assert not any("_moe_kernels_code" in vars(m) for m in model.modules())
-    assert model.config._experts_implementation == "eager"
+    assert model.get_experts_implementation() == before
 
 
 def test_experts_implementation_via_transformers_interface():
@@ -152,3 +154,26 @@ def test_experts_implementation_via_transformers_interface():
 def test_import_moe_kernels_does_not_import_transformers():
     code = "import sys, moe_kernels, moe_kernels.ops; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_readme_section_runs():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("```python", text.index("## Use with Hugging Face transformers")) + len("```python")
+    namespace = {"model": tiny_model("qwen3_moe")}
+    exec(compile(text[start : text.index("```", start)], "README.md", "exec"), namespace)
+    assert len(namespace["report"]["patched"]) == 2 and namespace["report"]["experts"] == "moe_kernels"
+
+
+def test_example_runs():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "transformers_drop_in.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--family", "mixtral", "--tokens", "64", "--repeats", "1"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "same logits" in out and "same greedy tokens" in out

@@ -309,17 +309,19 @@ def _set_experts(model) -> str:
     if setter is None or not getattr(type(model), "_can_set_experts_implementation", lambda: False)():
         return "unchanged: the model does not use transformers' experts interface"
     transformers_experts.register()
+    if "_moe_kernels_previous_experts" not in vars(model):
+        model._moe_kernels_previous_experts = model.get_experts_implementation()
     setter(transformers_experts.NAME)
     return transformers_experts.NAME
 
 
-def remove_moe_kernels(model: torch.nn.Module, experts_implementation: str = "eager") -> None:
-    """Undo apply_moe_kernels: the routers' own methods again, and `experts_implementation`."""
+def remove_moe_kernels(model: torch.nn.Module) -> None:
+    """Undo apply_moe_kernels: the routers' own methods and the experts implementation(s) again."""
     for module in model.modules():
         if "_moe_kernels_code" in vars(module):
             for method in ("forward", "route_tokens_to_experts"):
                 module.__dict__.pop(method, None)
             del module._moe_kernels_code
-    setter = getattr(model, "set_experts_implementation", None)
-    if setter is not None and getattr(type(model), "_can_set_experts_implementation", lambda: False)():
-        setter(experts_implementation)
+    previous = vars(model).pop("_moe_kernels_previous_experts", None)
+    if previous is not None:
+        model.set_experts_implementation(previous)
