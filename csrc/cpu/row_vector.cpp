@@ -89,16 +89,34 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
   int filled = 0;
   int64_t e = 0;
   for (; e < k; ++e) filled = insert_pair(best, filled, k, rank_pair(row[e], (int32_t)e));
+  // A floor for the k-th largest key, from one vector pass: lane l's maximum over the elements
+  // l, l + 8, l + 16, ... of the full chunks. The lanes are disjoint, so the k-th largest lane
+  // maximum has k distinct elements at or above it, and no element below it can be in the top k.
+  // It starts the filter near its final value instead of at the first k elements' minimum.
+  int32_t floor = INT_MIN;
+  const int64_t full = k <= kLanes ? (E - k) / kLanes * kLanes : 0;
+  if (full > 0) {
+    lanes_i32 lane_max = rank_keys(load(row + k));
+    for (int64_t c = k + kLanes; c < k + full; c += kLanes) {
+      const lanes_i32 key = rank_keys(load(row + c));
+      lane_max = key > lane_max ? key : lane_max;
+    }
+    int32_t sorted[kLanes];
+    for (int l = 0; l < kLanes; ++l) sorted[l] = lane_max[l];
+    std::nth_element(sorted, sorted + (k - 1), sorted + kLanes, std::greater<int32_t>());
+    floor = sorted[k - 1];
+  }
   // Every later element has a higher index than the list's, so only a strictly larger key can
-  // enter: an equal key loses its tie.
-  int32_t threshold = (int32_t)(best[k - 1] >> 32);
+  // enter: an equal key loses its tie. Keys equal to the floor may still belong to the top k.
+  const int32_t below_floor = floor == INT_MIN ? INT_MIN : floor - 1;
+  int32_t threshold = std::max((int32_t)(best[k - 1] >> 32), below_floor);
   for (; e + kLanes <= E; e += kLanes) {
     const lanes_i32 key = rank_keys(load(row + e));
-    if (max_lane(key) <= threshold) continue;  // the common case once the list is warm
+    if (max_lane(key) <= threshold) continue;  // the common case
     for (int l = 0; l < kLanes; ++l) {
       if (key[l] > threshold) {
         insert_pair(best, k, k, rank_pair(row[e + l], (int32_t)(e + l)));
-        threshold = (int32_t)(best[k - 1] >> 32);
+        threshold = std::max((int32_t)(best[k - 1] >> 32), below_floor);
       }
     }
   }

@@ -235,22 +235,35 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
       for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((acc_t)out[ex[s]] + gp[s] * ps[s] * (1 - ps[s]));
       continue;
     }
-    all_scores(x, E, kSoftmax, p);
-    if (x[row_max_index(x, E)] == -INFINITY) {  // a fully masked token: scores 0, gradient 0
+    const acc_t vmax = x[row_max_index(x, E)];
+    if (vmax == -INFINITY) {  // a fully masked token: scores 0, gradient 0
       std::fill_n(out, E, (scalar_t)0);
       continue;
     }
-    for (int64_t s = 0; s < k; ++s) {
-      ps[s] = p[ex[s]];
-      g[s] = (acc_t)grad_w[t * k + s];
+    if (a.renormalize) {
+      std::fill_n(out, E, (scalar_t)0);
+      // scaling * softmax(x)_s / sum over the selected = scaling * exp(x_s) / sum over the selected
+      // exps: the full softmax's terms cancel, and the gradient is zero off the selection.
+      for (int64_t s = 0; s < k; ++s) {
+        ps[s] = std::exp(x[ex[s]] - vmax);
+        g[s] = (acc_t)grad_w[t * k + s];
+      }
+      topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, true, scaling);
+      for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((acc_t)out[ex[s]] + gp[s] * ps[s]);
+      continue;
     }
-    topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, a.renormalize, scaling);
+    // Full softmax: grad_i = p_i (gp_i - dot), dot = sum_s gp_s p_s, gp_s = scaling * g_s.
+    const acc_t inv = acc_t(1) / exp_sum(x, E, vmax, p);
     acc_t dot = 0;
-    for (int64_t s = 0; s < k; ++s) dot += gp[s] * ps[s];
-    // grad_i = p_i (gp_i - dot): first -p_i dot everywhere, then p_i gp_i at the selected.
-    for (int64_t e = 0; e < E; ++e) buf.cand[e] = -p[e] * dot;
-    for (int64_t s = 0; s < k; ++s) buf.cand[ex[s]] += p[ex[s]] * gp[s];
-    for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)buf.cand[e];
+    for (int64_t s = 0; s < k; ++s) {
+      ps[s] = p[ex[s]] * inv;
+      gp[s] = scaling * (acc_t)grad_w[t * k + s];
+      dot += gp[s] * ps[s];
+    }
+    const acc_t scale = -inv * dot;
+    for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(p[e] * scale);
+    // Selected entries from their own acc_t value, rounded once (experts are distinct).
+    for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)(ps[s] * (gp[s] - dot));
   }
 }
 

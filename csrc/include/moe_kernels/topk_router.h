@@ -23,17 +23,25 @@ MK_HD bool ranks_above(T a, int64_t ia, T b, int64_t ib) {
 }
 
 // A group's score from the choice values v[0 .. n) of its experts: the largest ("max",
-// DeepSeek-V2) or the sum of the two largest ("top2_sum", DeepSeek-V3; n >= 2), in rank order.
+// DeepSeek-V2) or the sum of the two largest ("top2_sum", DeepSeek-V3; n >= 2). Only values
+// matter here (which of two equal experts ranks first does not change the max or the sum), so
+// one pass keeps two running maxima; a NaN ranks above every number, so any NaN gives NaN.
 template <typename T>
 MK_HD T group_score(const T* v, int64_t n, int group_scoring) {
-  int64_t first = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (ranks_above(v[i], i, v[first], first)) first = i;
-  if (group_scoring == kMax) return v[first];
-  int64_t second = first == 0 ? 1 : 0;
-  for (int64_t i = 0; i < n; ++i)
-    if (i != first && ranks_above(v[i], i, v[second], second)) second = i;
-  return v[first] + v[second];
+  T first = -INFINITY, second = -INFINITY;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const T x = v[i];
+    nan |= x != x;
+    if (x > first) {
+      second = first;
+      first = x;
+    } else if (x > second) {
+      second = x;
+    }
+  }
+  if (nan) return T(NAN);
+  return group_scoring == kMax ? first : first + second;
 }
 
 // weights[s] = scaling * p[s] / sum(p) (renormalize; a zero sum gives zeros) or scaling * p[s].
