@@ -4,6 +4,8 @@ topk_router, our experts implementation) vs each of transformers' own experts im
 
 One block (router + experts + shared experts where the family has them) built from the family's
 config with random weights, T tokens of width d, E experts, k per token, expert width d_ff.
+batched_mm is skipped where the expert weights it gathers per token would exceed 2 GiB
+(T k 3 d_ff d float32: 12 GiB at T=4096, k=2, d=1024, d_ff=256).
 Forward, and forward+backward (gradients of the hidden states and every parameter).
 
     .venv/bin/python bench/bench_transformers.py [--quick]
@@ -68,6 +70,9 @@ def main():
             config_row = {"family": family, "T": T, "d": d, "E": E, "k": k, "d_ff": d_ff}
             providers = {}
             for implementation in IMPLEMENTATIONS:
+                # batched_mm gathers every selected expert's weights per token: T k (3 d_ff) d floats.
+                if implementation == "batched_mm" and T * k * 3 * d_ff * d * 4 > 2**31:
+                    continue
                 providers[implementation] = block(family, d, E, k, d_ff, implementation)[0]
             patched, _ = block(family, d, E, k, d_ff, "moe_kernels")
             apply_moe_kernels(patched)  # the router (the experts implementation is set above)

@@ -34,14 +34,6 @@ ROUTERS = [
 ROUTER_IDS = [r[0] for r in ROUTERS]
 
 
-@pytest.fixture(autouse=True)
-def _no_triton_kernel(request):
-    callspec = getattr(request.node, "callspec", None)
-    params = callspec.params if callspec else {}
-    if "triton" in (params.get("backend"), params.get("kernel_backend")):
-        pytest.skip("topk_router has no Triton kernel yet (docs/routers.md)")
-
-
 def kwargs_for(E, kwargs, seed=0, dtype=torch.float32):
     out = dict(kwargs)
     if out.get("bias"):

@@ -4,7 +4,8 @@ Softmax or sigmoid scores, a selection-only correction bias, group-limited top-k
 and a scaling factor (docs/routers.md maps each transformers family to its call).
 
 Implementations: reference (moe_kernels/reference/topk_router.py), C++ CPU
-(csrc/cpu/topk_router.cpp, forward and backward fused). backends.py chooses among them.
+(csrc/cpu/topk_router.cpp, forward and backward fused), Triton (moe_kernels/triton/topk_router.py,
+forward; its backward is _backward_from_logits in torch). backends.py chooses among them.
 """
 
 import math
@@ -23,6 +24,41 @@ def _kernel_call(op):
         return op(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor)
 
     return call
+
+
+def _backward_from_logits(logits, experts, grad_weights, scoring, renormalize, scaling_factor):
+    """d loss / d logits [T, E] from d loss / d weights [T, k]: the C++ backward's formulas
+    (csrc/include/moe_kernels/topk_router.h) in torch, for the backends without a fused backward."""
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x, g = logits.to(compute), grad_weights.to(compute)
+    if scoring == "sigmoid":
+        soft = None
+        p = torch.sigmoid(x.gather(1, experts))
+    else:
+        masked = x.amax(dim=-1, keepdim=True) == float("-inf") if x.numel() else x.new_zeros(x.shape[0], 1).bool()
+        soft = torch.where(masked, 0.0, torch.softmax(torch.where(masked, 0.0, x), dim=-1))
+        p = soft.gather(1, experts)
+    if renormalize:
+        total = p.sum(dim=-1, keepdim=True)
+        zero = total == 0
+        safe = torch.where(zero, 1.0, total)
+        dot = (g * p / safe).sum(dim=-1, keepdim=True)
+        gp = torch.where(zero, 0.0, scaling_factor / safe * (g - dot))
+    else:
+        gp = scaling_factor * g
+    if soft is None:
+        grad = torch.zeros_like(x).scatter_add(1, experts, gp * p * (1 - p))
+    else:
+        grad = (-soft * (gp * p).sum(dim=-1, keepdim=True)).scatter_add(1, experts, gp * p)
+    return grad.to(logits.dtype)
+
+
+def _backward_torch(ctx, grad_weights, grad_experts):
+    logits, experts = ctx.saved_tensors
+    grad = None
+    if grad_weights is not None and ctx.needs_input_grad[0]:
+        grad = _backward_from_logits(logits, experts, grad_weights, ctx.scoring, ctx.renormalize, ctx.scaling_factor)
+    return grad, None, None, None, None, None, None, None, None
 
 
 def _setup_context(ctx, inputs, output):
@@ -57,7 +93,14 @@ if backends._extension.has_kernel("topk_router", "CPU"):
 
     torch.library.register_autograd("moe_kernels::topk_router", _backward, setup_context=_setup_context)
 
-backends.register("topk_router", torch=reference.topk_router, cpu=_cpp)
+_triton = None
+if backends.triton_importable():
+    from moe_kernels.triton import topk_router as _triton_module
+
+    _triton_module.topk_router.register_autograd(_backward_torch, setup_context=_setup_context)
+    _triton = _kernel_call(_triton_module.topk_router)
+
+backends.register("topk_router", torch=reference.topk_router, cpu=_cpp, triton=_triton)
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
