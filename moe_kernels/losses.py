@@ -137,3 +137,38 @@ def batchwise_threshold_loss(scores: torch.Tensor, thresholds: torch.Tensor, bat
     with torch.no_grad():
         diff = _threshold_mask(x.detach(), t.detach()).to(compute) - batch_mask.to(compute)
     return torch.where(diff != 0, diff * (x - t[None, :]), 0.0).sum()
+
+
+def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, seq_len: int | None = None, mask=None):
+    """DeepSeek-V3's complementary sequence-wise balance loss (arXiv 2412.19437, eqs 17-20),
+    without its weight alpha, averaged over the sequences of the batch:
+
+        L = sum_i f_i P_i,  f_i = E / (k T_s) * #{t in the sequence: i among the k chosen for t},
+        P_i = 1/T_s sum_t s'_{i,t},  s'_{i,t} = s_{i,t} / sum_j s_{j,t}
+
+    It is E / k at a sequence whose tokens all pick the same k experts with all their normalised
+    score, 1 at perfect balance.
+
+    Args:
+      scores: [T, E] the router's scores s (sigmoid or softmax of the logits); differentiable.
+      experts: [T, k] int64 chosen experts (-1 = empty); counts only, no gradient.
+      seq_len: tokens per sequence: the T tokens are T / seq_len consecutive sequences; None = one.
+      mask: [T] bool or float token weights (padding 0): T_s counts the unmasked tokens.
+    """
+    T, E = scores.shape
+    k = experts.shape[1]
+    S = T if seq_len is None else seq_len
+    if S < 1 or T % S:
+        raise ValueError(f"seq_len must divide the number of tokens T = {T}, got {seq_len}")
+    B = T // S if T else 0
+    s = scores.float()
+    s = s / s.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    m = _token_weights(mask, T, s)
+    m = torch.ones(T, dtype=s.dtype, device=s.device) if m is None else m
+    chosen = (experts >= 0).to(s.dtype) * m[:, None]
+    slot = torch.where(experts >= 0, experts, E) + (torch.arange(T, device=s.device) // max(S, 1) * (E + 1))[:, None]
+    counts = s.new_zeros(B * (E + 1)).index_add(0, slot.reshape(-1), chosen.reshape(-1)).view(B, E + 1)[:, :E]
+    tokens = m.view(B, S).sum(dim=1).clamp(min=1)
+    f = counts * (E / (k * tokens))[:, None]
+    P = (s * m[:, None]).view(B, S, E).sum(dim=1) / tokens[:, None]
+    return (f * P).sum(dim=-1).mean() if B else s.sum() * 0
