@@ -204,3 +204,27 @@ def test_torch_compile_fullgraph(kernel_backend):
             route, fullgraph=True, backend="aot_eager" if kernel_backend == "triton" else "inductor"
         )
         assert_close(compiled(x), route(x))
+
+
+@pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
+def test_torch_backward_formula(router):
+    # The backward of the backends without a fused one (Triton): against the reference's autograd.
+    from moe_kernels.ops.topk_router import _backward_from_logits
+
+    _, E, k, kw = router
+    logits = torch.randn(19, E, generator=torch.Generator().manual_seed(E))
+    logits[4] = float("-inf")
+    kwargs = kwargs_for(E, kw)
+    x = logits.clone().requires_grad_()
+    w, e = reference.topk_router(x, k, **kwargs)
+    g = torch.randn(19, k, generator=torch.Generator().manual_seed(3))
+    (expected,) = torch.autograd.grad((w * g).sum(), x)
+    got = _backward_from_logits(
+        logits,
+        e,
+        g,
+        kwargs.get("scoring", "softmax"),
+        kwargs.get("renormalize", False),
+        kwargs.get("scaling_factor", 1.0),
+    )
+    assert_close(got, expected)

@@ -14,7 +14,7 @@ import torch
 
 from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
-from moe_kernels.reference.topk_router import GROUP_SCORINGS, SCORINGS
+from moe_kernels.reference.topk_router import GROUP_SCORINGS, SCORINGS, router_scores
 
 
 def _kernel_call(op):
@@ -35,8 +35,7 @@ def _backward_from_logits(logits, experts, grad_weights, scoring, renormalize, s
         soft = None
         p = torch.sigmoid(x.gather(1, experts))
     else:
-        masked = x.amax(dim=-1, keepdim=True) == float("-inf") if x.numel() else x.new_zeros(x.shape[0], 1).bool()
-        soft = torch.where(masked, 0.0, torch.softmax(torch.where(masked, 0.0, x), dim=-1))
+        soft = router_scores(x, "softmax")
         p = soft.gather(1, experts)
     if renormalize:
         total = p.sum(dim=-1, keepdim=True)
