@@ -17,6 +17,7 @@
 #include "moe_kernels/topk_softmax.h"
 #include "row_vector.h"
 #include "vec_math.h"
+#include "index_check.h"
 
 namespace moe_kernels {
 namespace {
@@ -171,6 +172,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> load_probabilities_backward_cpu(
   if (T == 0) return {g_clean, g_noisy, g_stddev};
   const auto g = grad_p.contiguous();
   const auto tp = top.contiguous();
+  // The forward's top: k selected ids, then the (k+1)-th (when k < E; -1 otherwise).
+  check_routing_ids(tp, E, k < E ? k + 1 : k, "load_probabilities_backward", "top");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, noisy_logits.scalar_type(), "load_probabilities_backward", [&] {
     using logit_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "load_probabilities_backward_g", [&] {

@@ -27,6 +27,7 @@
 #include "moe_kernels/topk_softmax.h"
 #include "row_vector.h"
 #include "vec_math.h"
+#include "index_check.h"
 
 namespace moe_kernels {
 namespace {
@@ -295,6 +296,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noisy_topk_gate_backward_cpu(
   const auto gw = grad_weights.to(at::kFloat).contiguous();
   const auto gl = grad_load.to(at::kFloat).contiguous();
   const auto tp = top.contiguous();
+  // The forward's top: k selected ids, then the (k+1)-th (when k < E; -1 otherwise).
+  check_routing_ids(tp, E, k < E ? k + 1 : k, "noisy_topk_gate_backward", "top");
   const auto tw = token_weights.has_value() ? token_weights->contiguous() : at::Tensor();
   const float* tw_ptr = tw.defined() ? tw.const_data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, clean_logits.scalar_type(), "noisy_topk_gate_backward", [&] {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "moe_kernels/topk_softmax.h"
+#include "index_check.h"
 #include "row_vector.h"
 
 namespace moe_kernels {
@@ -131,10 +132,12 @@ at::Tensor topk_softmax_backward_cpu(const at::Tensor& grad_weights, const at::T
                   experts.size(0) == logits.size(0) && experts.scalar_type() == at::kLong,
               "topk_softmax_backward: bad shapes");
   const int64_t T = logits.size(0), E = logits.size(1), k = experts.size(1);
+  TORCH_CHECK(k >= 1, "topk_softmax_backward: experts must have k >= 1 columns, got ", k);
   auto grad = at::empty({T, E}, logits.options());
   if (T == 0) return grad;
   const auto g = grad_weights.contiguous();
   const auto ex = experts.contiguous();
+  check_routing_ids(ex, E, k, "topk_softmax_backward", "experts");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "topk_softmax_backward", [&] {
     using logit_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "topk_softmax_backward_g", [&] {
