@@ -197,7 +197,7 @@ def test_empty_batch():
         (dict(num_groups=8, topk_groups=2), ValueError, "top2_sum' needs groups of >= 2"),
         (dict(bias=torch.zeros(7)), ValueError, r"bias must be \[E\] = \[8\]"),
         (dict(bias=torch.zeros(8, dtype=torch.int64)), TypeError, "bias must have dtype"),
-        (dict(bias=torch.zeros(8, device="meta")), ValueError, "bias is on meta"),
+        (dict(bias=torch.zeros(8, device="meta")), ValueError, "bias is on meta but logits"),
         (dict(renormalize=1), TypeError, "renormalize must be a bool"),
         (dict(scaling_factor=float("nan")), ValueError, "scaling_factor must be finite"),
         (dict(scaling_factor="2"), TypeError, "scaling_factor must be a float"),

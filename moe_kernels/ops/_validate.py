@@ -57,3 +57,19 @@ def _is_fake(value: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(value, FakeTensor) or value.device.type == "meta"
+
+
+def same_device(**tensors) -> None:
+    """Every given tensor (None skipped) on one device; a ValueError names two that differ. A
+    kernel handed a tensor of another device (e.g. a 'meta' mask) would read memory it does not own."""
+    first = None
+    for name, value in tensors.items():
+        if value is None:
+            continue
+        if first is None:
+            first = (name, value.device)
+        elif value.device != first[1]:
+            raise ValueError(
+                f"{name} is on {value.device} but {first[0]} is on {first[1]}: every tensor argument "
+                "of the op must be on one device"
+            )

@@ -86,4 +86,5 @@ def threshold_mask(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tens
             f"thresholds must be [E] = [{scores.shape[1]}] (one per expert of scores {tuple(scores.shape)}), "
             f"got shape {tuple(thresholds.shape)}"
         )
+    _validate.same_device(scores=scores, thresholds=thresholds)
     return reference.threshold_mask(scores, thresholds)

@@ -59,4 +59,5 @@ def capacity_positions(experts: torch.Tensor, num_experts: int, capacity: int, *
         _validate.tensor("priority", priority, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
         if priority.shape != experts.shape:
             raise ValueError(f"priority must be [T, k] = {list(experts.shape)}, got {tuple(priority.shape)}")
+    _validate.same_device(experts=experts, priority=priority)
     return backends.implementation("capacity_positions", experts)(experts, num_experts, capacity, priority=priority)

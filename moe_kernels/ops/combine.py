@@ -78,4 +78,5 @@ def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor
     _validate.tensor("weights", weights, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
     if weights.shape != experts.shape:
         raise ValueError(f"weights must be [T, k] = {list(experts.shape)}, got {tuple(weights.shape)}")
+    _validate.same_device(buffer=buffer, experts=experts, positions=positions, weights=weights)
     return backends.implementation("combine", buffer)(buffer, experts, positions, weights)

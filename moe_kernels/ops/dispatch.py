@@ -73,4 +73,5 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, nu
     _validate.routing_indices("positions", positions, shape=experts.shape, high=max(capacity, 1))
     if experts.shape[0] != x.shape[0]:
         raise ValueError(f"experts must be [T, k] with T = x.shape[0] = {x.shape[0]}, got {tuple(experts.shape)}")
+    _validate.same_device(x=x, experts=experts, positions=positions)
     return backends.implementation("dispatch", x)(x, experts, positions, num_experts, capacity)

@@ -118,6 +118,7 @@ def dselect_k(alpha: torch.Tensor, z: torch.Tensor, num_experts: int, gamma: flo
         raise TypeError(f"z must have alpha's dtype {alpha.dtype}, got {z.dtype}")
     if static:
         alpha, z = alpha[None], z[None]
+    _validate.same_device(alpha=alpha, z=z)
     gates, selectors = backends.implementation("dselect_k", alpha)(alpha, z, num_experts, gamma, return_selectors)
     if static:
         gates, selectors = gates[0], selectors[0]

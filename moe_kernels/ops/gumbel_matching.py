@@ -42,6 +42,7 @@ def gumbel_matching(
         _validate.tensor("gumbels", gumbels, dim=2, shape="[n, k]", dtypes=SCORE_DTYPES)
         if gumbels.shape != logits.shape:
             raise ValueError(f"gumbels must have the logits' shape {tuple(logits.shape)}, got {tuple(gumbels.shape)}")
+        _validate.same_device(logits=logits, gumbels=gumbels)
     with torch.no_grad():
         s = logits.detach().double() / tau + gumbels.double()
         experts, _, distances = balanced_assignment(s, capacity, return_distances=True)

@@ -152,6 +152,7 @@ def load_probabilities(
     _validate.integer("k", k, low=1, high=E, what=f" (E = {E} experts)")
     if not isinstance(return_topk, bool):
         raise TypeError(f"return_topk must be a bool, got {type(return_topk).__name__}")
+    _validate.same_device(clean_logits=clean_logits, noisy_logits=noisy_logits, noise_stddev=noise_stddev)
     probs, top = backends.implementation("load_probabilities", noisy_logits)(
         clean_logits, noisy_logits, noise_stddev, k
     )

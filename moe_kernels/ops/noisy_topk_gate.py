@@ -111,6 +111,7 @@ def noisy_topk_gate(
         _validate.tensor("mask", mask, dim=1, shape=f"[T] = [{T}]")
         if mask.shape != (T,):
             raise ValueError(f"mask must be [T] = [{T}], got shape {tuple(mask.shape)}")
+    _validate.same_device(clean_logits=clean_logits, raw_noise_stddev=raw_noise_stddev, noise=noise, mask=mask)
     if _cpp is not None and backends.choose("load_probabilities", clean_logits.device.type) == "cpu":
         token_weights = None if mask is None else mask.detach().to(torch.float32)
         weights, top, load = _cpp(clean_logits, raw_noise_stddev, noise, k, float(noise_epsilon), token_weights)

@@ -102,6 +102,7 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
     _validate.routing_indices("experts", experts, high=num_experts)
     if experts.shape[0] != x.shape[0]:
         raise ValueError(f"experts must be [T, k] with T = x.shape[0] = {x.shape[0]}, got {tuple(experts.shape)}")
+    _validate.same_device(x=x, experts=experts)
     return backends.implementation("permute", x)(x, experts, num_experts)
 
 
@@ -123,4 +124,5 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
             f"unpermute: need weights [T, k] with T = num_tokens = {num_tokens}, order [T*k] and y_sorted [T*k, d]; "
             f"got weights {tuple(weights.shape)}, order {tuple(order.shape)}, y_sorted {tuple(y_sorted.shape)}"
         )
+    _validate.same_device(y_sorted=y_sorted, order=order, weights=weights)
     return backends.implementation("unpermute", y_sorted)(y_sorted, order, weights, num_tokens)

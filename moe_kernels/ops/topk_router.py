@@ -174,8 +174,7 @@ def topk_router(
         _validate.tensor("bias", bias, dim=1, shape="[E]", dtypes=_validate.FLOAT_DTYPES)
         if bias.shape[0] != E:
             raise ValueError(f"bias must be [E] = [{E}], got shape {tuple(bias.shape)}")
-        if bias.device != logits.device:
-            raise ValueError(f"bias is on {bias.device} but logits are on {logits.device}; they must share a device")
+        _validate.same_device(logits=logits, bias=bias)
     if not isinstance(renormalize, bool):
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
     if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, int | float):
