@@ -19,3 +19,38 @@ def check_input(x, d_model, mask):
         raise ValueError(f"x must be [T, d_model] with d_model = {d_model}, got {shape}")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (x.shape[0],)):
         raise ValueError(f"mask must be [T] = [{x.shape[0]}]")
+
+
+def route_real_tokens(route, x, mask):
+    """`route(x[mask])` spread back over all T tokens: padding tokens (mask False) get no expert
+    (-1, weight 0), take no capacity and no place in a batchwise selection, and add nothing to the
+    losses and loads, which are those of the real tokens. For gates whose routing couples the
+    tokens (batchwise top-m, balanced assignment, Sinkhorn), where masking after the fact would
+    not do. One host read (the number of real tokens).
+
+    route: x' [T', d] -> Routing; x: [T, d]; mask: [T] bool, True = a real token.
+    """
+    from moe_kernels.routing import Routing
+
+    if mask is None:
+        return route(x)
+    check_input(x, x.shape[1], mask)
+    keep = mask.bool()
+    index = keep.nonzero().squeeze(1)  # [T'] positions of the real tokens
+    sub = route(x[index])
+    T = x.shape[0]
+    experts = sub.experts.new_full((T, sub.k), -1).index_copy(0, index, sub.experts)
+    weights = sub.weights.new_zeros((T, sub.k)).index_copy(0, index, sub.weights)
+    expert_tokens = sub.expert_tokens
+    if expert_tokens is not None:  # subset token ids -> full token ids, -1 kept
+        expert_tokens = torch.where(expert_tokens >= 0, index[expert_tokens.clamp(min=0)], -1)
+    return Routing(
+        experts=experts,
+        weights=weights,
+        num_experts=sub.num_experts,
+        aux_loss=sub.aux_loss,
+        layout=sub.layout,
+        expert_tokens=expert_tokens,
+        expert_weights=sub.expert_weights,
+        stats=sub.stats,
+    )

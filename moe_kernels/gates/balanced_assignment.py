@@ -9,6 +9,7 @@ import math
 import torch
 from torch import nn
 
+from moe_kernels.gates._common import route_real_tokens
 from moe_kernels.ops import balanced_assignment, gumbel_matching
 from moe_kernels.routing import Routing
 
@@ -42,7 +43,10 @@ class BalancedAssignmentGate(nn.Module):
         self.tau = tau
         self.capacity = capacity
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
+        """Routing of x [T, d]; padding tokens (mask [T] bool False) are not routed (route_real_tokens)."""
+        if mask is not None:
+            return route_real_tokens(self.forward, x.reshape(-1, x.shape[-1]), mask)
         logits = self.router(x)
         T, E = logits.shape
         capacity = self.capacity if self.capacity is not None else max(1, math.ceil(T / E))

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from moe_kernels.gates._common import route_real_tokens
 from moe_kernels.gates.sparse_mask import sparse_gates
 from moe_kernels.losses import batchwise_threshold_loss
 from moe_kernels.ops import batchwise_mask, threshold_mask
@@ -95,7 +96,10 @@ class BatchwiseGate(nn.Module):
             return self.mode
         return "batchwise" if self.training else "threshold"
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
+        """Routing of x [T, d]; padding tokens (mask [T] bool False) are not routed (route_real_tokens)."""
+        if mask is not None:
+            return route_real_tokens(self.forward, x.reshape(-1, x.shape[-1]), mask)
         x = x.reshape(-1, x.shape[-1])
         T, E = x.shape[0], self.num_experts
         probs = torch.softmax(self.w_gate(x).float(), dim=-1)  # G_sigma(x), eq 15

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_kernels.gates._common import route_real_tokens
 from moe_kernels.ops import sinkhorn
 from moe_kernels.routing import Routing
 
@@ -29,7 +30,10 @@ class SinkhornGate(nn.Module):
         self.num_iters = num_iters
         self.tol = tol
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
+        """Routing of x [T, d]; padding tokens (mask [T] bool False) are not routed (route_real_tokens)."""
+        if mask is not None:
+            return route_real_tokens(self.forward, x.reshape(-1, x.shape[-1]), mask)
         logits = self.router(x)
         T, E = logits.shape
         if self.training:
