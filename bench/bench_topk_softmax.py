@@ -2,8 +2,8 @@
 (softmax -> topk -> renormalise), eager and under torch.compile (dynamic=False, compile time
 excluded from the timings and listed under the table), forward, and forward+backward. The
 "read pass" row (`x.amax(1)`, one read of the logits) is the memory-bandwidth limit of the forward.
-Rows with `full` in the config are renormalize=False (the Switch / GShard convention: the full-softmax probabilities of the selected
-experts), against the same sequence without the renormalisation.
+Rows with `full` in the config are renormalize=False (the Switch / GShard convention: the
+full-softmax probabilities of the selected experts), against the same sequence without the renormalisation.
 
     .venv/bin/python bench/bench_topk_softmax.py [--quick]
 """
