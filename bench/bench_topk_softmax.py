@@ -1,7 +1,9 @@
 """topk_softmax on CPU: the C++ kernel vs the reference vs the plain PyTorch sequence
-(softmax -> topk -> renormalise), forward, and forward+backward. Rows with `full` in the config are
-renormalize=False (the Switch / GShard convention: the full-softmax probabilities of the selected
-experts), against the same sequence without the renormalisation.
+(softmax -> topk -> renormalise), eager and under torch.compile (dynamic=False, compile time
+excluded from the timings and listed under the table), forward, and forward+backward. The
+"read pass" row (`x.amax(1)`, one read of the logits) is the memory-bandwidth limit of the forward.
+Rows with `full` in the config are renormalize=False (the Switch / GShard convention: the
+full-softmax probabilities of the selected experts), against the same sequence without the renormalisation.
 
     .venv/bin/python bench/bench_topk_softmax.py [--quick]
 """
@@ -13,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, report  # noqa: E402
+from common import compile_sequence, measure, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -47,7 +49,7 @@ def main():
         + [(65536, E, k, False) for E in (8, 64, 256) for k in (1, 2, 8) if k <= E]
     )
     print(f"backend: {moe_kernels.backends()['topk_softmax']}")
-    rows = []
+    rows, compile_notes = [], []
     for T, E, k, renormalize in grid:
         x = torch.randn(T, E)
         config = {"T": T, "E": E, "k": k} | ({} if renormalize else {"full": 1})
@@ -61,6 +63,20 @@ def main():
                     bytes_moved=x.numel() * 4 + T * k * 12,
                 )
             )
+        compiled, seconds = compile_sequence(torch_sequence, x, k, renormalize)
+        compile_notes.append(f"| {' '.join(f'{a}={b}' for a, b in config.items())} | {seconds:.1f} |")
+        rows.append(
+            measure(
+                "topk_softmax",
+                "torch.compile sequence",
+                lambda: compiled(x, k, renormalize),
+                config=config,
+                bytes_moved=x.numel() * 4 + T * k * 12,
+            )
+        )
+        rows.append(
+            measure("topk_softmax", "read pass", lambda: x.amax(1), config=config, bytes_moved=x.numel() * 4)
+        )
         for name, fn in PROVIDERS.items():
             xg = x.clone().requires_grad_()
             g = torch.randn(T, k)
@@ -74,8 +90,10 @@ def main():
         "topk_softmax" + ("_quick" if args.quick else ""),
         rows,
         baseline="torch sequence",
-        providers=list(PROVIDERS),
+        providers=[*PROVIDERS, "torch.compile sequence", "read pass"],
         command="make bench (or .venv/bin/python bench/bench_topk_softmax.py)",
+        notes="torch.compile (dynamic=False) of the torch sequence, first-call compile time:\n\n"
+        "| config | compile s |\n|---|---|\n" + "\n".join(compile_notes),
     )
 
 

@@ -88,6 +88,15 @@ def timeit(fn: Callable[[], object], *, warmup: int = 3, reps: int = 15, min_tim
     return times
 
 
+def compile_sequence(fn: Callable, *args) -> tuple[Callable, float]:
+    """`torch.compile(fn, dynamic=False)` and the seconds its first call `fn(*args)` took (the
+    compilation), so benchmarks time the compiled code only and report the compile time apart."""
+    compiled = torch.compile(fn, dynamic=False)
+    start = time.perf_counter()
+    compiled(*args)
+    return compiled, time.perf_counter() - start
+
+
 def measure(
     op: str,
     provider: str,
@@ -151,7 +160,9 @@ def ratio_table(rows: list[dict], *, baseline: str, providers: list[str]) -> str
     return "\n".join(lines)
 
 
-def report(name: str, rows: list[dict], *, baseline: str, providers: list[str], command: str) -> str:
+def report(
+    name: str, rows: list[dict], *, baseline: str, providers: list[str], command: str, notes: str = ""
+) -> str:
     """Write the CSV and bench/results/<name>.md (the table quoted in docs), return the markdown."""
     write_csv(name, rows)
     md = (
@@ -159,6 +170,7 @@ def report(name: str, rows: list[dict], *, baseline: str, providers: list[str], 
         f"Median of >= 15 runs; ratios are against `{baseline}` measured in the same run.\n\n"
         + ratio_table(rows, baseline=baseline, providers=providers)
         + "\n"
+        + (f"\n{notes}\n" if notes else "")
     )
     (RESULTS / f"{name}.md").write_text(md)
     print(md)

@@ -48,8 +48,9 @@ def test_matches_reference_random(backend, dtype, renormalize):
 @pytest.mark.parametrize("kind", ADVERSARIAL_KINDS)
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_adversarial(backend, kind, renormalize):
-    # (6, 40, 1): the C++ kernel's argmax path for k = 1
-    for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 1, 1), (5, 40, 3), (6, 40, 1)]:
+    # (6, 40, 1): the C++ kernel's argmax path for k = 1; (6, 40, 2) and (5, 2, 2): its two
+    # running maxima for k = 2 (the second only a scalar tail)
+    for T, E, k in [(6, 7, 3), (4, 16, 16), (5, 1, 1), (5, 40, 3), (6, 40, 1), (6, 40, 2), (5, 2, 2)]:
         logits = adversarial_logits(kind, T, E)
         w, e = run(backend, logits, k, renormalize)
         w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
@@ -62,7 +63,8 @@ def test_adversarial(backend, kind, renormalize):
 @pytest.mark.parametrize("kind", ADVERSARIAL_KINDS + ["nan"])
 def test_every_width(backend, kind, k):
     # The C++ kernel scans contiguous float32 rows 8 lanes at a time (k = 1: a vector argmax;
-    # k >= 2: chunks compared against the k-th key, then the insertion list), then a scalar tail.
+    # k = 2: two running maxima per lane; k >= 3: chunks compared against the k-th key, then the
+    # insertion list), then a scalar tail.
     # Every width up to two full vectors plus a tail, so ties and NaN fall across lanes, chunks
     # and the tail.
     widths = range(k, 26) if backend == "triton" else range(k, 42)
@@ -77,6 +79,20 @@ def test_every_width(backend, kind, k):
             w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
             assert torch.equal(e, e_ref), (kind, E, e, e_ref)
             assert_close(w, w_ref)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_sorted_rows(backend, k):
+    # Ascending rows replace the running maxima at every element, descending rows never do;
+    # halved ranks (0, 0, 1, 1, ...) make every maximum a tie the lower index must win.
+    widths = range(k, 26) if backend == "triton" else range(k, 42)
+    for E in widths:
+        ranks = torch.arange(E, dtype=torch.float32)
+        logits = torch.stack([ranks, ranks.flip(0), (ranks // 2), (ranks // 2).flip(0)])
+        w, e = run(backend, logits, k, True)
+        w_ref, e_ref = reference.topk_softmax(logits, k, True)
+        assert torch.equal(e, e_ref), (E, e, e_ref)
+        assert_close(w, w_ref)
 
 
 @pytest.mark.parametrize("scale", [1.0, 30.0, 100.0])

@@ -123,10 +123,51 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
   for (; e < E; ++e) insert_pair(best, k, k, rank_pair(row[e], (int32_t)e));
 }
 
+MK_ROW_CLONES
+void row_top2_f32(const float* row, int64_t E, int64_t* best) {
+  // Two running maxima per lane, no insertion list. Lane l sees the elements l, l + 8, ... in
+  // ascending index order, so strict > keeps the lower index of equal keys in both slots. Unfilled
+  // slots hold INT_MIN, below every rank_key (even -inf's), so they never win while E >= 2.
+  const lanes_i32 none = {INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN};
+  lanes_i32 key1 = none, key2 = none;
+  lanes_i32 index = {0, 1, 2, 3, 4, 5, 6, 7};
+  lanes_i32 index1 = index, index2 = index;
+  int64_t e = 0;
+  for (; e + kLanes <= E; e += kLanes) {
+    const lanes_i32 key = rank_keys(load(row + e));
+    const lanes_i32 above1 = key > key1;
+    const lanes_i32 above2 = key > key2;
+    key2 = above1 ? key1 : (above2 ? key : key2);
+    index2 = above1 ? index1 : (above2 ? index : index2);
+    key1 = above1 ? key : key1;
+    index1 = above1 ? index : index1;
+    index += kLanes;
+  }
+  // Merge the 16 lane slots and the tail as rank pairs (distinct indices: the order is total).
+  int64_t first = kNoPair, second = kNoPair;
+  auto offer = [&](int64_t pair) {
+    if (pair > first) {
+      second = first;
+      first = pair;
+    } else if (pair > second) {
+      second = pair;
+    }
+  };
+  for (int l = 0; l < kLanes && e > 0; ++l) {
+    offer(((int64_t)key1[l] << 32) | (int64_t)(0xffffffffu - (uint32_t)index1[l]));
+    offer(((int64_t)key2[l] << 32) | (int64_t)(0xffffffffu - (uint32_t)index2[l]));
+  }
+  for (; e < E; ++e) offer(rank_pair(row[e], (int32_t)e));
+  best[0] = first;
+  best[1] = second;
+}
+
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best) {
   if (k == 1) {
     const int32_t e = row_argmax_f32(row, E);
     best[0] = rank_pair(row[e], e);
+  } else if (k == 2) {
+    row_top2_f32(row, E, best);
   } else if (k <= kRowInsertionMaxK) {
     row_topk_f32(row, E, (int)k, best);
   } else {

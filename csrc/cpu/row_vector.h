@@ -44,13 +44,17 @@ int32_t row_argmax_f32(const float* row, int64_t E);
 // compare; only chunks holding a larger key go through the insertion list (topk_softmax.h).
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
 
+// The two largest rank pairs of row[0 .. E) into best[0 .. 2), descending, for E >= 2: one pass
+// with two running maxima per lane (no insertion list), the lanes merged at the end.
+void row_top2_f32(const float* row, int64_t E, int64_t* best);
+
 // Above this k an insertion list costs O(E k) on adversarial (ascending) rows; a partial sort of
 // all pairs is O(E log k) and wins.
 constexpr int64_t kRowInsertionMaxK = 16;
 
 // The k largest rank pairs of row[0 .. E) into best, descending, 1 <= k <= E: row_argmax_f32
-// (k = 1), row_topk_f32 (k <= kRowInsertionMaxK), else a partial sort (best must then hold E
-// pairs). topk_softmax and noisy_topk_gate select through here (load_probabilities still has its own
+// (k = 1), row_top2_f32 (k = 2), row_topk_f32 (k <= kRowInsertionMaxK), else a partial sort
+// (best must then hold E pairs). topk_softmax and noisy_topk_gate select through here (load_probabilities still has its own
 // scalar insertion list).
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 
