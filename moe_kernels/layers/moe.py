@@ -9,6 +9,7 @@ docs/expert_parallel.md); the gate is replicated."""
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import torch
@@ -126,8 +127,9 @@ class MoE(nn.Module):
         self.group = group
         rank, world = (0, 1) if group is None else rank_and_world(group)
         num_local = local_experts(num_experts, world) if group is not None else num_experts
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
+        for name, factor in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
+            if factor is not None and not (math.isfinite(factor) and factor > 0):
+                raise ValueError(f"{name} must be a finite number > 0 or None (dropless), got {factor}")
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor
         self.min_capacity = min_capacity

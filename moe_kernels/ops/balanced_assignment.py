@@ -51,7 +51,9 @@ def check_scores(name: str, scores, capacity, *, check_finite: bool = False):
         raise ValueError(f"capacity * k must be >= n (every token needs a slot), got {capacity} * {k} < {n}")
     if check_finite and n and not bool(torch.isfinite(scores).all()):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
-    return capacity
+    # More than n slots per expert constrain nothing more than n do; the kernels then never see
+    # a capacity whose products overflow int64 (e.g. capacity = 2**62).
+    return min(capacity, max(n, 1))
 
 
 def balanced_assignment(scores: torch.Tensor, capacity: int | None = None, *, return_distances: bool = False):

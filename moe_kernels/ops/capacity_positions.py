@@ -5,11 +5,13 @@ Implementations: reference (moe_kernels/reference/capacity_positions.py), C++ CP
 (moe_kernels/triton/capacity_positions.py). backends.py chooses among them.
 """
 
+import math
+
 import torch
 
 from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
-from moe_kernels.reference.capacity_positions import capacity_for
+from moe_kernels.reference.capacity_positions import capacity_for as _capacity_for
 
 _cpp = None
 if backends._extension.defines("capacity_positions"):
@@ -33,6 +35,23 @@ if backends.triton_importable():
 backends.register("capacity_positions", torch=reference.capacity_positions, cpu=_cpp, triton=_triton)
 
 __all__ = ["capacity_for", "capacity_positions"]
+
+
+def capacity_for(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 0) -> int:
+    """max(min_capacity, ceil(capacity_factor * T * k / E)): the GShard / Switch capacity.
+
+    num_tokens T >= 0, num_experts E >= 1, k >= 1 (ints); capacity_factor a finite real > 0;
+    min_capacity >= 0.
+    """
+    _validate.integer("num_tokens", num_tokens, low=0)
+    _validate.integer("num_experts", num_experts, low=1)
+    _validate.integer("k", k, low=1)
+    _validate.integer("min_capacity", min_capacity, low=0)
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, int | float):
+        raise TypeError(f"capacity_factor must be a float, got {type(capacity_factor).__name__}")
+    if not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
+    return _capacity_for(num_tokens, num_experts, k, capacity_factor, min_capacity)
 
 
 def capacity_positions(experts: torch.Tensor, num_experts: int, capacity: int, *, priority=None):

@@ -8,6 +8,8 @@ the gate is computed by the same composition as the reference, with load_probabi
 backend it picks: Triton and CUDA have no fused gate kernel and use their load_probabilities.
 """
 
+import math
+
 import torch
 
 from moe_kernels import backends, reference
@@ -107,6 +109,8 @@ def noisy_topk_gate(
     _validate.integer("k", k, low=1, high=E, what=f" (E = {E} experts)")
     if isinstance(noise_epsilon, bool) or not isinstance(noise_epsilon, (int, float)):
         raise TypeError(f"noise_epsilon must be a float, got {type(noise_epsilon).__name__}")
+    if not math.isfinite(noise_epsilon) or noise_epsilon < 0:
+        raise ValueError(f"noise_epsilon must be a finite number >= 0, got {noise_epsilon}")
     if mask is not None:
         _validate.tensor("mask", mask, dim=1, shape=f"[T] = [{T}]")
         if mask.shape != (T,):

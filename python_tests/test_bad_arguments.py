@@ -1,0 +1,55 @@
+"""Bad arguments found by the hardening audit (issue 15): each a ValueError / TypeError naming
+the argument, or (balanced_assignment's huge capacity) the same answer as a sane value."""
+
+import pytest
+import torch
+
+import moe_kernels
+from moe_kernels import reference
+from moe_kernels.ops import balanced_assignment, capacity_for, noisy_topk_gate
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((16, 4, 2, float("nan")), ValueError, "capacity_factor must be a finite number > 0"),
+        ((16, 4, 2, float("inf")), ValueError, "capacity_factor must be a finite number > 0"),
+        ((16, 4, 2, -1.0), ValueError, "capacity_factor must be a finite number > 0"),
+        ((16, 4, 2, 0.0), ValueError, "capacity_factor must be a finite number > 0"),
+        ((16, 0, 2, 1.0), ValueError, "num_experts must be in"),
+        ((16, 4, 0, 1.0), ValueError, "k must be in"),
+        ((-1, 4, 2, 1.0), ValueError, "num_tokens must be in"),
+        ((16, 4, 2, "1"), TypeError, "capacity_factor must be a float"),
+        ((16.0, 4, 2, 1.0), TypeError, "num_tokens must be an int"),
+    ],
+)
+def test_capacity_for(args, error, match):
+    with pytest.raises(error, match=match):
+        capacity_for(*args)
+
+
+def test_capacity_for_values_unchanged():
+    for T, E, k, f, m in [(0, 4, 2, 1.0, 0), (16, 4, 2, 1.25, 0), (7, 3, 1, 0.5, 4), (4096, 64, 2, 1.25, 1)]:
+        assert capacity_for(T, E, k, f, m) == reference.capacity_for(T, E, k, f, m)
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), -1.0, 0.0])
+def test_moe_capacity_factor(factor):
+    with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+        moe_kernels.MoE(8, 4, 16, capacity_factor=factor)
+    with pytest.raises(ValueError, match="eval_capacity_factor must be a finite number > 0"):
+        moe_kernels.MoE(8, 4, 16, eval_capacity_factor=factor)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1e-2])
+def test_noise_epsilon(eps):
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="noise_epsilon must be a finite number >= 0"):
+        noisy_topk_gate(x, x, x, 2, noise_epsilon=eps)
+
+
+def test_balanced_assignment_huge_capacity_is_no_capacity():
+    scores = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    expected = balanced_assignment(scores, 12)
+    assert torch.equal(balanced_assignment(scores, 2**62), expected)
+    assert torch.equal(balanced_assignment(scores, 2**40), expected)
