@@ -73,6 +73,7 @@ build: $(EXT)
 # (TRITON_INTERPRET must be set before triton decorates any kernel, so it needs its own process).
 test: $(EXT)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	MOE_KERNELS_CUDA=$(CUDA) MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) -m pytest python_tests -p no:cacheprovider
 	TRITON_INTERPRET=1 MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) -m pytest python_tests -m triton -p no:cacheprovider
 

@@ -74,9 +74,7 @@ def main():
                 bytes_moved=x.numel() * 4 + T * k * 12,
             )
         )
-        rows.append(
-            measure("topk_softmax", "read pass", lambda: x.amax(1), config=config, bytes_moved=x.numel() * 4)
-        )
+        rows.append(measure("topk_softmax", "read pass", lambda: x.amax(1), config=config, bytes_moved=x.numel() * 4))
         for name, fn in PROVIDERS.items():
             xg = x.clone().requires_grad_()
             g = torch.randn(T, k)

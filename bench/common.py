@@ -160,9 +160,7 @@ def ratio_table(rows: list[dict], *, baseline: str, providers: list[str]) -> str
     return "\n".join(lines)
 
 
-def report(
-    name: str, rows: list[dict], *, baseline: str, providers: list[str], command: str, notes: str = ""
-) -> str:
+def report(name: str, rows: list[dict], *, baseline: str, providers: list[str], command: str, notes: str = "") -> str:
     """Write the CSV and bench/results/<name>.md (the table quoted in docs), return the markdown."""
     write_csv(name, rows)
     md = (
