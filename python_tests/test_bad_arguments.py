@@ -53,3 +53,48 @@ def test_balanced_assignment_huge_capacity_is_no_capacity():
     expected = balanced_assignment(scores, 12)
     assert torch.equal(balanced_assignment(scores, 2**62), expected)
     assert torch.equal(balanced_assignment(scores, 2**40), expected)
+
+
+def test_smooth_step_tiny_gamma():
+    from moe_kernels.ops import smooth_step
+
+    with pytest.raises(ValueError, match="gamma must be >= 1e-12"):
+        smooth_step(torch.tensor([0.0, 1e-15]), 1e-14)
+    out = smooth_step(torch.tensor([-1e-12, 0.0, 1e-12]), 1e-12)
+    assert torch.isfinite(out).all()
+
+
+def test_gumbel_matching_names_the_gumbels():
+    from moe_kernels.ops import gumbel_matching
+
+    gumbels = torch.randn(6, 3)
+    gumbels[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="gumbels must be finite"):
+        gumbel_matching(torch.randn(6, 3), gumbels=gumbels)
+
+
+@pytest.mark.parametrize("edit, match", [("repeat", "more than once"), ("range", "order values must be in")])
+def test_unpermute_order(edit, match):
+    from moe_kernels.ops import permute, unpermute
+
+    x = torch.randn(5, 3)
+    experts = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 1], [2, 1]])
+    y_sorted, _, order = permute(x, experts, 3)
+    bad = order.clone()
+    if edit == "repeat":
+        bad[1] = bad[0]
+    else:
+        bad[2] = 10
+    with pytest.raises(ValueError, match=match):
+        unpermute(y_sorted, bad, torch.ones(5, 2), 5)
+    unpermute(y_sorted, order, torch.ones(5, 2), 5)  # the real order still works
+
+
+@pytest.mark.parametrize("value", [float("nan"), 5.0, -1.0, 0.5])
+def test_noisy_gate_mask_values(value):
+    x = torch.randn(4, 6)
+    mask = torch.ones(4)
+    mask[2] = value
+    with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1"):
+        noisy_topk_gate(x, x, x, 2, mask=mask)
+    noisy_topk_gate(x, x, x, 2, mask=torch.tensor([1.0, 0.0, 1.0, 1.0]))

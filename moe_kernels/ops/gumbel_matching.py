@@ -43,6 +43,8 @@ def gumbel_matching(
         if gumbels.shape != logits.shape:
             raise ValueError(f"gumbels must have the logits' shape {tuple(logits.shape)}, got {tuple(gumbels.shape)}")
         _validate.same_device(logits=logits, gumbels=gumbels)
+        if gumbels.numel() and not bool(torch.isfinite(gumbels).all()):  # logits are checked (a sync) already
+            raise ValueError("gumbels must be finite (no NaN or inf)")
     with torch.no_grad():
         s = logits.detach().double() / tau + gumbels.double()
         experts, _, distances = balanced_assignment(s, capacity, return_distances=True)

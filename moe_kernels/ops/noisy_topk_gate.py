@@ -115,6 +115,9 @@ def noisy_topk_gate(
         _validate.tensor("mask", mask, dim=1, shape=f"[T] = [{T}]")
         if mask.shape != (T,):
             raise ValueError(f"mask must be [T] = [{T}], got shape {tuple(mask.shape)}")
+        if mask.dtype != torch.bool and mask.numel() and _validate.backends_can_read(mask):
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("mask must be bool or hold only 0 and 1 (1 = a real token)")
     _validate.same_device(clean_logits=clean_logits, raw_noise_stddev=raw_noise_stddev, noise=noise, mask=mask)
     if _cpp is not None and backends.choose("load_probabilities", clean_logits.device.type) == "cpu":
         token_weights = None if mask is None else mask.detach().to(torch.float32)

@@ -125,4 +125,10 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
             f"got weights {tuple(weights.shape)}, order {tuple(order.shape)}, y_sorted {tuple(y_sorted.shape)}"
         )
     _validate.same_device(y_sorted=y_sorted, order=order, weights=weights)
+    if order.numel() and _validate.backends_can_read(order):  # no device sync: CPU, not traced
+        lo, hi = int(order.min()), int(order.max())
+        if lo < -1 or hi >= T * k:
+            raise ValueError(f"order values must be in [-1, T*k = {T * k}) (from permute), got min {lo} max {hi}")
+        if int(torch.bincount(order[order >= 0], minlength=T * k).max()) > 1:
+            raise ValueError("order must be permute's order: a choice t*k+s appears in it more than once")
     return backends.implementation("unpermute", y_sorted)(y_sorted, order, weights, num_tokens)

@@ -61,6 +61,8 @@ def check_gamma(gamma) -> float:
         raise TypeError(f"gamma must be a float, got {type(gamma).__name__}")
     if not (gamma > 0 and math.isfinite(gamma)):
         raise ValueError(f"gamma must be positive and finite, got {gamma}")
+    if gamma < 1e-12:  # 2 / gamma^3 overflows float32 below ~1.8e-13
+        raise ValueError(f"gamma must be >= 1e-12 (2 / gamma^3 must be finite in float32), got {gamma}")
     return float(gamma)
 
 
