@@ -1,4 +1,4 @@
-"""Drop-in adapters: the routing conventions of DeepSpeed and Megatron-LM, computed with our ops.
+"""The first, simplified adapters: DeepSpeed's and Megatron-LM's routing conventions, computed with our ops.
 
 Code written against either library's gate output can switch to moe_kernels' routing (same
 selection, same capacity, same drops, same weights) and later move to dispatch / combine, which
