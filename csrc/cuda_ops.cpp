@@ -255,3 +255,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at:
 TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("balanced_assignment", &balanced_assignment_gpu); }
 
 }  // namespace moe_kernels
+
+// topk_router (csrc/cuda/topk_router.cu). float64 logits are computed in float64 on the device.
+namespace moe_kernels {
+namespace {
+
+DType router_dtype(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? kFloat64 : dtype_of(t, "topk_router"); }
+
+at::ScalarType router_acc(const at::Tensor& logits) {
+  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+int router_scoring(const std::string& s) {
+  TORCH_CHECK(s == "softmax" || s == "sigmoid", "topk_router: scoring must be 'softmax' or 'sigmoid'");
+  return s == "sigmoid" ? topk_router::kSigmoid : topk_router::kSoftmax;
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_router_gpu(const at::Tensor& logits, int64_t k, std::string scoring,
+                                                   const std::optional<at::Tensor>& bias, int64_t num_groups,
+                                                   int64_t topk_groups, std::string group_scoring, bool renormalize,
+                                                   double scaling_factor) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1 && num_groups >= 1 && logits.size(1) % num_groups == 0 &&
+                  topk_groups >= 1 && topk_groups <= num_groups && k >= 1 &&
+                  k <= topk_groups * (logits.size(1) / num_groups) &&
+                  (topk_groups == num_groups || num_groups <= topk_router::kMaxGroups) &&
+                  (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == logits.size(1))),
+              "topk_router: bad arguments");
+  TORCH_CHECK(group_scoring == "top2_sum" || group_scoring == "max", "topk_router: bad group_scoring");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const auto acc = router_acc(logits);
+  const at::Tensor b = bias.has_value() ? bias->to(acc).contiguous() : at::Tensor();
+  auto weights = at::empty({T, k}, logits.options().dtype(acc));
+  auto experts = at::empty({T, k}, logits.options().dtype(at::kLong));
+  const topk_router::RowParams params{E, k, router_scoring(scoring),
+                                      group_scoring == "max" ? topk_router::kMax : topk_router::kTop2Sum,
+                                      num_groups, topk_groups, renormalize, scaling_factor};
+  check_launch(topk_router_cuda(logits.const_data_ptr(), router_dtype(logits), T, logits.stride(0), logits.stride(1),
+                                b.defined() ? b.const_data_ptr() : nullptr, params, weights.mutable_data_ptr(),
+                                experts.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+               "topk_router");
+  return {weights, experts};
+}
+
+at::Tensor topk_router_backward_gpu(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& experts,
+                                   std::string scoring, bool renormalize, double scaling_factor) {
+  TORCH_CHECK(logits.dim() == 2 && experts.dim() == 2 && experts.size(0) == logits.size(0) &&
+                  experts.scalar_type() == at::kLong && grad_weights.sizes() == experts.sizes(),
+              "topk_router_backward: bad arguments");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const auto g = grad_weights.to(router_acc(logits)).contiguous();
+  const auto ex = experts.contiguous();
+  auto grad = at::empty({T, E}, logits.options());
+  const topk_router::RowParams params{E, ex.size(1), router_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize,
+                                      scaling_factor};
+  check_launch(topk_router_backward_cuda(g.const_data_ptr(), logits.const_data_ptr(), router_dtype(logits), T,
+                                         logits.stride(0), logits.stride(1), ex.const_data_ptr<int64_t>(), params,
+                                         grad.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()),
+               "topk_router_backward");
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
+  m.impl("topk_router", &topk_router_gpu);
+  m.impl("topk_router_backward", &topk_router_backward_gpu);
+}
+
+}  // namespace moe_kernels

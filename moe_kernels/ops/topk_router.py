@@ -5,7 +5,9 @@ and a scaling factor (docs/routers.md maps each transformers family to its call)
 
 Implementations: reference (moe_kernels/reference/topk_router.py), C++ CPU
 (csrc/cpu/topk_router.cpp, forward and backward fused), Triton (moe_kernels/triton/topk_router.py,
-forward; its backward is _backward_from_logits in torch). backends.py chooses among them.
+forward; its backward is _backward_from_logits in torch), CUDA (csrc/cuda/topk_router.cu, forward
+and backward fused, float64 included; its row algorithm is tested on the host by
+python_tests/test_topk_router_cuda_emulation.py). backends.py chooses among them.
 """
 
 import math
@@ -99,7 +101,19 @@ if backends.triton_importable():
     _triton_module.topk_router.register_autograd(_backward_torch, setup_context=_setup_context)
     _triton = _kernel_call(_triton_module.topk_router)
 
-backends.register("topk_router", torch=reference.topk_router, cpu=_cpp, triton=_triton)
+_cuda = None
+if backends._extension.has_kernel("topk_router", "CUDA"):
+    # The CUDA kernel keeps the eligible groups in a 64-bit mask (csrc/include/moe_kernels/
+    # topk_router_row.h): a grouped call with more groups runs the reference on the device.
+    _CUDA_MAX_GROUPS = 64
+
+    def _cuda(logits, k, *, num_groups, topk_groups, **kwargs):
+        if topk_groups < num_groups and num_groups > _CUDA_MAX_GROUPS:
+            return reference.topk_router(logits, k, num_groups=num_groups, topk_groups=topk_groups, **kwargs)
+        return _cpp(logits, k, num_groups=num_groups, topk_groups=topk_groups, **kwargs)
+
+
+backends.register("topk_router", torch=reference.topk_router, cpu=_cpp, triton=_triton, cuda=_cuda)
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> str:

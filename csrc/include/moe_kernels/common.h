@@ -57,7 +57,8 @@ MK_HD int32_t pair_index(int64_t pair) {
 }
 
 // Element types a kernel launcher accepts, passed as an int across the torch-free boundary.
-enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// float64 only where a launcher says so (MK_DISPATCH_FLOAT refuses it).
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
 // Smallest pair: below every pair that rank_pair can return.
 constexpr int64_t kNoPair = (int64_t)0x8000000000000000LL;

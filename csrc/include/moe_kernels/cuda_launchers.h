@@ -82,3 +82,20 @@ cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k,
                                      cudaStream_t stream);
 
 }  // namespace moe_kernels
+
+#include "moe_kernels/topk_router_row.h"
+
+namespace moe_kernels {
+
+// topk_router (csrc/cuda/topk_router.cu). logits [T, E] strided, float32/16/bf16 or float64;
+// bias [E] (or null), weights [T, k] and grad_weights [T, k] contiguous in the compute type
+// (float64 for float64 logits, else float32); experts [T, k] contiguous int64; grad [T, E]
+// contiguous in the logits' dtype. A grouped call needs num_groups <= topk_router::kMaxGroups.
+cudaError_t topk_router_cuda(const void* logits, DType dtype, int64_t T, int64_t stride_t, int64_t stride_e,
+                             const void* bias, const topk_router::RowParams& params, void* weights, int64_t* experts,
+                             cudaStream_t stream);
+cudaError_t topk_router_backward_cuda(const void* grad_weights, const void* logits, DType dtype, int64_t T,
+                                      int64_t stride_t, int64_t stride_e, const int64_t* experts,
+                                      const topk_router::RowParams& params, void* grad, cudaStream_t stream);
+
+}  // namespace moe_kernels

@@ -22,16 +22,13 @@ MK_HD bool ranks_above(T a, int64_t ia, T b, int64_t ib) {
   return a > b || (a == b && ia < ib);
 }
 
-// A group's score from the choice values v[0 .. n) of its experts: the largest ("max",
-// DeepSeek-V2) or the sum of the two largest ("top2_sum", DeepSeek-V3; n >= 2). Only values
-// matter here (which of two equal experts ranks first does not change the max or the sum), so
-// one pass keeps two running maxima; a NaN ranks above every number, so any NaN gives NaN.
+// The two largest values of a set, pushed one at a time or merged from two partial sets (a warp
+// reduction); a NaN is remembered apart, since it compares false with everything.
 template <typename T>
-MK_HD T group_score(const T* v, int64_t n, int group_scoring) {
+struct Top2 {
   T first = -INFINITY, second = -INFINITY;
   bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const T x = v[i];
+  MK_HD void push(T x) {
     nan |= x != x;
     if (x > first) {
       second = first;
@@ -40,8 +37,30 @@ MK_HD T group_score(const T* v, int64_t n, int group_scoring) {
       second = x;
     }
   }
-  if (nan) return T(NAN);
-  return group_scoring == kMax ? first : first + second;
+  MK_HD Top2 merged(const Top2& o) const {
+    Top2 r;
+    r.first = first > o.first ? first : o.first;
+    const T low = first > o.first ? o.first : first;
+    const T next = second > o.second ? second : o.second;
+    r.second = low > next ? low : next;
+    r.nan = nan || o.nan;
+    return r;
+  }
+  // The group score: the largest ("max", DeepSeek-V2) or the sum of the two largest ("top2_sum",
+  // DeepSeek-V3; n >= 2). Only values matter (which of two equal experts ranks first changes
+  // neither); a NaN ranks above every number, so any NaN gives NaN.
+  MK_HD T score(int group_scoring) const {
+    if (nan) return T(NAN);
+    return group_scoring == kMax ? first : first + second;
+  }
+};
+
+// A group's score from the choice values v[0 .. n) of its experts, in one pass.
+template <typename T>
+MK_HD T group_score(const T* v, int64_t n, int group_scoring) {
+  Top2<T> top;
+  for (int64_t i = 0; i < n; ++i) top.push(v[i]);
+  return top.score(group_scoring);
 }
 
 // weights[s] = scaling * p[s] / sum(p) (renormalize; a zero sum gives zeros) or scaling * p[s].
