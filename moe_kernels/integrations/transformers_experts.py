@@ -9,20 +9,44 @@ also covers the interleaved layout of `is_concatenated=False`) or `up_proj` + `a
 `is_transposed` (weights [E, in, out] instead of [E, out, in]); `has_bias` (`*_proj_bias` [E, out]);
 `has_post_expert_norm`.
 
-Ours: capacity_positions with capacity = the largest expert's count (no token is dropped) ->
-dispatch into [E, C, d] -> one batched matmul per projection -> combine with the routing weights.
-On CPU a batched matmul over the padded [E, C, d] buffer is several times faster than torch's
-grouped matmul or a loop of per-expert matmuls (docs/routers.md, Experts implementation); the
-padding costs max-count / mean-count extra rows.
+Ours: permute (the T*k token copies sorted by expert, contiguous per expert, no padding) -> one
+grouped matmul per projection (torch._grouped_mm, on CPU a matmul per expert over its rows) ->
+unpermute with the routing weights. Where torch's grouped matmul
+does not take the dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes;
+CUDA before sm_80 or other than bf16), the same projections run as one batched matmul over a
+padded [E, C, d] buffer (capacity_positions with C = the largest count, dispatch, combine).
+docs/routers.md, Experts implementation, has the measurements.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_kernels.ops import capacity_positions, combine, dispatch
+from moe_kernels.ops import capacity_positions, combine, dispatch, permute, unpermute
 
 NAME = "moe_kernels"
+
+
+def _grouped_mm_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands on their device, forward and backward: float32
+    / fp16 / bf16 on CPU (16-bit rows need 16-byte strides), bf16 on CUDA from sm_80."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    if x.device.type != "cpu":
+        return False
+    if x.element_size() == 4:
+        return True
+    return all(w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0 for w in weights)
+
+
+def _grouped_linear(x, weight, bias, transposed, ends, expert_of_row):
+    """[S, in] rows sorted by expert -> [S, out]: each expert's rows through its weight (+ bias)."""
+    out = torch._grouped_mm(x, weight if transposed else weight.transpose(1, 2), offs=ends)
+    if bias is not None:
+        out = out + bias[expert_of_row]
+    return out
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -51,25 +75,54 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
-    T, d = hidden_states.shape
     experts = top_k_index.to(torch.int64)
     weight_dtype = (self.gate_up_proj if self.has_gate else self.up_proj).dtype
     x = hidden_states.to(weight_dtype)
+    first = self.gate_up_proj if self.has_gate else self.up_proj
+    if _grouped_mm_takes(x, first, self.down_proj):
+        y = _forward_grouped(self, x, experts, top_k_weights, E)
+    else:
+        y = _forward_padded(self, x, experts, top_k_weights, E)
+    return y.to(hidden_states.dtype)
+
+
+def _projections(self, rows, linear):
+    """The expert MLP on rows: up (with the gate) -> activation -> down (-> post-expert norm)."""
+    if self.has_gate:
+        bias = self.gate_up_proj_bias if self.has_bias else None
+        hidden = self._apply_gate(linear(rows, self.gate_up_proj, bias))
+    else:
+        bias = self.up_proj_bias if self.has_bias else None
+        hidden = self.act_fn(linear(rows, self.up_proj, bias))
+    out = linear(hidden, self.down_proj, self.down_proj_bias if self.has_bias else None)
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    return out
+
+
+def _forward_grouped(self, x, experts, top_k_weights, E):
+    T = x.shape[0]
+    x_sorted, offsets, order = permute(x, experts, E)  # [T*k, d], [E+1], [T*k]
+    ends = offsets[1:].to(torch.int32)
+    expert_of_row = None
+    if self.has_bias:  # the expert of each sorted row, for the per-expert biases
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(E, device=x.device), offsets.diff(), output_size=T * experts.shape[1]
+        )
+    out = _projections(
+        self, x_sorted, lambda rows, w, b: _grouped_linear(rows, w, b, self.is_transposed, ends, expert_of_row)
+    )
+    return unpermute(out, order, top_k_weights.to(out.dtype), T)
+
+
+def _forward_padded(self, x, experts, top_k_weights, E):
+    T = x.shape[0]
     counts = torch.bincount(experts.reshape(-1), minlength=E) if T else experts.new_zeros(E)
     capacity = int(counts.max()) if T else 0  # one host read: the buffer's size
     positions, _ = capacity_positions(experts, E, capacity)
     buffer = dispatch(x, experts, positions, E, capacity)  # [E, C, d]
-    if self.has_gate:
-        bias = self.gate_up_proj_bias if self.has_bias else None
-        hidden = self._apply_gate(_linear(buffer, self.gate_up_proj, bias, self.is_transposed))
-    else:
-        bias = self.up_proj_bias if self.has_bias else None
-        hidden = self.act_fn(_linear(buffer, self.up_proj, bias, self.is_transposed))
-    out = _linear(hidden, self.down_proj, self.down_proj_bias if self.has_bias else None, self.is_transposed)
-    if self.has_post_expert_norm:
-        out = self.post_expert_norm(out)
-    y = combine(out, experts, positions, top_k_weights.to(out.dtype))
-    return y.to(hidden_states.dtype)
+    out = _projections(self, buffer, lambda rows, w, b: _linear(rows, w, b, self.is_transposed))
+    return combine(out, experts, positions, top_k_weights.to(out.dtype))
 
 
 def register() -> None:

@@ -1,0 +1,103 @@
+"""Our experts forward (moe_kernels.integrations.transformers_experts) against transformers' eager
+experts loop on one experts module: both paths (torch's grouped matmul, and the padded batched
+matmul it falls back to), every layout of the covered families (gate or not, bias,
+transposed), empty experts in the backward, and the dtypes the grouped matmul refuses."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from hf_tiny import tiny_model  # noqa: E402
+
+from moe_kernels.integrations import transformers_experts  # noqa: E402
+
+# gate_up + bias + transposed (gpt_oss), gate_up (mixtral, qwen3_moe), up_proj without gate (granitemoe).
+LAYOUTS = ["gpt_oss", "mixtral", "qwen3_moe", "granitemoe"]
+
+
+def experts_of(family, dtype=torch.float32):
+    model = tiny_model(family, dtype=dtype)
+    layer = model.model.layers[0]
+    moe = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+    return moe.experts
+
+
+def routing(T, E, k, seed=0, skip_experts=()):
+    """[T, k] distinct expert ids (never those in skip_experts) and positive weights."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=g)
+    for e in skip_experts:
+        scores[:, e] = -1.0
+    w, idx = torch.topk(scores, k)
+    return idx, w.softmax(-1)
+
+
+def eager(experts, x, idx, w):
+    experts.config._experts_implementation = "eager"
+    try:
+        return experts(x, idx, w)
+    finally:
+        experts.config._experts_implementation = "grouped_mm"
+
+
+def run_both(experts, x, idx, w, force_padded, monkeypatch):
+    if force_padded:
+        monkeypatch.setattr(transformers_experts, "_grouped_mm_takes", lambda *a: False)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outs = [transformers_experts.experts_forward(experts, xs[0], idx, w), eager(experts, xs[1], idx, w)]
+    grads = []
+    g = torch.randn_like(outs[0])
+    for out, xi in zip(outs, xs):
+        experts.zero_grad(set_to_none=True)
+        out.backward(g)
+        grads.append({"x": xi.grad.clone(), **{n: p.grad.clone() for n, p in experts.named_parameters()}})
+    return outs, grads
+
+
+@pytest.mark.parametrize("family", LAYOUTS)
+@pytest.mark.parametrize("force_padded", [False, True], ids=["grouped", "padded"])
+def test_matches_eager_with_empty_experts(family, force_padded, monkeypatch):
+    experts = experts_of(family)
+    E = experts.num_experts
+    x = torch.randn(13, experts.hidden_dim if hasattr(experts, "hidden_dim") else 64)
+    idx, w = routing(13, E, 2, skip_experts=(1, E - 1))  # two experts get no token
+    (ours, ref), (g_ours, g_ref) = run_both(experts, x, idx, w, force_padded, monkeypatch)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert g_ours.keys() == g_ref.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g_ours[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    for name, p in experts.named_parameters():  # the empty experts get exactly zero gradient
+        if p.dim() >= 2 and p.shape[0] == E:
+            assert g_ours[name][1].abs().max() == 0 and g_ours[name][E - 1].abs().max() == 0, name
+    # An expanded output gradient (.sum()): torch._grouped_mm's own backward raises on stride-0
+    # gradients; unpermute's backward hands it a dense one.
+    transformers_experts.experts_forward(experts, x.requires_grad_(), idx, w).sum().backward()
+
+
+def test_path_choice():
+    takes = transformers_experts._grouped_mm_takes
+    w = torch.empty(4, 64, 32)
+    assert takes(torch.empty(3, 32), w)
+    assert takes(torch.empty(3, 32, dtype=torch.bfloat16), w.bfloat16())
+    assert not takes(torch.empty(3, 30, dtype=torch.bfloat16), torch.empty(4, 64, 30, dtype=torch.bfloat16))
+    assert not takes(torch.empty(3, 32, dtype=torch.float64), w.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dtypes_the_grouped_matmul_refuses_or_takes(dtype, monkeypatch):
+    # float64 runs the padded path, bf16 with 16-byte rows the grouped one; both equal eager.
+    experts = experts_of("qwen3_moe", dtype=dtype)
+    calls = []
+    for name in ("_forward_grouped", "_forward_padded"):
+        original = getattr(transformers_experts, name)
+        monkeypatch.setattr(
+            transformers_experts, name, lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw)
+        )
+    x = torch.randn(9, 64, dtype=dtype)
+    idx, w = routing(9, experts.num_experts, 2)
+    with torch.no_grad():
+        ours = transformers_experts.experts_forward(experts, x, idx, w.to(dtype))
+        ref = eager(experts, x, idx, w.to(dtype))
+    assert calls == (["_forward_padded"] if dtype == torch.float64 else ["_forward_grouped"])
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours, ref, **tol)
