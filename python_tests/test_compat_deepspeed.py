@@ -237,8 +237,14 @@ def ds_topkgating(
 
 # ---------------------------------------------------------------- helpers
 def random_logits(S, E, seed, tied=False, dtype=torch.float32):
+    """[S, E] N(0, 1) logits; tied=True: values in {0, 1, 2} (equal logits and probabilities in
+    most rows and columns); tied="rows": every row a permutation of one row holding its largest
+    value three times, so equal probabilities compete for a slot from different choice ranks."""
     g = torch.Generator().manual_seed(seed)
-    if tied:  # few distinct values: equal logits (and probabilities) in most rows and columns
+    if tied == "rows":
+        row = torch.tensor([2.0, 2.0, 2.0, 1.0, 1.0] + [0.0] * (E - 5))
+        return torch.stack([row[torch.randperm(E, generator=g)] for _ in range(S)]).to(dtype)
+    if tied:
         return torch.randint(0, 3, (S, E), generator=g).to(dtype)
     return torch.randn(S, E, generator=g).to(dtype)
 
@@ -514,6 +520,50 @@ def test_top2gating_leaves_the_logits_alone_and_draws_like_deepspeed():
     assert_same(top2gating(logits, 1.0, 4, generator=torch.Generator().manual_seed(4)), want, sparse=False)
 
 
+def test_selection_is_on_the_probabilities_like_deepspeeds():
+    """Logits 1e-9 apart have equal float32 probabilities: DeepSpeed's argmax / topk of the
+    probabilities take the first of them, not the largest logit; top2gating's second expert is
+    the argmax of the logits themselves."""
+    logits = torch.zeros(32, 6)
+    logits[:, 1:] += torch.arange(1, 6) * 1e-9
+    logits[::2] = logits[::2].flip(1)
+    gates = torch.softmax(logits, dim=1)
+    assert (gates == gates[:, :1]).all()  # the premise: every probability equal
+    for sparse in (False, True):
+        compare(
+            lambda x: top1gating(x, 1.0, 4, use_rts=False, sparse_routes=sparse),
+            lambda x: ds_top1gating(x, 1.0, 4, use_rts=False, sparse_routes=sparse, topk=stable_topk),
+            logits,
+            sparse,
+        )
+        compare(
+            lambda x: top2gating(x, 1.0, 4, True, None, False, sparse),
+            lambda x: ds_top2gating(x, 1.0, 4, True, False, sparse),
+            logits,
+            sparse,
+        )
+        compare(
+            lambda x: topkgating(x, 3, 1.0, 4, True, None, "position", sparse),
+            lambda x: ds_topkgating(x, 3, 1.0, 4, True, "position", sparse, topk=stable_topk),
+            logits,
+            sparse,
+        )
+    indices = top2gating(logits, 1.0, 4, False, None, False, True)[3]
+    assert (indices[0] == 0).all() and torch.equal(indices[1], torch.tensor([1, 5] * 16, dtype=torch.int32))
+
+
+def test_draws_are_deepspeeds_bit_for_bit():
+    """The Gumbel and uniform draws equal DeepSpeed's torch.distributions rsample under one seed."""
+    x = torch.empty(50, 7)
+    torch.manual_seed(9)
+    gumbel = ds_gumbel_rsample(x.shape, x.device)
+    uniform = torch.distributions.uniform.Uniform(torch.tensor(0.0), torch.tensor(1.0)).rsample(x.shape)
+    assert torch.equal(ds_compat._gumbel(x, torch.Generator().manual_seed(9)), gumbel)
+    g = torch.Generator().manual_seed(9)
+    ds_compat._gumbel(x, g)
+    assert torch.equal(ds_compat._uniform(x, g), uniform)
+
+
 # ---------------------------------------------------------------- topkgating
 TOPK_CASES = [
     (k, drop, policy, sparse)
@@ -533,11 +583,13 @@ def test_topkgating_matches_deepspeed(k, drop, policy, sparse):
     compare(ours, theirs, logits, sparse)
 
 
-@pytest.mark.parametrize("k,drop,policy,sparse", [c for c in TOPK_CASES if c[0] > 1])
-def test_topkgating_ties_go_to_the_lower_index(k, drop, policy, sparse):
+@pytest.mark.parametrize("tied", [True, "rows"])
+@pytest.mark.parametrize("k,drop,policy,sparse", TOPK_CASES)
+def test_topkgating_ties_go_to_the_lower_index(k, drop, policy, sparse, tied):
     """Tied logits (equal probabilities within rows and columns): DeepSpeed's algorithm with
-    torch.topk's unspecified tie order pinned to the lower index."""
-    logits = random_logits(96, 8, seed=19, tied=True)
+    torch.topk's unspecified tie order pinned to the lower index: the lower expert within a
+    token, the lower token within an expert (whatever rank the tied choices have)."""
+    logits = random_logits(96, 8, seed=19, tied=tied)
     ours = lambda x: topkgating(x, k, 1.0, 4, drop, None, policy, sparse)  # noqa: E731
     theirs = lambda x: ds_topkgating(x, k, 1.0, 4, drop, policy, sparse, topk=stable_topk)  # noqa: E731
     compare(ours, theirs, logits, sparse)
