@@ -364,7 +364,7 @@ def test_positional_calls_as_topkgate_makes_them(k, training):
 
 # ---------------------------------------------------------------- capacity
 def capacity_grid():
-    """(T, E, k, factor): 61,440 cases where S / E and the factors are not all exact in binary."""
+    """(T, E, k, factor): 122,880 cases where S / E and the factors are not all exact in binary."""
     Ts = torch.arange(1, 257)
     Es = torch.tensor([1, 2, 3, 5, 6, 7, 8, 12, 16, 24, 60, 96])
     ks = torch.tensor([1, 2, 3, 4])
