@@ -12,5 +12,6 @@ differs (tie order), and the commit each was checked against.
 """
 
 from moe_kernels.compat._legacy import deepspeed_gating, megatron_routing
+from moe_kernels.compat.deepspeed import top1gating, top2gating, topkgating
 
-__all__ = ["deepspeed_gating", "megatron_routing"]
+__all__ = ["deepspeed_gating", "megatron_routing", "top1gating", "top2gating", "topkgating"]
