@@ -12,5 +12,18 @@ differs (tie order), and the commit each was checked against.
 """
 
 from moe_kernels.compat._legacy import deepspeed_gating, megatron_routing
+from moe_kernels.compat.megatron import (
+    apply_router_token_dropping,
+    get_capacity,
+    topk_routing_with_score_function,
+    topk_softmax_with_capacity,
+)
 
-__all__ = ["deepspeed_gating", "megatron_routing"]
+__all__ = [
+    "deepspeed_gating",
+    "megatron_routing",
+    "apply_router_token_dropping",
+    "get_capacity",
+    "topk_routing_with_score_function",
+    "topk_softmax_with_capacity",
+]
