@@ -18,6 +18,7 @@ from moe_kernels.compat.megatron import (
     topk_routing_with_score_function,
     topk_softmax_with_capacity,
 )
+from moe_kernels.compat.torchtitan import TokenChoiceTopKRouter
 
 __all__ = [
     "deepspeed_gating",
@@ -26,4 +27,5 @@ __all__ = [
     "get_capacity",
     "topk_routing_with_score_function",
     "topk_softmax_with_capacity",
+    "TokenChoiceTopKRouter",
 ]
