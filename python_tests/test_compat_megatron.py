@@ -370,6 +370,12 @@ def test_routing_options(backend):
     for g in (0, 8):
         got = routing(backend, topk_routing_with_score_function, logits, 4, num_groups=8, group_topk=g)
         assert torch.equal(got[1], mt_topk_routing_with_score_function(logits, 4, num_groups=8, group_topk=g)[1])
+    # Strided logits (a transpose) route as their contiguous copy does.
+    xt = torch.randn(E, T, generator=torch.Generator().manual_seed(12)).t()
+    got = routing(backend, topk_routing_with_score_function, xt, 4, num_groups=8, group_topk=2)
+    want = mt_topk_routing_with_score_function(xt.contiguous(), 4, num_groups=8, group_topk=2)
+    assert torch.equal(got[1], want[1])
+    assert_close(got[0], want[0])
     # float64 logits: float64 probabilities; Megatron computes them in float32, ours in float64.
     got = routing(backend, topk_routing_with_score_function, logits.double(), 2, score_function="sigmoid")
     want = mt_topk_routing_with_score_function(logits.double(), 2, score_function="sigmoid")

@@ -292,7 +292,7 @@ def _groups_by_top_logits(logits, num_groups, group_topk, per_group) -> torch.Te
     """[T, E] bool: the experts of the group_topk groups whose per_group largest logits have the
     largest sum (summed in the logits' dtype, as Megatron does; equal sums: the lower group)."""
     T, E = logits.shape
-    grouped = logits.detach().view(T, num_groups, E // num_groups)
+    grouped = logits.detach().reshape(T, num_groups, E // num_groups)
     sums = grouped.sort(dim=-1, descending=True).values[..., :per_group].sum(dim=-1)
     best = sums.sort(dim=-1, descending=True, stable=True).indices[:, :group_topk]
     chosen = torch.zeros(T, num_groups, dtype=torch.bool, device=logits.device).scatter(1, best, True)
