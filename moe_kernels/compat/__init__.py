@@ -13,5 +13,23 @@ differs (tie order), and the commit each was checked against.
 
 from moe_kernels.compat._legacy import deepspeed_gating, megatron_routing
 from moe_kernels.compat.deepspeed import top1gating, top2gating, topkgating
+from moe_kernels.compat.megatron import (
+    apply_router_token_dropping,
+    get_capacity,
+    topk_routing_with_score_function,
+    topk_softmax_with_capacity,
+)
+from moe_kernels.compat.torchtitan import TokenChoiceTopKRouter
 
-__all__ = ["deepspeed_gating", "megatron_routing", "top1gating", "top2gating", "topkgating"]
+__all__ = [
+    "deepspeed_gating",
+    "megatron_routing",
+    "top1gating",
+    "top2gating",
+    "topkgating",
+    "apply_router_token_dropping",
+    "get_capacity",
+    "topk_routing_with_score_function",
+    "topk_softmax_with_capacity",
+    "TokenChoiceTopKRouter",
+]
