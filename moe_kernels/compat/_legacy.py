@@ -1,8 +1,8 @@
 """The first, simplified adapters: DeepSpeed's and Megatron-LM's routing conventions, computed with our ops.
 
-Code written against either library's gate output can switch to moe_kernels' routing (same
-selection, same capacity, same drops, same weights) and later move to dispatch / combine, which
-never materialise the dense [S, E, C] tensors.
+Simplified readings (capacity by `capacity_for`, in double precision, which differs by one from
+DeepSpeed's float32 and Megatron's arithmetic on a few shapes); the drop-ins with the libraries'
+own signatures and arithmetic are compat.deepspeed, compat.megatron and compat.torchtitan.
 
 Readings implemented (the deterministic variants; see docs/dispatch.md):
 - DeepSpeed `top1gating` / `top2gating` (deepspeed/moe/sharded_moe.py) with drop_tokens=True,
