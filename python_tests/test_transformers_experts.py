@@ -1,7 +1,8 @@
 """Our experts forward (moe_kernels.integrations.transformers_experts) against transformers' eager
-experts loop on one experts module: both paths (torch's grouped matmul, and the padded batched
-matmul it falls back to), every layout of the covered families (gate or not, bias,
-transposed), empty experts in the backward, and the dtypes the grouped matmul refuses."""
+experts loop on one experts module: its three paths (torch's grouped matmul for training, the
+padded batched matmul it falls back to, the per-expert loop for inference on CPU), every layout of
+the covered families (gate or not, bias, transposed), empty experts in the backward, and the
+dtypes the grouped matmul refuses."""
 
 import pytest
 import torch
@@ -83,21 +84,44 @@ def test_path_choice():
     assert not takes(torch.empty(3, 32, dtype=torch.float64), w.double())
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_dtypes_the_grouped_matmul_refuses_or_takes(dtype, monkeypatch):
-    # float64 runs the padded path, bf16 with 16-byte rows the grouped one; both equal eager.
+@pytest.mark.parametrize("family", LAYOUTS)
+def test_inference_path_matches_eager(family):
+    experts = experts_of(family)
+    E = experts.num_experts
+    x = torch.randn(13, 64)
+    idx, w = routing(13, E, 3, skip_experts=(0,))
+    with torch.no_grad():
+        ours = transformers_experts.experts_forward(experts, x, idx, w)
+        ref = eager(experts, x, idx, w)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"top_k_index must hold expert ids in \[0, 8\)"):
+        transformers_experts.experts_forward(experts, x, idx.masked_fill(idx == 2, E), w)
+
+
+@pytest.mark.parametrize(
+    "dtype, grad, path",
+    [
+        (torch.float64, True, "_forward_padded"),
+        (torch.bfloat16, True, "_forward_grouped"),
+        (torch.float64, False, "_forward_per_expert"),
+        (torch.bfloat16, False, "_forward_per_expert"),
+    ],
+)
+def test_path_by_dtype_and_grad_mode(dtype, grad, path, monkeypatch):
+    # float64 trains on the padded path, bf16 with 16-byte rows on the grouped one; inference on
+    # CPU runs per expert; each equals eager.
     experts = experts_of("qwen3_moe", dtype=dtype)
     calls = []
-    for name in ("_forward_grouped", "_forward_padded"):
+    for name in ("_forward_grouped", "_forward_padded", "_forward_per_expert"):
         original = getattr(transformers_experts, name)
         monkeypatch.setattr(
             transformers_experts, name, lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw)
         )
-    x = torch.randn(9, 64, dtype=dtype)
+    x = torch.randn(9, 64, dtype=dtype, requires_grad=grad)
     idx, w = routing(9, experts.num_experts, 2)
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         ours = transformers_experts.experts_forward(experts, x, idx, w.to(dtype))
         ref = eager(experts, x, idx, w.to(dtype))
-    assert calls == (["_forward_padded"] if dtype == torch.float64 else ["_forward_grouped"])
+    assert calls == [path]
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(ours, ref, **tol)
