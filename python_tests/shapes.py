@@ -11,6 +11,8 @@ TOPK_SHAPES = [
     (16, 5, 5),  # k = E
     (130, 256, 1),  # k = 1, multi-tile T, E a power of two
     (9, 300, 20),  # E not a power of two, k above the C++ insertion limit (16)
+    (6, 512, 8),  # the C++ rounds selection at its largest E (k * E = 4096)
+    (5, 600, 8),  # beyond it: the C++ insertion list with its floor prefilter
     (0, 8, 2),  # empty batch
 ]
 

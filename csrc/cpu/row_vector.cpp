@@ -42,6 +42,31 @@ inline lanes_i32 rank_keys(lanes_f32 v) {
   return v != v ? (lanes_i32){} + 0x7fffffff : key;
 }
 
+// Eight rank pairs (common.h) in one 512-bit vector: one int64 max compares value and index.
+typedef int64_t lanes_i64 __attribute__((vector_size(8 * kLanes)));
+
+inline lanes_i64 load_pairs(const int64_t* p) {
+  lanes_i64 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// rank_pair of row[e .. e + 8), lane-wise.
+inline lanes_i64 rank_pairs(lanes_f32 v, int64_t e) {
+  const lanes_i64 high = __builtin_convertvector(rank_keys(v), lanes_i64) << 32;
+  const lanes_i64 index = (lanes_i64){0, 1, 2, 3, 4, 5, 6, 7} + e;
+  return high | (0xffffffffLL - index);
+}
+
+inline lanes_i64 max_pairs(lanes_i64 a, lanes_i64 b) { return a > b ? a : b; }
+
+// The largest lane of x, in three shuffle + max steps.
+inline int64_t max_lane(lanes_i64 x) {
+  x = max_pairs(x, __builtin_shuffle(x, (lanes_i64){4, 5, 6, 7, 0, 1, 2, 3}));
+  x = max_pairs(x, __builtin_shuffle(x, (lanes_i64){2, 3, 0, 1, 6, 7, 4, 5}));
+  return x[0] > x[1] ? x[0] : x[1];
+}
+
 // The largest lane of x, in three shuffle + max steps.
 inline int32_t max_lane(lanes_i32 x) {
   x = x > __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3}) ? x : __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
@@ -162,12 +187,37 @@ void row_top2_f32(const float* row, int64_t E, int64_t* best) {
   best[1] = second;
 }
 
+MK_ROW_CLONES
+void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best) {
+  // k rounds of a row max over the row's rank pairs, each round's winner knocked out of the row
+  // by its index (the low half of its pair). Branch-free: the cost is k * E / 8 vector maxima
+  // whatever the data, where an insertion list pays a mispredicted branch per candidate.
+  alignas(64) int64_t pairs[kRoundsMaxE];
+  int64_t e = 0;
+  for (; e + kLanes <= E; e += kLanes) {
+    const lanes_i64 p = rank_pairs(load(row + e), e);
+    std::memcpy(pairs + e, &p, sizeof p);
+  }
+  for (; e < E; ++e) pairs[e] = rank_pair(row[e], (int32_t)e);
+  const int64_t n = (E + kLanes - 1) / kLanes * kLanes;
+  for (; e < n; ++e) pairs[e] = kNoPair;
+  for (int s = 0; s < k; ++s) {
+    lanes_i64 m = load_pairs(pairs);
+    for (int64_t c = kLanes; c < n; c += kLanes) m = max_pairs(m, load_pairs(pairs + c));
+    const int64_t top = max_lane(m);
+    best[s] = top;
+    pairs[pair_index(top)] = kNoPair;
+  }
+}
+
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best) {
   if (k == 1) {
     const int32_t e = row_argmax_f32(row, E);
     best[0] = rank_pair(row[e], e);
   } else if (k == 2) {
     row_top2_f32(row, E, best);
+  } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
+    row_topk_rounds_f32(row, E, (int)k, best);
   } else if (k <= kRowInsertionMaxK) {
     row_topk_f32(row, E, (int)k, best);
   } else {

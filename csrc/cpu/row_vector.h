@@ -48,12 +48,20 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
 // with two running maxima per lane (no insertion list), the lanes merged at the end.
 void row_top2_f32(const float* row, int64_t E, int64_t* best);
 
+// The k largest rank pairs by k rounds of a vectorised row max (the winner knocked out each
+// round), for 1 <= k <= E <= kRoundsMaxE: row_top_pairs uses it while k * E <= kRoundsMaxWork,
+// where its fixed k * E / 8 vector steps beat an insertion list's data-dependent branches.
+constexpr int64_t kRoundsMaxE = 512;
+constexpr int64_t kRoundsMaxWork = 8 * 512;
+void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best);
+
 // Above this k an insertion list costs O(E k) on adversarial (ascending) rows; a partial sort of
 // all pairs is O(E log k) and wins.
 constexpr int64_t kRowInsertionMaxK = 16;
 
 // The k largest rank pairs of row[0 .. E) into best, descending, 1 <= k <= E: row_argmax_f32
-// (k = 1), row_top2_f32 (k = 2), row_topk_f32 (k <= kRowInsertionMaxK), else a partial sort
+// (k = 1), row_top2_f32 (k = 2), row_topk_rounds_f32 (small k * E), row_topk_f32
+// (k <= kRowInsertionMaxK), else a partial sort
 // (best must then hold E pairs). topk_softmax and noisy_topk_gate select through here (load_probabilities still has its own
 // scalar insertion list).
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
