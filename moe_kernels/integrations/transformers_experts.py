@@ -47,7 +47,7 @@ def _grouped_linear(x, weight, bias, transposed, ends, expert_of_row):
     """[S, in] rows sorted by expert -> [S, out]: each expert's rows through its weight (+ bias)."""
     out = torch._grouped_mm(x, weight if transposed else weight.transpose(1, 2), offs=ends)
     if bias is not None:
-        out = out + bias[expert_of_row]
+        out = out + bias.index_select(0, expert_of_row)  # its backward is index_add_, not index_put_
     return out
 
 
