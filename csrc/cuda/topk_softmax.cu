@@ -72,6 +72,14 @@ __global__ void topk_softmax_backward_kernel(const scalar_t* __restrict__ grad_w
   const int64_t* ex = experts + row * k;
   const scalar_t* g = grad_weights + row * k;
   scalar_t* out = grad + row * E;
+  // Ids come from the caller: a row holding one outside [0, E) gets a zero gradient and no
+  // memory is touched through it (the device cannot raise; the CPU kernel raises an IndexError).
+  bool bad = false;
+  for (int64_t s = lane; s < k; s += kWarp) bad |= ex[s] < 0 || ex[s] >= E;
+  if (__any_sync(0xffffffffu, bad)) {
+    for (int64_t e = lane; e < E; e += kWarp) out[e] = from_float<scalar_t>(0.0f);
+    return;
+  }
   const float vmax = to_float(x[ex[0] * stride_e]);  // experts[t, 0] is the row max
   float partial = 0.0f;
   if (renormalize) {
