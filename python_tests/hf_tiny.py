@@ -21,6 +21,29 @@ FAMILIES = {
     "llama4_text": {},
     "dbrx": {},
     "lfm2_moe": {},
+    "aria_text": {},
+    "cohere2_moe": {"num_shared_experts": 1},
+    "flint": {"mlp_only_layers": [], "shared_expert_intermediate_size": 32},
+    "hunyuan_v1_moe": {},
+    "laguna": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "num_attention_heads_per_layer": [4, 4],
+        "shared_expert_intermediate_size": 32,
+        "moe_router_logit_softcapping": 2.0,
+    },
+    "minimax_m3_vl_text": {"shared_intermediate_size": 32, "dense_intermediate_size": 64},
+    "beam": {"mlp_layer_types": ["sparse", "sparse"], "n_group": 2, "topk_group": 1},
+    "mistral4": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5},
+    "axk2": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "n_group": 4,
+        "topk_group": 2,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "num_key_value_heads": 4,
+    },
+    "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
 }
 
 SHRINK = {
@@ -65,6 +88,10 @@ def tiny_config(model_type: str):
     for target in (config, sub):
         if target is None:
             continue
+        layers = getattr(target, "num_hidden_layers", None)
+        for key, value in list(vars(target).items()):  # per-layer lists follow the shrunk layer count
+            if isinstance(value, list) and layers and len(value) == layers and layers > SHRINK["num_hidden_layers"]:
+                setattr(target, key, value[: SHRINK["num_hidden_layers"]])
         for key, value in SHRINK.items():
             if hasattr(target, key):
                 setattr(target, key, value)
@@ -84,6 +111,10 @@ def tiny_config(model_type: str):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
     if model_type.startswith("deepseek"):  # rope on qk_rope_head_dim
         config.head_dim = config.qk_rope_head_dim
+    if model_type in ("mistral4", "axk2"):  # multi-head latent attention: derived in __post_init__
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        if model_type == "axk2":  # rope on qk_rope_head_dim (mistral4: partial_rotary_factor)
+            config.head_dim = config.qk_rope_head_dim
     if model_type == "llama4_text":
         config.interleave_moe_layer_step = 1
         config.moe_layers = list(range(config.num_hidden_layers))
@@ -97,15 +128,24 @@ def tiny_config(model_type: str):
     return config
 
 
+# Causal LMs that AutoModelForCausalLM does not map in transformers 5.23.
+MODEL_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
+
+
 def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=dtype)
+    config = tiny_config(model_type)
+    if model_type in MODEL_CLASSES:
+        model = getattr(transformers, MODEL_CLASSES[model_type])(config).to(dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Random, not zero, routers (several families zero-initialise theirs: every token would tie).
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 1 and ("router" in name or "gate" in name.split(".")[-2:][0] or "bias" in name):
+            router = "router" in name or "gate" in name.split(".")[-2:][0] or ".gate." in name  # HunYuan: gate.wg
+            if p.dim() >= 1 and (router or "bias" in name):
                 p.normal_(0, 0.5)
         for name, b in model.named_buffers():
             if "correction_bias" in name or "expert_bias" in name:
