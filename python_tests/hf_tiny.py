@@ -44,7 +44,41 @@ FAMILIES = {
         "num_key_value_heads": 4,
     },
     "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
+    # multimodal (MULTIMODAL below): overrides of the text config
+    "mistral_large4": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "num_key_value_heads": 4,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.5,
+    },
+    "step3p7": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "layer_types": ["full_attention", "sliding_attention"],
+        "sliding_window": 8,
+        "share_expert_dim": 32,
+    },
+    "muse_spark": {"moe_hidden_size": 32},
 }
+
+# Multimodal models whose MoE is in the language model: the class built and its top-level
+# overrides. Their vision (and audio) parts only have to build: the tests give text only.
+MULTIMODAL = {
+    "mistral_large4": ("MistralLarge4ForConditionalGeneration", {}),
+    "step3p7": ("Step3p7ForConditionalGeneration", {}),
+    "muse_spark": (
+        "MuseSparkForConditionalGeneration",
+        {
+            "audio_config": {"hidden_sizes": [8, 8, 8, 8], "depths": [1, 1, 1, 1], "out_hidden_size": 64},
+            "out_hidden_size": 64,
+            "projector_hidden_size": 32,
+        },
+    ),
+}
+VISION = {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16}
 
 SHRINK = {
     "hidden_size": 64,
@@ -80,9 +114,21 @@ SHRINK = {
 }
 
 
+def _multimodal_config(model_type: str):
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    # Sub-configs passed as dicts, so that their __post_init__ derives what depends on the sizes.
+    text = {k: v for k, v in SHRINK.items() if hasattr(default.text_config, k)} | FAMILIES[model_type]
+    vision = {k: v for k, v in VISION.items() if hasattr(default.vision_config, k)}
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **MULTIMODAL[model_type][1])
+
+
 def tiny_config(model_type: str):
     from transformers import AutoConfig
 
+    if model_type in MULTIMODAL:
+        return _multimodal_config(model_type)
     config = AutoConfig.for_model(model_type)
     sub = getattr(config, "ffn_config", None)
     for target in (config, sub):
@@ -137,10 +183,16 @@ def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
 
     torch.manual_seed(seed)
     config = tiny_config(model_type)
-    if model_type in MODEL_CLASSES:
-        model = getattr(transformers, MODEL_CLASSES[model_type])(config).to(dtype)
+    name = MULTIMODAL[model_type][0] if model_type in MULTIMODAL else MODEL_CLASSES.get(model_type)
+    if name is not None:
+        model = getattr(transformers, name)(config).to(dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if dtype != torch.float32:  # what from_pretrained keeps in float32 (from_config does not)
+        strict = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if any(pattern in name for pattern in strict):
+                t.data = t.data.float()
     # Random, not zero, routers (several families zero-initialise theirs: every token would tie).
     with torch.no_grad():
         for name, p in model.named_parameters():
