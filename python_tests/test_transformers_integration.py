@@ -97,28 +97,55 @@ def by_expert_index(outputs):
     return [o.gather(-1, order) if o.shape == index.shape else o for o in outputs]
 
 
+def assert_routers_match(family, dtype, settings=None):
+    """Router by router, called as the model calls it but on random hidden states (the model's own
+    can tie, e.g. a token whose hidden state is 0): the same outputs as transformers' code (values
+    in float32; structure, shapes and dtypes in any dtype). `settings`: router attributes to set."""
+    generator = torch.Generator().manual_seed(4)
+    model = tiny_model(family, dtype=dtype, seed=3)
+    report = apply_moe_kernels(model, experts=False)
+    assert len(report["patched"]) == model.config.get_text_config().num_hidden_layers, report
+    for module in model.modules():
+        if "_moe_kernels_code" in vars(module):
+            for name, value in (settings or {}).items():
+                assert hasattr(module, name), name
+                setattr(module, name, value)
+    calls = record_router_calls(model)
+    with torch.no_grad():
+        model(tokens(seed=3))
+        assert len(calls) == len(report["patched"])
+        for ours, theirs, args, kwargs in calls:
+            hidden = 0.5 * torch.randn(args[0].shape, generator=generator).to(args[0].dtype)
+            args = (hidden, *args[1:])
+            a, b = ours(*args, **kwargs), theirs(*args, **kwargs)
+            assert type(a) is type(b) and len(a) == len(b)
+            assert [(t.dtype, t.shape) for t in a] == [(t.dtype, t.shape) for t in b]
+            if dtype == torch.float32:
+                for x, y in zip(by_expert_index(a), by_expert_index(b), strict=True):
+                    torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_router_outputs_match_transformers(family):
-    # Router by router, called as the model calls it but on random hidden states (the model's own
-    # can tie, e.g. a token whose hidden state is 0): the same outputs as transformers' code (values
-    # in float32; structure, shapes and dtypes in bfloat16 too).
-    generator = torch.Generator().manual_seed(4)
     for dtype in (torch.float32, torch.bfloat16):
-        model = tiny_model(family, dtype=dtype, seed=3)
-        apply_moe_kernels(model, experts=False)
-        calls = record_router_calls(model)
-        with torch.no_grad():
-            model(tokens(seed=3))
-            assert len(calls) == model.config.get_text_config().num_hidden_layers
-            for ours, theirs, args, kwargs in calls:
-                hidden = 0.5 * torch.randn(args[0].shape, generator=generator).to(args[0].dtype)
-                args = (hidden, *args[1:])
-                a, b = ours(*args, **kwargs), theirs(*args, **kwargs)
-                assert type(a) is type(b) and len(a) == len(b)
-                assert [(t.dtype, t.shape) for t in a] == [(t.dtype, t.shape) for t in b]
-                if dtype == torch.float32:
-                    for x, y in zip(by_expert_index(a), by_expert_index(b), strict=True):
-                        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        assert_routers_match(family, dtype)
+
+
+# Router settings the tiny configs leave on one side of a branch in the router's code.
+VARIANTS = [
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}),
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True}),
+    ("flint", {"norm_topk_prob": False}),
+    ("laguna", {"router_logit_softcapping": 0.0}),
+    ("mistral4", {"norm_topk_prob": False, "num_group": 1, "topk_group": 1}),
+    ("axk2", {"num_group": None, "topk_group": None, "norm_topk_prob": False}),
+    ("beam", {"norm_topk_prob": False}),
+]
+
+
+@pytest.mark.parametrize("family, settings", VARIANTS)
+def test_router_variants_match_transformers(family, settings):
+    assert_routers_match(family, torch.float32, settings)
 
 
 def first_router(model):
@@ -173,13 +200,24 @@ def test_unknown_router_is_left_alone_and_reported():
     assert report["experts"].startswith("unchanged")
 
 
-def test_inapplicable_config_is_reported():
-    model = tiny_model("deepseek_v2")
+@pytest.mark.parametrize(
+    "family, attribute, value, reason",
+    [
+        ("deepseek_v2", "topk_method", "noaux_tc", "topk_method"),
+        ("cohere2_moe", "expert_selection_fn", "relu", "expert_selection_fn"),
+        ("inkling2_text", "score_fn", torch.nn.Softplus(), "scoring function Softplus"),
+        ("mistral4", "topk_group", 0, "top_k 2 > the 0 experts"),
+        ("beam", "num_group", 3, "does not divide"),
+    ],
+)
+def test_inapplicable_config_is_reported(family, attribute, value, reason):
+    model = tiny_model(family)
     for module in model.modules():
-        if hasattr(module, "topk_method"):
-            module.topk_method = "noaux_tc"
+        if hasattr(module, attribute):
+            setattr(module, attribute, value)
     report = apply_moe_kernels(model)
-    assert not report["patched"] and all("topk_method" in r for r in report["skipped"].values())
+    assert not report["patched"] and report["skipped"]
+    assert all(reason in r for r in report["skipped"].values()), report["skipped"]
 
 
 def test_remove_restores_the_original_code():
