@@ -44,6 +44,7 @@ FAMILIES = {
         "num_key_value_heads": 4,
     },
     "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
+    "openai_privacy_filter": {"pad_token_id": 0},  # a token classifier (MODEL_CLASSES): logits per token, no generation
     # multimodal (MULTIMODAL below): overrides of the text config
     "mistral_large4": {
         "mlp_layer_types": ["sparse", "sparse"],
@@ -174,8 +175,12 @@ def tiny_config(model_type: str):
     return config
 
 
-# Causal LMs that AutoModelForCausalLM does not map in transformers 5.23.
-MODEL_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
+# Models that AutoModelForCausalLM does not map in transformers 5.23.
+MODEL_CLASSES = {
+    "mistral4": "Mistral4ForCausalLM",
+    "openai_privacy_filter": "OpenAIPrivacyFilterForTokenClassification",
+}
+GENERATES = [family for family in FAMILIES if family != "openai_privacy_filter"]
 
 
 def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
