@@ -44,7 +44,8 @@ FAMILIES = {
         "num_key_value_heads": 4,
     },
     "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
-    "openai_privacy_filter": {"pad_token_id": 0},  # a token classifier (MODEL_CLASSES): logits per token, no generation
+    "openai_privacy_filter": {"pad_token_id": 0},
+    "zaya": {"router_hidden_size": 32},  # a token classifier (MODEL_CLASSES): logits per token, no generation
     # multimodal (MULTIMODAL below): overrides of the text config
     "mistral_large4": {
         "mlp_layer_types": ["sparse", "sparse"],
@@ -204,7 +205,15 @@ def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
             router = "router" in name or "gate" in name.split(".")[-2:][0] or ".gate." in name  # HunYuan: gate.wg
             if p.dim() >= 1 and (router or "bias" in name):
                 p.normal_(0, 0.5)
+        if model_type == "zaya":  # its router is an MLP: unit-gain layers keep the logits O(1)
+            for name, p in model.named_parameters():
+                if ".gate." in name and p.dim() == 2:
+                    p.normal_(0, (3 if "out_proj" in name else 1) * p.shape[1] ** -0.5)
+                elif ".gate." in name and "norm" in name:
+                    p.fill_(1.0)
         for name, b in model.named_buffers():
-            if "correction_bias" in name or "expert_bias" in name:
+            if "correction_bias" in name or "expert_bias" in name or "balancing_biases" in name:
                 b.copy_(0.05 * torch.randn_like(b))
+            if "balancing_biases" in name:  # Zaya's last class is its skip expert: make tokens pick it
+                b[-1] = 0.2
     return model.eval()

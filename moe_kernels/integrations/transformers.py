@@ -213,6 +213,20 @@ def _openai_privacy_filter(self, hidden_states):
     return router_logits, weights, experts
 
 
+def _zaya(self, hidden_states, router_states=None):
+    seq_length = hidden_states.shape[1]
+    router_hidden_states = self.down_proj(hidden_states)
+    if self.use_eda and router_states is not None:  # the previous layer's router state
+        router_hidden_states = router_hidden_states + router_states * self.router_states_scale
+    router_hidden_states_next = router_hidden_states[:, -seq_length:].clone()
+    router_logits = self.router_mlp(router_hidden_states).reshape(-1, self.num_router_classes)
+    weights, experts = topk_router(router_logits, self.top_k, bias=self.balancing_biases)
+    # The last class is the skip expert (no compute): transformers gives it weight 0 on expert 0.
+    skip = experts == self.num_experts
+    weights = weights.to(router_logits.dtype).masked_fill(skip, 0)
+    return router_logits, weights, experts.masked_fill(skip, 0), router_hidden_states_next
+
+
 # Sigmoid routers.
 
 
@@ -421,6 +435,7 @@ _CODES: dict[str, RouterCode] = {
     "dec30c42d2ab6764": RouterCode("mistral4", "mistral4", _mistral4, applicable=_groups_applicable),
     "50fe1326d6c97c9a": RouterCode("mistral_large4", "mistral_large4", _mistral_large4, applicable=_groups_applicable),
     "a92c2b5e85b41c75": RouterCode("openai_privacy_filter", "openai_privacy_filter", _openai_privacy_filter),
+    "135abc03a9e819b0": RouterCode("zaya", "zaya", _zaya),
     "248c5812efccccab": RouterCode("flint", "flint", _flint),
     "227f89c351a1521c": RouterCode("laguna", "laguna", _laguna),
     "cca4b2241dd24d1d": RouterCode("minimax_m3_vl", "minimax_m3_vl, step3p7", _minimax_m3_vl),
