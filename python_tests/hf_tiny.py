@@ -43,6 +43,7 @@ FAMILIES = {
         "index_topk": 4,
         "num_key_value_heads": 4,
     },
+    "inkling_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
     "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
     "openai_privacy_filter": {"pad_token_id": 0},
     "zaya": {"router_hidden_size": 32},  # a token classifier (MODEL_CLASSES): logits per token, no generation

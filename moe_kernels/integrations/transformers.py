@@ -395,6 +395,22 @@ def _muse_spark(self, hidden_states):
     return router_logits, weights, experts
 
 
+def _inkling(self, hidden_states):
+    flat = hidden_states.reshape(-1, self.hidden_dim)
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):  # float32, as transformers
+        router_logits = F.linear(flat.float(), self.weight.float())
+        routed_logits = router_logits[..., : -self.n_shared_experts]
+        shared = router_logits[..., -self.n_shared_experts :].sigmoid()
+        bias = self.e_score_correction_bias.float()
+        scores, experts = topk_router(routed_logits, self.top_k, scoring="sigmoid", bias=bias)
+        # The selected and the shared experts' sigmoids normalised together (transformers: a softmax
+        # of their log-sigmoids), then scaled.
+        weights = torch.cat([scores, shared], dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale * self.global_scale.float()
+    weights = weights.to(hidden_states.dtype)
+    return routed_logits, weights[..., : self.top_k].contiguous(), experts, weights[..., self.top_k :].contiguous()
+
+
 # The verified codes: sha256 (first 16 hex digits) of the dedented source of the router's forward
 # (DBRX: its block's route_tokens_to_experts) in transformers 5.23, with the model folders whose
 # classes have exactly that code. The family forwards above reproduce each one.
@@ -441,6 +457,7 @@ _CODES: dict[str, RouterCode] = {
     "cca4b2241dd24d1d": RouterCode("minimax_m3_vl", "minimax_m3_vl, step3p7", _minimax_m3_vl),
     "04c347eaa129b9c1": RouterCode("axk2", "axk2", _axk2, applicable=_axk2_applicable),
     "4faa3a8c16e85d59": RouterCode("beam", "beam", _beam, applicable=_groups_applicable),
+    "3253d872f178aed4": RouterCode("inkling", "inkling", _inkling),
     "21ea28c64ce5d07a": RouterCode("inkling2", "inkling2", _inkling2, applicable=_inkling2_applicable),
     "9706bdf66610f345": RouterCode("muse_spark", "muse_spark", _muse_spark),
 }
