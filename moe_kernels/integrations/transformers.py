@@ -227,6 +227,20 @@ def _zaya(self, hidden_states, router_states=None):
     return router_logits, weights, experts.masked_fill(skip, 0), router_hidden_states_next
 
 
+def _jetmoe(self, hidden_states):
+    logits = self.layer(hidden_states).float()
+    # softmax over the top-k logits == the renormalised full softmax at the top k
+    weights, experts = topk_router(logits, self.top_k, renormalize=True)
+    # JetMoE's dispatch plan: the T k (token, expert) pairs grouped by expert, with the count per
+    # expert. Within an expert any order is valid (transformers' unstable sort leaves it open).
+    pairs = experts.flatten()
+    index_sorted_experts = pairs.argsort(stable=True)
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = weights.type_as(hidden_states).flatten()[index_sorted_experts]
+    expert_size = torch.bincount(pairs, minlength=self.num_experts).tolist()
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
 # Sigmoid routers.
 
 
@@ -452,6 +466,7 @@ _CODES: dict[str, RouterCode] = {
     "50fe1326d6c97c9a": RouterCode("mistral_large4", "mistral_large4", _mistral_large4, applicable=_groups_applicable),
     "a92c2b5e85b41c75": RouterCode("openai_privacy_filter", "openai_privacy_filter", _openai_privacy_filter),
     "135abc03a9e819b0": RouterCode("zaya", "zaya", _zaya),
+    "f22aa1bb678e6fdf": RouterCode("jetmoe", "jetmoe (attention and MLP)", _jetmoe),
     "248c5812efccccab": RouterCode("flint", "flint", _flint),
     "227f89c351a1521c": RouterCode("laguna", "laguna", _laguna),
     "cca4b2241dd24d1d": RouterCode("minimax_m3_vl", "minimax_m3_vl, step3p7", _minimax_m3_vl),
@@ -475,7 +490,7 @@ def _router_methods(module: torch.nn.Module):
 # Routers that only compute logits: the routing is in their block (patched through the block).
 _LOGITS_ONLY = {"DbrxRouter"}
 # Routers (or routing blocks) whose class name does not end in Router.
-_OTHER_ROUTERS = {"DbrxFFN", "HunYuanMoEV1Gate"}
+_OTHER_ROUTERS = {"DbrxFFN", "HunYuanMoEV1Gate", "JetMoeTopKGating"}
 
 
 def _looks_like_router(module: torch.nn.Module) -> bool:
