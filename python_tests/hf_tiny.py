@@ -47,7 +47,13 @@ FAMILIES = {
     "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
     "openai_privacy_filter": {"pad_token_id": 0},
     "zaya": {"router_hidden_size": 32},
-    "jetmoe": {},  # a token classifier (MODEL_CLASSES): logits per token, no generation
+    "jetmoe": {},
+    "longcat_flash": {
+        "num_layers": 2,
+        "zero_expert_num": 2,
+        "qk_head_dim": 16,
+        "head_dim": 8,
+    },  # a token classifier (MODEL_CLASSES): logits per token, no generation
     # multimodal (MULTIMODAL below): overrides of the text config
     "mistral_large4": {
         "mlp_layer_types": ["sparse", "sparse"],
@@ -184,12 +190,14 @@ MODEL_CLASSES = {
     "openai_privacy_filter": "OpenAIPrivacyFilterForTokenClassification",
 }
 GENERATES = [family for family in FAMILIES if family != "openai_privacy_filter"]
-# Routers per decoder layer where it is not one (JetMoE routes its attention heads and its MLP).
-ROUTERS_PER_LAYER = {"jetmoe": 2}
+# Routers per model where it is not one per num_hidden_layers: JetMoE routes its attention heads
+# and its MLP; a LongCat-Flash layer (num_layers of them) is two of its num_hidden_layers.
+ROUTER_COUNT = {"jetmoe": ("num_hidden_layers", 2), "longcat_flash": ("num_layers", 1)}
 
 
 def num_routers(model, model_type: str) -> int:
-    return ROUTERS_PER_LAYER.get(model_type, 1) * model.config.get_text_config().num_hidden_layers
+    attribute, per_layer = ROUTER_COUNT.get(model_type, ("num_hidden_layers", 1))
+    return per_layer * getattr(model.config.get_text_config(), attribute)
 
 
 def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):

@@ -15,7 +15,7 @@ from moe_kernels.integrations.transformers import apply_moe_kernels, remove_moe_
 
 # Families whose experts module is not pluggable through transformers' experts interface in 5.23
 # (their own expert loops stay; the router is still ours).
-OWN_EXPERTS = {"llama4_text", "dbrx", "step3p7", "jetmoe"}
+OWN_EXPERTS = {"llama4_text", "dbrx", "step3p7", "jetmoe", "longcat_flash"}
 
 
 def tokens(seed=0, shape=(2, 12)):
@@ -92,7 +92,9 @@ def canonical(outputs):
     """The outputs in an order-free form: transformers' topk(sorted=False) leaves the order of a
     token's k experts open (sorted here by expert index); JetMoE's dispatch plan (the pairs grouped
     by expert, any order within an expert) becomes dense [T, E] gates."""
-    if isinstance(outputs[3], list):  # JetMoE: index_sorted_experts, batch_index, batch_gates, expert_size, logits
+    if len(outputs) == 5 and isinstance(
+        outputs[3], list
+    ):  # JetMoE: index_sorted_experts, batch_index, batch_gates, expert_size, logits
         index_sorted_experts, batch_index, batch_gates, expert_size, logits = outputs
         k = index_sorted_experts.numel() // logits.shape[0]
         assert torch.equal(index_sorted_experts.sort()[0], torch.arange(index_sorted_experts.numel()))

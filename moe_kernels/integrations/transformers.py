@@ -241,6 +241,19 @@ def _jetmoe(self, hidden_states):
     return index_sorted_experts, batch_index, batch_gates, expert_size, logits
 
 
+def _longcat_flash(self, hidden_states):
+    # the classifier's weight only (transformers ignores its bias here too)
+    router_logits = F.linear(_2d(hidden_states, self).float(), self.classifier.weight.float())
+    # The indices past n_routed_experts are its zero-computation experts, handled by its block.
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        bias=self.e_score_correction_bias,
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
 # Sigmoid routers.
 
 
@@ -467,6 +480,7 @@ _CODES: dict[str, RouterCode] = {
     "a92c2b5e85b41c75": RouterCode("openai_privacy_filter", "openai_privacy_filter", _openai_privacy_filter),
     "135abc03a9e819b0": RouterCode("zaya", "zaya", _zaya),
     "f22aa1bb678e6fdf": RouterCode("jetmoe", "jetmoe (attention and MLP)", _jetmoe),
+    "56a672b564ee9879": RouterCode("longcat_flash", "longcat_flash", _longcat_flash),
     "248c5812efccccab": RouterCode("flint", "flint", _flint),
     "227f89c351a1521c": RouterCode("laguna", "laguna", _laguna),
     "cca4b2241dd24d1d": RouterCode("minimax_m3_vl", "minimax_m3_vl, step3p7", _minimax_m3_vl),
