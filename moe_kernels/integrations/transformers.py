@@ -479,7 +479,7 @@ _CODES: dict[str, RouterCode] = {
     "50fe1326d6c97c9a": RouterCode("mistral_large4", "mistral_large4", _mistral_large4, applicable=_groups_applicable),
     "a92c2b5e85b41c75": RouterCode("openai_privacy_filter", "openai_privacy_filter", _openai_privacy_filter),
     "135abc03a9e819b0": RouterCode("zaya", "zaya", _zaya),
-    "f22aa1bb678e6fdf": RouterCode("jetmoe", "jetmoe (attention and MLP)", _jetmoe),
+    "f22aa1bb678e6fdf": RouterCode("jetmoe", "jetmoe", _jetmoe),
     "56a672b564ee9879": RouterCode("longcat_flash", "longcat_flash", _longcat_flash),
     "248c5812efccccab": RouterCode("flint", "flint", _flint),
     "227f89c351a1521c": RouterCode("laguna", "laguna", _laguna),
