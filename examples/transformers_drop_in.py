@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
-from hf_tiny import FAMILIES, tiny_model  # noqa: E402  (the test suite's tiny configs)
+from hf_tiny import GENERATES, tiny_model  # noqa: E402  (the test suite's tiny configs)
 
 from moe_kernels.integrations.transformers import apply_moe_kernels  # noqa: E402
 
@@ -27,7 +27,7 @@ def seconds(fn, repeats):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", default="mixtral", choices=sorted(FAMILIES))
+    parser.add_argument("--family", default="mixtral", choices=sorted(GENERATES))
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per forward (one sequence)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()

@@ -21,7 +21,74 @@ FAMILIES = {
     "llama4_text": {},
     "dbrx": {},
     "lfm2_moe": {},
+    "aria_text": {},
+    "cohere2_moe": {"num_shared_experts": 1},
+    "flint": {"mlp_only_layers": [], "shared_expert_intermediate_size": 32},
+    "hunyuan_v1_moe": {},
+    "laguna": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "num_attention_heads_per_layer": [4, 4],
+        "shared_expert_intermediate_size": 32,
+        "moe_router_logit_softcapping": 2.0,
+    },
+    "minimax_m3_vl_text": {"shared_intermediate_size": 32, "dense_intermediate_size": 64},
+    "beam": {"mlp_layer_types": ["sparse", "sparse"], "n_group": 2, "topk_group": 1},
+    "mistral4": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5},
+    "axk2": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "n_group": 4,
+        "topk_group": 2,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "num_key_value_heads": 4,
+    },
+    "inkling_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
+    "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
+    "openai_privacy_filter": {"pad_token_id": 0},
+    "zaya": {"router_hidden_size": 32},
+    "jetmoe": {},
+    "longcat_flash": {
+        "num_layers": 2,
+        "zero_expert_num": 2,
+        "qk_head_dim": 16,
+        "head_dim": 8,
+    },  # a token classifier (MODEL_CLASSES): logits per token, no generation
+    # multimodal (MULTIMODAL below): overrides of the text config
+    "mistral_large4": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "num_key_value_heads": 4,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.5,
+    },
+    "step3p7": {
+        "mlp_layer_types": ["sparse", "sparse"],
+        "layer_types": ["full_attention", "sliding_attention"],
+        "sliding_window": 8,
+        "share_expert_dim": 32,
+    },
+    "muse_spark": {"moe_hidden_size": 32},
 }
+
+# Multimodal models whose MoE is in the language model: the class built and its top-level
+# overrides. Their vision (and audio) parts only have to build: the tests give text only.
+MULTIMODAL = {
+    "mistral_large4": ("MistralLarge4ForConditionalGeneration", {}),
+    "step3p7": ("Step3p7ForConditionalGeneration", {}),
+    "muse_spark": (
+        "MuseSparkForConditionalGeneration",
+        {
+            "audio_config": {"hidden_sizes": [8, 8, 8, 8], "depths": [1, 1, 1, 1], "out_hidden_size": 64},
+            "out_hidden_size": 64,
+            "projector_hidden_size": 32,
+        },
+    ),
+}
+VISION = {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16}
 
 SHRINK = {
     "hidden_size": 64,
@@ -57,14 +124,30 @@ SHRINK = {
 }
 
 
+def _multimodal_config(model_type: str):
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    # Sub-configs passed as dicts, so that their __post_init__ derives what depends on the sizes.
+    text = {k: v for k, v in SHRINK.items() if hasattr(default.text_config, k)} | FAMILIES[model_type]
+    vision = {k: v for k, v in VISION.items() if hasattr(default.vision_config, k)}
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **MULTIMODAL[model_type][1])
+
+
 def tiny_config(model_type: str):
     from transformers import AutoConfig
 
+    if model_type in MULTIMODAL:
+        return _multimodal_config(model_type)
     config = AutoConfig.for_model(model_type)
     sub = getattr(config, "ffn_config", None)
     for target in (config, sub):
         if target is None:
             continue
+        layers = getattr(target, "num_hidden_layers", None)
+        for key, value in list(vars(target).items()):  # per-layer lists follow the shrunk layer count
+            if isinstance(value, list) and layers and len(value) == layers and layers > SHRINK["num_hidden_layers"]:
+                setattr(target, key, value[: SHRINK["num_hidden_layers"]])
         for key, value in SHRINK.items():
             if hasattr(target, key):
                 setattr(target, key, value)
@@ -84,6 +167,10 @@ def tiny_config(model_type: str):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
     if model_type.startswith("deepseek"):  # rope on qk_rope_head_dim
         config.head_dim = config.qk_rope_head_dim
+    if model_type in ("mistral4", "axk2"):  # multi-head latent attention: derived in __post_init__
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        if model_type == "axk2":  # rope on qk_rope_head_dim (mistral4: partial_rotary_factor)
+            config.head_dim = config.qk_rope_head_dim
     if model_type == "llama4_text":
         config.interleave_moe_layer_step = 1
         config.moe_layers = list(range(config.num_hidden_layers))
@@ -97,17 +184,52 @@ def tiny_config(model_type: str):
     return config
 
 
+# Models that AutoModelForCausalLM does not map in transformers 5.23.
+MODEL_CLASSES = {
+    "mistral4": "Mistral4ForCausalLM",
+    "openai_privacy_filter": "OpenAIPrivacyFilterForTokenClassification",
+}
+GENERATES = [family for family in FAMILIES if family != "openai_privacy_filter"]
+# Routers per model where it is not one per num_hidden_layers: JetMoE routes its attention heads
+# and its MLP; a LongCat-Flash layer (num_layers of them) is two of its num_hidden_layers.
+ROUTER_COUNT = {"jetmoe": ("num_hidden_layers", 2), "longcat_flash": ("num_layers", 1)}
+
+
+def num_routers(model, model_type: str) -> int:
+    attribute, per_layer = ROUTER_COUNT.get(model_type, ("num_hidden_layers", 1))
+    return per_layer * getattr(model.config.get_text_config(), attribute)
+
+
 def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=dtype)
+    config = tiny_config(model_type)
+    name = MULTIMODAL[model_type][0] if model_type in MULTIMODAL else MODEL_CLASSES.get(model_type)
+    if name is not None:
+        model = getattr(transformers, name)(config).to(dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if dtype != torch.float32:  # what from_pretrained keeps in float32 (from_config does not)
+        strict = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if any(pattern in name for pattern in strict):
+                t.data = t.data.float()
     # Random, not zero, routers (several families zero-initialise theirs: every token would tie).
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 1 and ("router" in name or "gate" in name.split(".")[-2:][0] or "bias" in name):
+            router = "router" in name or "gate" in name.split(".")[-2:][0] or ".gate." in name  # HunYuan: gate.wg
+            if p.dim() >= 1 and (router or "bias" in name):
                 p.normal_(0, 0.5)
+        if model_type == "zaya":  # its router is an MLP: unit-gain layers keep the logits O(1)
+            for name, p in model.named_parameters():
+                if ".gate." in name and p.dim() == 2:
+                    p.normal_(0, (3 if "out_proj" in name else 1) * p.shape[1] ** -0.5)
+                elif ".gate." in name and "norm" in name:
+                    p.fill_(1.0)
         for name, b in model.named_buffers():
-            if "correction_bias" in name or "expert_bias" in name:
+            if "correction_bias" in name or "expert_bias" in name or "balancing_biases" in name:
                 b.copy_(0.05 * torch.randn_like(b))
+            if "balancing_biases" in name:  # Zaya's last class is its skip expert: make tokens pick it
+                b[-1] = 0.2
     return model.eval()

@@ -137,6 +137,123 @@ def _dbrx_applicable(module):
     return None
 
 
+def _aria(self, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight)
+    # softmax over the top-k logits == the renormalised full softmax at the top k
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
+def _cohere2_moe(self, hidden_states):
+    router_logits = F.linear(hidden_states, self.weight)
+    # Cohere ranks the logits for both scorings; softmax is taken over the top k only (renormalised).
+    renormalize = self.expert_selection_fn == "softmax" or bool(self.norm_topk_prob)
+    weights, experts = topk_router(router_logits, self.top_k, scoring=self.expert_selection_fn, renormalize=renormalize)
+    return router_logits, weights.to(hidden_states.dtype), experts
+
+
+def _cohere2_moe_applicable(module):
+    if module.expert_selection_fn not in ("softmax", "sigmoid"):
+        return f"expert_selection_fn {module.expert_selection_fn!r} is neither 'softmax' nor 'sigmoid'"
+    return None
+
+
+def _hunyuan_v1_moe(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if self.wg.weight.dtype == torch.float32:
+        hidden_states = hidden_states.float()
+    router_logits = self.wg(hidden_states)
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
+def _mistral4(self, hidden_states):
+    # transformers takes this softmax in the logits' dtype; the op's is float32 (same in float32)
+    router_logits = F.linear(hidden_states.view(-1, self.hidden_dim), self.weight)
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        num_groups=self.num_group,
+        topk_groups=self.topk_group,
+        renormalize=bool(self.norm_topk_prob),
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
+def _mistral_large4(self, hidden_states):
+    router_logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        num_groups=self.num_group,
+        topk_groups=self.topk_group,
+        renormalize=True,
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights, experts
+
+
+def _groups_applicable(module):
+    # With fewer than k eligible experts transformers picks masked ones (filled with 0.0 or -inf);
+    # topk_router never selects an ineligible expert and refuses such a k.
+    if module.num_group is None or module.topk_group is None:
+        return "n_group or topk_group is None"
+    if module.num_experts % module.num_group:
+        return f"n_group {module.num_group} does not divide the {module.num_experts} experts"
+    eligible = module.topk_group * (module.num_experts // module.num_group)
+    if module.top_k > eligible:
+        return f"top_k {module.top_k} > the {eligible} experts of topk_group {module.topk_group} groups"
+    return None
+
+
+def _openai_privacy_filter(self, hidden_states):
+    router_logits = F.linear(hidden_states.float(), self.weight.float(), self.bias.float())
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True, scaling_factor=1.0 / self.top_k)
+    return router_logits, weights, experts
+
+
+def _zaya(self, hidden_states, router_states=None):
+    seq_length = hidden_states.shape[1]
+    router_hidden_states = self.down_proj(hidden_states)
+    if self.use_eda and router_states is not None:  # the previous layer's router state
+        router_hidden_states = router_hidden_states + router_states * self.router_states_scale
+    router_hidden_states_next = router_hidden_states[:, -seq_length:].clone()
+    router_logits = self.router_mlp(router_hidden_states).reshape(-1, self.num_router_classes)
+    weights, experts = topk_router(router_logits, self.top_k, bias=self.balancing_biases)
+    # The last class is the skip expert (no compute): transformers gives it weight 0 on expert 0.
+    skip = experts == self.num_experts
+    weights = weights.to(router_logits.dtype).masked_fill(skip, 0)
+    return router_logits, weights, experts.masked_fill(skip, 0), router_hidden_states_next
+
+
+def _jetmoe(self, hidden_states):
+    logits = self.layer(hidden_states).float()
+    # softmax over the top-k logits == the renormalised full softmax at the top k
+    weights, experts = topk_router(logits, self.top_k, renormalize=True)
+    # JetMoE's dispatch plan: the T k (token, expert) pairs grouped by expert, with the count per
+    # expert. Within an expert any order is valid (transformers' unstable sort leaves it open).
+    pairs = experts.flatten()
+    index_sorted_experts = pairs.argsort(stable=True)
+    batch_index = index_sorted_experts.div(self.top_k, rounding_mode="trunc")
+    batch_gates = weights.type_as(hidden_states).flatten()[index_sorted_experts]
+    expert_size = torch.bincount(pairs, minlength=self.num_experts).tolist()
+    return index_sorted_experts, batch_index, batch_gates, expert_size, logits
+
+
+def _longcat_flash(self, hidden_states):
+    # the classifier's weight only (transformers ignores its bias here too)
+    router_logits = F.linear(_2d(hidden_states, self).float(), self.classifier.weight.float())
+    # The indices past n_routed_experts are its zero-computation experts, handled by its block.
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        bias=self.e_score_correction_bias,
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
 # Sigmoid routers.
 
 
@@ -209,6 +326,118 @@ def _llama4(self, hidden_states):
     return router_scores, router_logits
 
 
+def _flint(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):  # float32, as transformers
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, experts = topk_router(router_logits, self.top_k, scoring="sigmoid", renormalize=bool(self.norm_topk_prob))
+    return router_logits, weights, experts
+
+
+def _laguna(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight).float()
+    if self.router_logit_softcapping > 0.0:  # the capped logits are the router's logits
+        cap = self.router_logit_softcapping
+        router_logits = torch.tanh(router_logits / cap) * cap
+    weights, experts = topk_router(
+        router_logits, self.top_k, scoring="sigmoid", bias=self.e_score_correction_bias.float(), renormalize=True
+    )
+    return router_logits, weights.to(hidden_states.dtype), experts
+
+
+def _minimax_m3_vl(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self).to(self.weight.dtype), self.weight)
+    weights, experts = topk_router(
+        router_logits, self.top_k, scoring="sigmoid", bias=self.e_score_correction_bias, renormalize=True
+    )
+    return router_logits, weights, experts
+
+
+def _axk2(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float())
+    groups = {}
+    if self.num_group is not None:  # the light checkpoints route without groups
+        groups = dict(num_groups=self.num_group, topk_groups=self.topk_group)
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=self.e_score_correction_bias,
+        renormalize=bool(self.norm_topk_prob),
+        scaling_factor=float(self.routed_scaling_factor),
+        **groups,
+    )
+    return router_logits, weights, experts
+
+
+def _axk2_applicable(module):
+    return None if module.num_group is None else _groups_applicable(module)
+
+
+def _beam(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float())
+    # Beam scales by routed_scaling_factor after the experts, in its block.
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=self.e_score_correction_bias,
+        num_groups=self.num_group,
+        topk_groups=self.topk_group,
+        renormalize=bool(self.norm_topk_prob),
+    )
+    return router_logits, weights, experts
+
+
+def _inkling2(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states.float(), self), self.weight)
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=self.e_score_correction_bias,
+        renormalize=True,
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights, experts
+
+
+def _inkling2_applicable(module):
+    if type(module.score_fn) is not torch.nn.Sigmoid:
+        return f"scoring function {type(module.score_fn).__name__} (only sigmoid maps)"
+    return None
+
+
+def _muse_spark(self, hidden_states):
+    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float()) * self.output_multiplier
+    weights, experts = topk_router(
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=self.e_score_correction_bias,
+        renormalize=True,
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights, experts
+
+
+def _inkling(self, hidden_states):
+    flat = hidden_states.reshape(-1, self.hidden_dim)
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):  # float32, as transformers
+        router_logits = F.linear(flat.float(), self.weight.float())
+        routed_logits = router_logits[..., : -self.n_shared_experts]
+        shared = router_logits[..., -self.n_shared_experts :].sigmoid()
+        bias = self.e_score_correction_bias.float()
+        scores, experts = topk_router(routed_logits, self.top_k, scoring="sigmoid", bias=bias)
+        # The selected and the shared experts' sigmoids normalised together (transformers: a softmax
+        # of their log-sigmoids), then scaled.
+        weights = torch.cat([scores, shared], dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale * self.global_scale.float()
+    weights = weights.to(hidden_states.dtype)
+    return routed_logits, weights[..., : self.top_k].contiguous(), experts, weights[..., self.top_k :].contiguous()
+
+
 # The verified codes: sha256 (first 16 hex digits) of the dedented source of the router's forward
 # (DBRX: its block's route_tokens_to_experts) in transformers 5.23, with the model folders whose
 # classes have exactly that code. The family forwards above reproduce each one.
@@ -243,6 +472,23 @@ _CODES: dict[str, RouterCode] = {
     "03c681d064f24432": RouterCode(
         "dbrx", "dbrx", _dbrx_route, method="route_tokens_to_experts", applicable=_dbrx_applicable
     ),
+    "c1a08847b6b1369a": RouterCode("aria", "aria", _aria),
+    "3c27299c97582c94": RouterCode("cohere2_moe", "cohere2_moe", _cohere2_moe, applicable=_cohere2_moe_applicable),
+    "d7f2a2480378d5b0": RouterCode("hunyuan_v1_moe", "hunyuan_v1_moe", _hunyuan_v1_moe),
+    "dec30c42d2ab6764": RouterCode("mistral4", "mistral4", _mistral4, applicable=_groups_applicable),
+    "50fe1326d6c97c9a": RouterCode("mistral_large4", "mistral_large4", _mistral_large4, applicable=_groups_applicable),
+    "a92c2b5e85b41c75": RouterCode("openai_privacy_filter", "openai_privacy_filter", _openai_privacy_filter),
+    "135abc03a9e819b0": RouterCode("zaya", "zaya", _zaya),
+    "f22aa1bb678e6fdf": RouterCode("jetmoe", "jetmoe", _jetmoe),
+    "56a672b564ee9879": RouterCode("longcat_flash", "longcat_flash", _longcat_flash),
+    "248c5812efccccab": RouterCode("flint", "flint", _flint),
+    "227f89c351a1521c": RouterCode("laguna", "laguna", _laguna),
+    "cca4b2241dd24d1d": RouterCode("minimax_m3_vl", "minimax_m3_vl, step3p7", _minimax_m3_vl),
+    "04c347eaa129b9c1": RouterCode("axk2", "axk2", _axk2, applicable=_axk2_applicable),
+    "4faa3a8c16e85d59": RouterCode("beam", "beam", _beam, applicable=_groups_applicable),
+    "3253d872f178aed4": RouterCode("inkling", "inkling", _inkling),
+    "21ea28c64ce5d07a": RouterCode("inkling2", "inkling2", _inkling2, applicable=_inkling2_applicable),
+    "9706bdf66610f345": RouterCode("muse_spark", "muse_spark", _muse_spark),
 }
 
 
@@ -257,11 +503,15 @@ def _router_methods(module: torch.nn.Module):
 
 # Routers that only compute logits: the routing is in their block (patched through the block).
 _LOGITS_ONLY = {"DbrxRouter"}
+# Routers (or routing blocks) whose class name does not end in Router.
+_OTHER_ROUTERS = {"DbrxFFN", "HunYuanMoEV1Gate", "JetMoeTopKGating"}
 
 
 def _looks_like_router(module: torch.nn.Module) -> bool:
     name = type(module).__name__
-    return (name.endswith(("Router", "TopkRouter", "TopKRouter")) and name not in _LOGITS_ONLY) or name == "DbrxFFN"
+    return (
+        name.endswith(("Router", "TopkRouter", "TopKRouter")) and name not in _LOGITS_ONLY
+    ) or name in _OTHER_ROUTERS
 
 
 def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True) -> dict:
