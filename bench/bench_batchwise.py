@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, report  # noqa: E402
+from common import compile_notes, measure, measure_compiled, report, stable_malloc  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -53,12 +53,13 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    stable_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)  # the same scores every run (torch's default seed differs per process)
     grid = [(4096, 8)] if args.quick else [(T, E) for T in (4096, 65536) for E in (8, 64)]
     print(f"backend: {moe_kernels.backends()['batchwise_mask']}, threads {torch.get_num_threads()}")
-    rows = []
+    rows, notes = [], []
     for T, E in grid:
         m = 2 * T // E
         x = torch.randn(T, E)
@@ -70,8 +71,24 @@ def main():
         }
         if T <= 4096:  # the reference sorts every column in a Python loop: slow at T = 65536
             providers["reference"] = lambda: reference.batchwise_mask(x, m)
+        bytes_moved = x.numel() * 5 + E * m * 8
         for name, fn in providers.items():
-            rows.append(measure("batchwise_mask", name, fn, config=config, bytes_moved=x.numel() * 5 + E * m * 8))
+            mem = name != "reference"
+            rows.append(measure("batchwise_mask", name, fn, config=config, bytes_moved=bytes_moved, memory=mem))
+        rows.append(
+            measure_compiled(
+                "batchwise_mask",
+                "torch.compile topk+scatter",
+                topk_scatter,
+                x,
+                m,
+                config=config,
+                notes=notes,
+                bytes_moved=bytes_moved,
+            )
+        )
+        # One read of the scores: the limit of an op that must read every score.
+        rows.append(measure("batchwise_mask", "read pass", lambda: x.amax(0), config=config, bytes_moved=x.numel() * 4))
         for name, fn in {
             "moe_kernels": lambda: batchwise_mask(x, m, return_indices=True),
             "torch.topk(dim=0)+scatter": lambda: topk_sorted_indices(x, m),
@@ -81,8 +98,9 @@ def main():
         "batchwise" + ("_quick" if args.quick else ""),
         rows,
         baseline="torch.topk(dim=0)+scatter",
-        providers=["moe_kernels", "torch.topk(dim=0)+scatter", "reference"],
+        providers=["moe_kernels", "torch.topk(dim=0)+scatter", "reference", "torch.compile topk+scatter", "read pass"],
         command=".venv/bin/python bench/bench_batchwise.py" + (f" --threads {args.threads}" if args.threads else ""),
+        notes=compile_notes(notes),
     )
 
 

@@ -19,15 +19,13 @@ OpenMP fork/join can wait milliseconds for a descheduled worker.
 """
 
 import argparse
-import os
-import re
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, measure, report  # noqa: E402
+from common import RESULTS, measure, peak_memory_mb, report, stable_malloc  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -99,28 +97,8 @@ PROVIDERS = {
 }
 
 
-def peak_rss_mb(fn) -> float:
-    """Peak resident memory (MB) of fn() above the resident memory before it (Linux VmHWM, reset
-    through /proc/self/clear_refs)."""
-
-    def status(field):
-        return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return float("nan")
-    before = status("VmRSS")
-    fn()
-    return status("VmHWM") - before
-
-
 def main():
-    # glibc raises its mmap threshold after large frees and then recycles freed memory without the
-    # kernel seeing it, which hides peaks from VmHWM. A fixed threshold makes every large tensor its
-    # own mapping (returned on free) for every provider and for clone alike.
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    stable_malloc()  # before any allocation: peak_memory_mb reads VmHWM
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--einsum-limit-gb", type=float, default=0.5, help="skip einsum when a mask exceeds this")
@@ -163,7 +141,7 @@ def main():
                 x.grad = logits.grad = None
                 fn(x, logits, E, k, C).backward(g)
 
-            memory[name] = peak_rss_mb(step)
+            memory[name] = peak_memory_mb(step)
             slow = name in ("einsum (GShard)", "reference")  # seconds per step: fewer repetitions
             rows.append(
                 measure("dispatch", name, step, config=config, mode="fwd+bwd", **(slow_timing if slow else timing))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, report  # noqa: E402
+from common import compile_notes, measure, measure_compiled, report, stable_malloc  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -29,16 +29,32 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     args = parser.parse_args()
+    stable_malloc()
     grid = [(512, 16, 2)] if args.quick else [(4096, n, k) for n in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['dselect_k']}")
-    rows = []
+    rows, notes = [], []
     for B, n, k in grid:
         m = num_bits(n)
         alpha = torch.randn(B, k)
         z = torch.randn(B, k, m) * 0.3  # inside the fractional region: every selector entry nonzero
         config = {"B": B, "n": n, "k": k}
         for name, fn in PROVIDERS.items():
-            rows.append(measure("dselect_k", name, lambda fn=fn: fn(alpha, z, n), config=config))
+            rows.append(measure("dselect_k", name, lambda fn=fn: fn(alpha, z, n), config=config, memory=True))
+        rows.append(
+            measure_compiled(
+                "dselect_k",
+                "torch.compile reference",
+                PROVIDERS["torch (reference)"],
+                alpha,
+                z,
+                n,
+                config=config,
+                notes=notes,
+            )
+        )
+        # The inputs are small ([B, k] and [B, k, m]): writing the [B, n] gates once is the limit.
+        out = torch.empty(B, n)
+        rows.append(measure("dselect_k", "write pass", out.zero_, config=config, bytes_moved=out.numel() * 4))
         for name, fn in PROVIDERS.items():
             a = alpha.clone().requires_grad_()
             zz = z.clone().requires_grad_()
@@ -53,8 +69,9 @@ def main():
         "dselect_k" + ("_quick" if args.quick else ""),
         rows,
         baseline="torch (reference)",
-        providers=list(PROVIDERS),
+        providers=[*PROVIDERS, "torch.compile reference", "write pass"],
         command=".venv/bin/python bench/bench_dselect.py",
+        notes=compile_notes(notes),
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, report  # noqa: E402
+from common import compile_notes, compile_sequence, measure, report, stable_malloc  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels.gates.noisy_topk import noisy_topk_routing  # noqa: E402
@@ -65,9 +65,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     args = parser.parse_args()
+    stable_malloc()
     grid = [(4096, 64, 2)] if args.quick else [(16384, E, k) for E in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['load_probabilities']}")
-    rows = []
+    rows, notes = [], []
     for T, E, k in grid:
         g = torch.Generator(device=torch.get_default_device()).manual_seed(0)  # the GPU under gpu-report
         clean = torch.randn(T, E, generator=g)
@@ -75,7 +76,12 @@ def main():
         noise = torch.randn(T, E, generator=g)
         upstream = torch.randn(T, k, generator=g)
         config = {"T": T, "E": E, "k": k}
-        for name, fn in PROVIDERS.items():
+        c0, r0 = clean.clone().requires_grad_(), raw.clone().requires_grad_()
+        compiled, seconds = compile_sequence(plain_torch, c0, r0, noise, k)
+        notes.append(
+            f"| torch.compile plain torch | {' '.join(f'{a}={b}' for a, b in config.items())} | {seconds:.1f} |"
+        )
+        for name, fn in {**PROVIDERS, "torch.compile plain torch": compiled}.items():
             c = clean.clone().requires_grad_()
             r = raw.clone().requires_grad_()
 
@@ -84,13 +90,27 @@ def main():
                 _, weights, aux = fn(c, r, noise, k)
                 ((weights * upstream).sum() + aux).backward()
 
-            rows.append(measure("noisy_topk", name, step, config=config, mode="fwd+bwd"))
+            mem = name in PROVIDERS
+            rows.append(measure("noisy_topk", name, step, config=config, mode="fwd+bwd", memory=mem))
+        # One read of the three [T, E] inputs: a loose limit (forward and backward read and write more).
+        rows.append(
+            measure(
+                "noisy_topk",
+                "read pass",
+                lambda: (clean.amax(1), raw.amax(1), noise.amax(1)),
+                config=config,
+                mode="fwd+bwd",
+                bytes_moved=3 * clean.numel() * 4,
+            )
+        )
     report(
         "noisy_topk" + ("_quick" if args.quick else ""),
         rows,
         baseline="plain torch",
-        providers=list(PROVIDERS),
+        providers=[*PROVIDERS, "torch.compile plain torch", "read pass"],
         command=".venv/bin/python bench/bench_noisy_topk.py",
+        notes=compile_notes(notes)
+        + "\n\n(The backward's compilation falls in the warm-up runs, never in the timings.)",
     )
 
 

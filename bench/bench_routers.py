@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, report  # noqa: E402
+from common import compile_notes, measure, measure_compiled, report, stable_malloc  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels.ops import topk_router  # noqa: E402
@@ -89,8 +89,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="two small configurations (smoke test)")
     args = parser.parse_args()
+    stable_malloc()
     print(f"backend: {moe_kernels.backends()['topk_router']}")
-    rows = []
+    rows, notes = [], []
     for family, T, E, k, G, topk_group in grid(args.quick):
         gen = torch.Generator().manual_seed(T + E)
         x = torch.randn(T, E, generator=gen)
@@ -105,8 +106,25 @@ def main():
                     lambda fn=fn: fn(x, k, bias, G, topk_group),
                     config=config,
                     bytes_moved=x.numel() * 4 + T * k * 12,
+                    memory=True,
                 )
             )
+        rows.append(
+            measure_compiled(
+                "topk_router",
+                "torch.compile transformers",
+                FAMILIES[family][0],
+                x,
+                k,
+                bias,
+                G,
+                topk_group,
+                config=config,
+                notes=notes,
+                bytes_moved=x.numel() * 4 + T * k * 12,
+            )
+        )
+        rows.append(measure("topk_router", "read pass", lambda: x.amax(1), config=config, bytes_moved=x.numel() * 4))
         for name, fn in providers.items():
             xg = x.clone().requires_grad_()
             g = torch.randn(T, k, generator=gen)
@@ -120,8 +138,9 @@ def main():
         "routers" + ("_quick" if args.quick else ""),
         rows,
         baseline="transformers",
-        providers=["moe_kernels", "transformers"],
+        providers=["moe_kernels", "transformers", "torch.compile transformers", "read pass"],
         command="make bench (or .venv/bin/python bench/bench_routers.py)",
+        notes=compile_notes(notes),
     )
 
 

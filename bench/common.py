@@ -12,8 +12,10 @@ import csv
 import datetime
 import os
 import platform
+import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +99,55 @@ def compile_sequence(fn: Callable, *args) -> tuple[Callable, float]:
     return compiled, time.perf_counter() - start
 
 
+def measure_compiled(op: str, provider: str, fn: Callable, *args, config: dict, notes: list[str], **kwargs) -> dict:
+    """measure() of torch.compile(fn, dynamic=False) on args, its compile time (the first call)
+    left out of the timing and appended to `notes` as a markdown row (compile_notes)."""
+    compiled, seconds = compile_sequence(fn, *args)
+    notes.append(f"| {provider} | {' '.join(f'{a}={b}' for a, b in config.items())} | {seconds:.1f} |")
+    return measure(op, provider, lambda: compiled(*args), config=config, **kwargs)
+
+
+def compile_notes(notes: list[str]) -> str:
+    """The markdown under a table: the compile time of each measure_compiled row."""
+    head = "torch.compile (dynamic=False), first-call compile time (not in the timings):\n\n"
+    return head + "| provider | config | compile s |\n|---|---|---|\n" + "\n".join(notes)
+
+
+def stable_malloc() -> None:
+    """Re-run this script with MALLOC_MMAP_THRESHOLD_ fixed (once, at the top of main()): glibc raises
+    its mmap threshold after large frees and then recycles freed memory without the kernel seeing
+    it, which hides later peaks from VmHWM (peak_memory_mb). A fixed threshold makes every large
+    tensor its own mapping, returned on free, for every provider alike."""
+    if DEVICE == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+
+
+def peak_memory_mb(fn: Callable[[], object]) -> float:
+    """Peak memory of one call of fn() above what was in use before it, in MB. On CUDA:
+    torch.cuda.max_memory_allocated (the caching allocator's tensors). On CPU, torch 2.13 keeps no
+    allocator statistics, so this is the process's peak resident memory (Linux VmHWM, reset through
+    /proc/self/clear_refs) minus VmRSS before the call: tensors plus any other memory fn touches
+    (NaN where /proc does not allow the reset). Call stable_malloc() first."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+    def status(field):
+        return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = status("VmRSS")
+    except (OSError, AttributeError):
+        return float("nan")
+    fn()
+    return status("VmHWM") - before
+
+
 def measure(
     op: str,
     provider: str,
@@ -105,9 +156,12 @@ def measure(
     config: dict,
     mode: str = "forward",
     bytes_moved: int | None = None,
+    memory: bool = False,
     **timing,
 ) -> dict:
-    """Time `fn` and return a result row (median, 20th and 80th percentiles in ms, GB/s)."""
+    """Time `fn` and return a result row (median, 20th and 80th percentiles in ms, GB/s; with
+    memory=True also `peak_mb`, peak_memory_mb of one call, measured before the timing)."""
+    peak = peak_memory_mb(fn) if memory else None
     times = sorted(timeit(fn, **timing))
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0]] * 4
     median = statistics.median(times)
@@ -120,6 +174,7 @@ def measure(
         "p20_ms": q[0] * 1e3,
         "p80_ms": q[3] * 1e3,
         "gb_per_s": (bytes_moved / median / 1e9) if bytes_moved else "",
+        "peak_mb": "" if peak is None else round(peak, 1),
         "machine": machine(),
         "commit": commit(),
         "torch": torch.__version__,
@@ -134,15 +189,24 @@ def measure(
 
 
 def write_csv(name: str, rows: list[dict]) -> Path:
-    """Append rows to bench/results/<name>.csv."""
+    """Append rows to bench/results/<name>.csv; when they bring a column the file lacks (peak_mb),
+    the file is rewritten with the union of the columns (old rows get empty cells)."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.csv"
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    old: list[dict] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            if set(fields) - set(header):
+                old = list(reader)
+            fields = list(dict.fromkeys(header + fields))
+    with path.open("w" if old or not path.exists() else "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        if old or f.tell() == 0:
             writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(old + rows)
     return path
 
 
@@ -160,6 +224,26 @@ def ratio_table(rows: list[dict], *, baseline: str, providers: list[str]) -> str
     return "\n".join(lines)
 
 
+def memory_table(rows: list[dict], providers: list[str]) -> str:
+    """Markdown: per (mode, config), each provider's peak_mb where measured ('' if none was)."""
+    measured = [r for r in rows if r.get("peak_mb") not in (None, "")]
+    if not measured:
+        return ""
+    shown = [p for p in providers if any(r["provider"] == p for r in measured)]
+    keys = list(dict.fromkeys((r["mode"], r["config"]) for r in measured))
+    where = "torch.cuda.max_memory_allocated" if DEVICE == "cuda" else "process peak RSS (VmHWM)"
+    lines = [
+        f"\n## Peak memory of one call, MB above what was in use before it ({where})\n",
+        "| mode | config | " + " | ".join(shown) + " |",
+        "|---|---|" + "---|" * len(shown),
+    ]
+    for mode, config in keys:
+        m = {r["provider"]: r["peak_mb"] for r in measured if r["mode"] == mode and r["config"] == config}
+        cells = [f"{float(m[p]):.1f}" if p in m else "-" for p in shown]
+        lines.append(f"| {mode} | {config} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def report(name: str, rows: list[dict], *, baseline: str, providers: list[str], command: str, notes: str = "") -> str:
     """Write the CSV and bench/results/<name>.md (the table quoted in docs), return the markdown."""
     write_csv(name, rows)
@@ -168,6 +252,7 @@ def report(name: str, rows: list[dict], *, baseline: str, providers: list[str], 
         f"Median of >= 15 runs; ratios are against `{baseline}` measured in the same run.\n\n"
         + ratio_table(rows, baseline=baseline, providers=providers)
         + "\n"
+        + memory_table(rows, providers)
         + (f"\n{notes}\n" if notes else "")
     )
     (RESULTS / f"{name}.md").write_text(md)
