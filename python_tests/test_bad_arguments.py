@@ -98,3 +98,22 @@ def test_noisy_gate_mask_values(value):
     with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1"):
         noisy_topk_gate(x, x, x, 2, mask=mask)
     noisy_topk_gate(x, x, x, 2, mask=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+
+
+def test_dispatch_refuses_two_choices_on_one_slot():
+    # Two kept choices on one (expert, slot) would leave one silently unrouted. The C++ kernel
+    # refuses them while building its slot map; the GPU kernels cannot without a sync (docs/dispatch.md).
+    if not moe_kernels._extension.has_kernel("dispatch", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    x = torch.randn(3, 4)
+    experts = torch.tensor([[0, 1], [0, 1], [1, 0]])
+    positions, _ = moe_kernels.ops.capacity_positions(experts, 2, 3)
+    with moe_kernels.use_backend("cpu"):
+        moe_kernels.ops.dispatch(x, experts, positions, 2, 3)  # capacity_positions' slots: fine
+        clash = positions.clone()
+        clash[1, 0] = clash[0, 0]  # tokens 0 and 1 both on expert 0's first slot
+        with pytest.raises(ValueError, match=r"dispatch: positions put 1 kept choice\(s\) on a slot"):
+            moe_kernels.ops.dispatch(x, experts, clash, 2, 3)
+        dropped = clash.clone()
+        dropped[1, 0] = -1  # a dropped choice holds no slot: fine
+        moe_kernels.ops.dispatch(x, experts, dropped, 2, 3)

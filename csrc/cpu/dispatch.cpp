@@ -2,6 +2,7 @@
 // and copied to the slots its kept choices own; every buffer row (filled or zero) is written by one
 // task, so no atomics are needed. Backward: the gather-sum grad_x[t] = sum over kept s of grad_buffer[experts[t, s], positions[t, s]].
 #include <ATen/Dispatch.h>
+#include <algorithm>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -33,6 +34,13 @@ at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& experts_in, co
   const auto slot =
       routing_rows::kept_slots(experts.const_data_ptr<int64_t>(), positions.const_data_ptr<int64_t>(), T * k, E, C);
   const auto source = routing_rows::invert(slot.data(), T * k, E * C);  // slot -> choice
+  // Two kept choices on one slot would leave one of them silently unrouted: refused (a ValueError
+  // in Python). Counting costs one pass over the ids and one over the slots, no sort.
+  const int64_t kept = std::count_if(slot.begin(), slot.end(), [](int64_t r) { return r >= 0; });
+  const int64_t filled = std::count_if(source.begin(), source.end(), [](int64_t j) { return j >= 0; });
+  TORCH_CHECK_VALUE(kept == filled, "dispatch: positions put ", kept - filled,
+                    " kept choice(s) on a slot another choice of the same expert already holds; positions must be "
+                    "unique per expert (as capacity_positions returns them)");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dispatch", [&] {
     routing_rows::scatter_rows<scalar_t>(buffer.mutable_data_ptr<scalar_t>(), E * C, x.const_data_ptr<scalar_t>(), T,
                                          k, slot.data(), source.data(), d);
