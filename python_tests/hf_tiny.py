@@ -72,6 +72,7 @@ FAMILIES = {
         "share_expert_dim": 32,
     },
     "muse_spark": {"moe_hidden_size": 32},
+    "gemma4_text": {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2, "moe_intermediate_size": 32},
 }
 
 # Multimodal models whose MoE is in the language model: the class built and its top-level
@@ -140,6 +141,8 @@ def tiny_config(model_type: str):
     if model_type in MULTIMODAL:
         return _multimodal_config(model_type)
     config = AutoConfig.for_model(model_type)
+    if model_type == "gemma4_text":  # per-layer attributes (head_dim, ...): shrink them globally
+        config.allow_global_per_layer_attribute_access = True
     sub = getattr(config, "ffn_config", None)
     for target in (config, sub):
         if target is None:

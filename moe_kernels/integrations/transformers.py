@@ -83,6 +83,16 @@ def _granitemoe(self, hidden_states):
     return router_logits, weights.type_as(hidden_states), experts
 
 
+def _gemma4(self, hidden_states):
+    hidden_states = self.norm(hidden_states) * self.scale * self.scalar_root_size
+    router_logits = self.proj(hidden_states)
+    # The full float32 probabilities are part of the router's output (transformers returns them);
+    # the selection and the renormalised weights are topk_router's, then the per-expert scale.
+    probabilities = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = topk_router(router_logits, self.config.top_k_experts, renormalize=True)
+    return probabilities, weights * self.per_expert_scale[experts], experts
+
+
 def _jamba(self, hidden_states):
     router_logits = F.linear(hidden_states, self.weight)
     weights, experts = topk_router(router_logits, self.top_k)
@@ -451,6 +461,7 @@ _CODES: dict[str, RouterCode] = {
         "granitemoe", "granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared", _granitemoe
     ),
     "17cc5f6725963e35": RouterCode("jamba", "jamba", _jamba),
+    "84d829d8b20916f4": RouterCode("gemma4", "diffusion_gemma, gemma4", _gemma4),
     "e20157fa03acc250": RouterCode("gpt_oss", "gpt_oss", _gpt_oss),
     "ae44633475492459": RouterCode(
         "deepseek_v2", "deepseek_ocr2, deepseek_v2, unlimited_ocr", _deepseek_v2, applicable=_deepseek_v2_applicable
