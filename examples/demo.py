@@ -64,7 +64,9 @@ def main():
     print("moe_kernels", moe_kernels.__version__, "| torch", torch.__version__, "| threads", torch.get_num_threads())
     print("backend per op (CPU tensors / CUDA tensors):")
     for op, row in moe_kernels.backends().items():
-        print(f"  {op:<24} cpu: {row['cpu']:<8} cuda: {row['cuda']}")
+        f64 = row["cpu float64"]
+        note = f" (float64: {f64})" if f64 != row["cpu"] else ""
+        print(f"  {op:<24} cpu: {row['cpu'] + note:<25} cuda: {row['cuda']}")
     print(f"routing {T} tokens per batch to {k} of {E} experts, capacity factor {args.capacity_factor}: C = {C} slots")
 
     kernels = {

@@ -11,6 +11,11 @@ Default order: CPU tensors use "cpu", else "torch"; CUDA tensors use "triton", e
 "torch". Triton comes first on GPU because its kernels are executed by the test suite (in the
 interpreter) while the CUDA kernels are only compiled there.
 
+float64: an op declares which backends have a float64 path (`register(..., float64=(...))`,
+default: all of them). A float64 tensor whose chosen backend has none runs the reference, forced
+or not, so every op takes float64 everywhere (gradcheck on the public functions); backends() says
+which ops do that ("cpu float64" / "cuda float64").
+
 A kernel registered as opt-in (`register(..., opt_in=("cuda",))`: compiled here but never run on
 its device) is used only when forced; the default order skips it.
 
@@ -48,22 +53,36 @@ class _Op:
     triton: Callable | None
     cuda: Callable | None
     opt_in: tuple[str, ...] = ()
+    float64: tuple[str, ...] = BACKENDS
 
 
 _REGISTRY: dict[str, _Op] = {}
 
 
-def register(op: str, *, torch: Callable, cpu=None, triton=None, cuda=None, opt_in: tuple[str, ...] = ()) -> None:
+def register(
+    op: str,
+    *,
+    torch: Callable,
+    cpu=None,
+    triton=None,
+    cuda=None,
+    opt_in: tuple[str, ...] = (),
+    float64: tuple[str, ...] = BACKENDS,
+) -> None:
     """Declare the implementations of `op`. Each is a callable with the op's signature, or None.
 
     `cpu` / `cuda` are used only when the extension registered a kernel for that dispatch key;
     `triton` only when triton imports (and, for CPU tensors, under TRITON_INTERPRET=1). Backends
-    named in `opt_in` run only when forced (use_backend / MOE_KERNELS_BACKEND).
+    named in `opt_in` run only when forced (use_backend / MOE_KERNELS_BACKEND). `float64` names
+    the backends with a float64 path; float64 tensors on the others run "torch" (the reference).
     """
-    unknown = set(opt_in) - set(BACKENDS)
-    if unknown:
-        raise ValueError(f"register({op!r}): unknown opt_in backends {sorted(unknown)}; valid names: {BACKENDS}")
-    _REGISTRY[op] = _Op(torch=torch, cpu=cpu, triton=triton, cuda=cuda, opt_in=tuple(opt_in))
+    for what, names in (("opt_in", opt_in), ("float64", float64)):
+        unknown = set(names) - set(BACKENDS)
+        if unknown:
+            raise ValueError(f"register({op!r}): unknown {what} backends {sorted(unknown)}; valid names: {BACKENDS}")
+    _REGISTRY[op] = _Op(
+        torch=torch, cpu=cpu, triton=triton, cuda=cuda, opt_in=tuple(opt_in), float64=("torch", *float64)
+    )
 
 
 def triton_importable() -> bool:
@@ -121,9 +140,18 @@ def choose(op: str, device_type: str) -> str:
     return "torch"
 
 
+def choose_for(op: str, tensor: torch.Tensor) -> str:
+    """The backend `op` uses for `tensor`: choose() for its device, then "torch" if `tensor` is
+    float64 and that backend has no float64 path."""
+    name = choose(op, tensor.device.type)
+    if tensor.dtype == torch.float64 and name not in _REGISTRY[op].float64:
+        return "torch"
+    return name
+
+
 def implementation(op: str, tensor: torch.Tensor) -> Callable:
-    """The callable to run `op` on inputs living on `tensor`'s device."""
-    return getattr(_REGISTRY[op], choose(op, tensor.device.type))
+    """The callable to run `op` on inputs living on `tensor`'s device (and of its dtype)."""
+    return getattr(_REGISTRY[op], choose_for(op, tensor))
 
 
 def extension_kernel(op: str, tensor: torch.Tensor):
@@ -153,8 +181,9 @@ def use_backend(name: str):
 def backends() -> dict[str, dict[str, str]]:
     """For every op, the backend a CPU tensor and a CUDA tensor would use now.
 
-    e.g. {"topk_softmax": {"cpu": "cpu", "cuda": "unavailable"}}. "unavailable" means no CUDA
-    device (or a forced backend that cannot run there).
+    e.g. {"topk_softmax": {"cpu": "cpu", "cuda": "unavailable", "cpu float64": "torch",
+    "cuda float64": "unavailable"}}. "unavailable" means no CUDA device (or a forced backend that
+    cannot run there); "<device> float64" is the backend a float64 tensor would use.
     """
     cuda_present = torch.cuda.is_available()
     out = {}
@@ -168,6 +197,11 @@ def backends() -> dict[str, dict[str, str]]:
                 row[device_type] = choose(op, device_type)
             except ValueError:
                 row[device_type] = "unavailable"
+        for device_type in ("cpu", "cuda"):
+            name = row[device_type]
+            if name != "unavailable" and name not in _REGISTRY[op].float64:
+                name = "torch"
+            row[f"{device_type} float64"] = name
         out[op] = row
     return out
 

@@ -212,7 +212,7 @@ def test_torch_compile_fullgraph(kernel_backend):
         (torch.randn(0), torch.randn(0, 3), 6, 1.0, ValueError),  # k = 0
         (torch.randn(3), torch.randn(3, 3), 0, 1.0, ValueError),  # n = 0
         (torch.randn(3), torch.randn(3, 3), 6.0, 1.0, TypeError),  # n not an int
-        (torch.randn(3).double(), torch.randn(3, 3).double(), 6, 1.0, TypeError),  # dtype
+        (torch.randint(0, 5, (3,)), torch.randint(0, 5, (3, 3)), 6, 1.0, TypeError),  # dtype (float64: accepted)
         (torch.randn(3), torch.randn(3, 3).half(), 6, 1.0, TypeError),  # dtype mismatch
         ([0.0, 1.0], torch.randn(2, 3), 6, 1.0, TypeError),  # not a tensor
     ],

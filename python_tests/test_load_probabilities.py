@@ -256,8 +256,11 @@ def test_bad_dtypes():
     clean, noisy, stddev = inputs(3, 4)
     with pytest.raises(TypeError, match="clean_logits"):
         load_probabilities(clean.half(), noisy, stddev, 1)
+    with pytest.raises(TypeError, match="clean_logits"):
+        load_probabilities(clean.double(), noisy, stddev.double(), 1)  # one dtype for all three
     with pytest.raises(TypeError, match="noisy_logits"):
-        load_probabilities(clean.double(), noisy.double(), stddev.double(), 1)
+        load_probabilities(clean.long(), noisy.long(), stddev.long(), 1)
+    load_probabilities(clean.double(), noisy.double(), stddev.double(), 1)  # float64: test_float64.py
     with pytest.raises(TypeError, match="noisy_logits"):
         load_probabilities(clean, [[1.0]], stddev, 1)
 

@@ -217,7 +217,8 @@ def test_bad_mask_epsilon_and_dtypes():
     with pytest.raises(TypeError, match="raw_noise_stddev"):
         noisy_topk_gate(clean, raw.half(), noise, 1)
     with pytest.raises(TypeError, match="clean_logits"):
-        noisy_topk_gate(clean.double(), raw.double(), noise.double(), 1)
+        noisy_topk_gate(clean.long(), raw.long(), noise.long(), 1)
+    noisy_topk_gate(clean.double(), raw.double(), noise.double(), 1)  # float64: test_float64.py
 
 
 def _cpu_kernel():

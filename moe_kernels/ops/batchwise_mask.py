@@ -35,15 +35,16 @@ if backends.triton_importable():
 
 # The outputs are a bool mask and int64 indices: nothing to differentiate, so no autograd formula
 # (gradients reach the scores through the gate values the mask selects, eq 16).
-backends.register("batchwise_mask", torch=reference.batchwise_mask, cpu=_cpp, triton=_triton, cuda=_cpp)
+# No kernel has a float64 path: float64 scores run the reference (backends.choose_for).
+backends.register("batchwise_mask", torch=reference.batchwise_mask, cpu=_cpp, triton=_triton, cuda=_cpp, float64=())
 
 
 def batchwise_mask(scores: torch.Tensor, m: int, return_indices: bool = False):
     """M_batchwise(X, m) (eq 18): every expert (column) keeps exactly the m largest scores.
 
     Args:
-      scores: [T, E] float32 / float16 / bfloat16, any strides; X_{j,i} is token j's score for
-        expert i (the paper applies it to G_sigma(x), eq 15).
+      scores: [T, E] float32 / float16 / bfloat16 (float64: the reference), any strides; X_{j,i}
+        is token j's score for expert i (the paper applies it to G_sigma(x), eq 15).
       m: tokens per expert, 0 <= m <= T. The gate uses m = k|X|/n (moe_kernels.gates.batchwise).
       return_indices: also return the expert-choice layout.
 
@@ -56,7 +57,7 @@ def batchwise_mask(scores: torch.Tensor, m: int, return_indices: bool = False):
     NaN above +inf, -0.0 == +0.0; -inf is the lowest score but still counts, so every column has
     exactly m tokens whatever the input. Every backend gives the same mask and indices.
     """
-    _validate.tensor("scores", scores, dim=2, shape="[T, E]", dtypes=_validate.ROUTING_DTYPES)
+    _validate.tensor("scores", scores, dim=2, shape="[T, E]", dtypes=_validate.FLOAT_DTYPES)
     T, E = scores.shape
     if E < 1:
         raise ValueError(f"scores must be [T, E] with E >= 1, got shape {tuple(scores.shape)}")

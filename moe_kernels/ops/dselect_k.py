@@ -73,7 +73,8 @@ if backends.triton_importable():
         _make_backward(lambda: torch.ops.moe_kernels_triton.dselect_k_backward), setup_context=_setup_context
     )
 
-backends.register("dselect_k", torch=_reference, cpu=_cpp, triton=_triton)
+# No kernel has a float64 path: float64 alpha runs the reference (backends.choose_for).
+backends.register("dselect_k", torch=_reference, cpu=_cpp, triton=_triton, float64=())
 
 
 def dselect_k(alpha: torch.Tensor, z: torch.Tensor, num_experts: int, gamma: float = 1.0, return_selectors=False):
@@ -81,7 +82,7 @@ def dselect_k(alpha: torch.Tensor, z: torch.Tensor, num_experts: int, gamma: flo
 
     Args:
       alpha: [k] (static gate, Section 3.1) or [B, k] (per example, Section 3.2: alpha = G x),
-        float32 / float16 / bfloat16, k >= 1.
+        float32 / float16 / bfloat16 (float64: the reference, in float64), k >= 1.
       z: [k, m] or [B, k, m] (per example: z_i = W_i x), alpha's dtype, with
         m = ceil(log2(num_experts)) binary-encoding variables per selector (m = 0 for one expert).
       num_experts: n, 1 <= n <= 2^20. Bit j of the 0-based expert index l (least significant
@@ -92,12 +93,12 @@ def dselect_k(alpha: torch.Tensor, z: torch.Tensor, num_experts: int, gamma: flo
         the probability simplex, Proposition 2), for the entropy regulariser and the B.2 penalty.
 
     Returns:
-      gates [n] or [B, n] in alpha's dtype (computed in float32); with return_selectors, also
+      gates [n] or [B, n] in alpha's dtype (computed in float32, float64 for float64); with return_selectors, also
       selectors [k, 2^m] or [B, k, 2^m]. Differentiable with respect to alpha and z.
       A row whose alpha is all -inf gets NaN gates (as torch.softmax).
     """
-    _validate.tensor("alpha", alpha, shape="[k] or [B, k]", dtypes=_validate.ROUTING_DTYPES)
-    _validate.tensor("z", z, shape="[k, m] or [B, k, m]", dtypes=_validate.ROUTING_DTYPES)
+    _validate.tensor("alpha", alpha, shape="[k] or [B, k]", dtypes=_validate.FLOAT_DTYPES)
+    _validate.tensor("z", z, shape="[k, m] or [B, k, m]", dtypes=_validate.FLOAT_DTYPES)
     _validate.integer("num_experts", num_experts, low=1, high=MAX_EXPERTS)
     gamma = check_gamma(gamma)
     if not isinstance(return_selectors, bool):

@@ -103,7 +103,8 @@ def _reference(clean_logits, noisy_logits, noise_stddev, k):
     return reference.load_probabilities(clean_logits, noisy_logits, noise_stddev, k, return_topk=True)
 
 
-backends.register("load_probabilities", torch=_reference, cpu=_cpp, triton=_triton, cuda=_cpp)
+# No kernel has a float64 path: float64 logits run the reference (backends.choose_for).
+backends.register("load_probabilities", torch=_reference, cpu=_cpp, triton=_triton, cuda=_cpp, float64=())
 
 
 def load_probabilities(
@@ -124,7 +125,8 @@ def load_probabilities(
     (eq 10) is P.sum(0).
 
     Args:
-      clean_logits: [T, E] x W_g; float32 / float16 / bfloat16, any strides.
+      clean_logits: [T, E] x W_g; float32 / float16 / bfloat16, any strides (float64: the
+        reference, in float64).
       noisy_logits: [T, E] H(x) of eq 4, the logits the gate selected its top k from; same dtype.
       noise_stddev: [T, E] Softplus(x W_noise), > 0 (not checked: that would sync); same dtype.
       k: experts per token, 1 <= k <= E.
@@ -133,13 +135,13 @@ def load_probabilities(
         can take its top k from here); the last column is -1 when k = E.
 
     Returns:
-      P [T, E] in the inputs' dtype, computed in float32 (or (P, top)). With k = E every expert
+      P [T, E] in the inputs' dtype, computed in float32, float64 for float64 (or (P, top)). With k = E every expert
       is always selected: P = 1. clean = -inf (masked expert) gives P = 0.
 
     Differentiable with respect to all three inputs, including through the threshold elements
     of noisy_logits.
     """
-    _validate.tensor("noisy_logits", noisy_logits, dim=2, shape="[T, E]", dtypes=_validate.ROUTING_DTYPES)
+    _validate.tensor("noisy_logits", noisy_logits, dim=2, shape="[T, E]", dtypes=_validate.FLOAT_DTYPES)
     for name, value in (("clean_logits", clean_logits), ("noise_stddev", noise_stddev)):
         _validate.tensor(name, value, dim=2, shape="[T, E]", dtypes=(noisy_logits.dtype,))
         if value.shape != noisy_logits.shape:

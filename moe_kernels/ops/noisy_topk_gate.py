@@ -84,7 +84,8 @@ def noisy_topk_gate(
         load_i = sum over tokens t of mask_t P(x_t, i), P = load_probabilities(clean, H, noise_stddev, k)
 
     Args:
-      clean_logits: [T, E] x W_g; float32 / float16 / bfloat16, any strides.
+      clean_logits: [T, E] x W_g; float32 / float16 / bfloat16, any strides (float64: the
+        reference, in float64).
       raw_noise_stddev: [T, E] x W_noise, same dtype.
       noise: [T, E] StandardNormal() samples, same dtype.
       k: experts per token, 1 <= k <= E.
@@ -93,10 +94,10 @@ def noisy_topk_gate(
         load (they are still routed). Not differentiated.
 
     Returns:
-      (weights [T, k] in clean_logits' dtype, experts [T, k] int64, load [E] float32).
+      (weights [T, k] in clean_logits' dtype, experts [T, k] int64, load [E] float32, float64 for float64).
       Differentiable in clean_logits, raw_noise_stddev (through the softplus) and noise.
     """
-    _validate.tensor("clean_logits", clean_logits, dim=2, shape="[T, E]", dtypes=_validate.ROUTING_DTYPES)
+    _validate.tensor("clean_logits", clean_logits, dim=2, shape="[T, E]", dtypes=_validate.FLOAT_DTYPES)
     for name, value in (("raw_noise_stddev", raw_noise_stddev), ("noise", noise)):
         _validate.tensor(name, value, dim=2, shape="[T, E]", dtypes=(clean_logits.dtype,))
         if value.shape != clean_logits.shape:
@@ -119,7 +120,7 @@ def noisy_topk_gate(
             if not bool(((mask == 0) | (mask == 1)).all()):
                 raise ValueError("mask must be bool or hold only 0 and 1 (1 = a real token)")
     _validate.same_device(clean_logits=clean_logits, raw_noise_stddev=raw_noise_stddev, noise=noise, mask=mask)
-    if _cpp is not None and backends.choose("load_probabilities", clean_logits.device.type) == "cpu":
+    if _cpp is not None and backends.choose_for("load_probabilities", clean_logits) == "cpu":
         token_weights = None if mask is None else mask.detach().to(torch.float32)
         weights, top, load = _cpp(clean_logits, raw_noise_stddev, noise, k, float(noise_epsilon), token_weights)
         return weights, top[:, :k], load

@@ -52,7 +52,8 @@ if backends.triton_importable():
     _triton = _triton_module.smooth_step
     _triton.register_autograd(_backward_triton, setup_context=_setup_context)
 
-backends.register("smooth_step", torch=reference.smooth_step, cpu=_cpp, triton=_triton)
+# No kernel has a float64 path: float64 t runs the reference (backends.choose_for).
+backends.register("smooth_step", torch=reference.smooth_step, cpu=_cpp, triton=_triton, float64=())
 
 
 def check_gamma(gamma) -> float:
@@ -73,11 +74,12 @@ def smooth_step(t: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     continuously differentiable, with S'(+-gamma/2) = 0 and exactly 0 / 1 outside.
 
     Args:
-      t: any shape, float32 / float16 / bfloat16, any strides (computed in float32).
+      t: any shape, float32 / float16 / bfloat16, any strides (computed in float32); float64 runs
+        the reference, in float64.
       gamma: width of the fractional region, a positive finite float.
 
     Returns: S(t), t's shape and dtype (contiguous). Differentiable with respect to t.
     """
-    _validate.tensor("t", t, shape="[...]", dtypes=_validate.ROUTING_DTYPES)
+    _validate.tensor("t", t, shape="[...]", dtypes=_validate.FLOAT_DTYPES)
     gamma = check_gamma(gamma)
     return backends.implementation("smooth_step", t)(t, gamma)

@@ -82,28 +82,30 @@ if backends.triton_importable():
     _triton = _triton_module.topk_softmax
     _triton.register_autograd(_backward, setup_context=_setup_context)
 
-backends.register("topk_softmax", torch=reference.topk_softmax, cpu=_cpp, triton=_triton, cuda=_cpp)
+# No kernel has a float64 path: float64 logits run the reference (backends.choose_for).
+backends.register("topk_softmax", torch=reference.topk_softmax, cpu=_cpp, triton=_triton, cuda=_cpp, float64=())
 
 
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
     """Top-k gating: the k largest logits of each row and their softmax weights.
 
     Args:
-      logits: [T, E] float32 / float16 / bfloat16, any strides. -inf is legal (a masked expert).
+      logits: [T, E] float32 / float16 / bfloat16, any strides (float64: the reference, in float64).
+        -inf is legal (a masked expert).
       k: experts per token, 1 <= k <= E.
       renormalize: True (default) = Softmax(KeepTopK(H, k)), eqs 3 and 5 of Shazeer et al.
         (002_01a24e7ec3602eec.txt), the weights of a row sum to 1. False = the full-softmax
         probabilities of the selected experts (Switch / GShard).
 
     Returns:
-      (weights [T, k] in the logits' dtype, computed in float32;
+      (weights [T, k] in the logits' dtype, computed in float32 (float64 for float64);
        experts [T, k] int64, by descending logit, ties to the lower expert index).
 
     Differentiable with respect to `logits`. NaN ranks above every number, so a row containing NaN
     selects it and gets NaN weights (checking for NaN would need a device sync); a row whose
     logits are all -inf gets weights 0. Every backend gives the same experts.
     """
-    _validate.tensor("logits", logits, dim=2, shape="[T, E]", dtypes=_validate.ROUTING_DTYPES)
+    _validate.tensor("logits", logits, dim=2, shape="[T, E]", dtypes=_validate.FLOAT_DTYPES)
     E = logits.shape[1]
     if E < 1:
         raise ValueError(f"logits must be [T, E] with E >= 1, got shape {tuple(logits.shape)}")

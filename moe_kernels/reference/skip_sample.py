@@ -17,7 +17,12 @@ def skip_sample(probs: torch.Tensor, capacity: int, generator=None):
     if n == 0:
         empty = torch.empty(0, dtype=torch.int64, device=probs.device)
         return empty, empty.bool(), probs.new_empty(0)
-    experts = torch.multinomial(probs.float(), 1, generator=generator).squeeze(1)
+    if probs.dtype == torch.float64:
+        # Divided by the row maximum in float64: rows of 1e-300 (0 in float32) or 1e300 (inf in
+        # float32) sample like any other row.
+        experts = torch.multinomial(probs / probs.amax(1, keepdim=True), 1, generator=generator).squeeze(1)
+    else:
+        experts = torch.multinomial(probs.float(), 1, generator=generator).squeeze(1)
     keys = torch.rand(n, generator=generator, dtype=torch.float64, device=probs.device)
     order = torch.argsort(experts.double() * 2 + keys)  # grouped by expert, random within
     counts = torch.bincount(experts, minlength=k)
@@ -25,6 +30,7 @@ def skip_sample(probs: torch.Tensor, capacity: int, generator=None):
     rank = torch.empty_like(experts)
     rank[order] = torch.arange(n, device=probs.device) - starts[experts[order]]
     kept = rank < capacity
-    n_z = counts[experts].to(probs.dtype)
+    # In float64, then rounded once: counts above 2048 are not exact in float16.
+    n_z = counts[experts].double()
     weights = torch.where(kept, n_z / n_z.clamp(max=capacity), torch.zeros_like(n_z))
-    return experts, kept, weights
+    return experts, kept, weights.to(probs.dtype)
