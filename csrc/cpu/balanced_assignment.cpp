@@ -24,7 +24,7 @@ namespace ba = balanced_assignment;
 // Keep in sync with the reference's EPS_* and TOL_REL constants.
 constexpr double kEpsDiv = 32768.0;
 constexpr double kBidBudget = 4.0;  // bids per token before restarting from column-mean prices
-constexpr double kTolRel = 1e-12;
+constexpr double kTolRel = ba::kTolRel;
 // Element operations (token x expert) below which the d rows are computed on one thread.
 constexpr int64_t kMinParallelWork = int64_t(1) << 18;
 
@@ -225,7 +225,7 @@ double solve(const scalar_t* s, int64_t n, int64_t k, int64_t capacity, int64_t*
   if (!(spread > 0)) spread = 1.0;
   S.tol = kTolRel * std::max(1.0, amax);
   std::vector<double> prices(k, 0.0);
-  const double eps = spread / kEpsDiv;
+  const double eps = ba::auction_epsilon(spread / kEpsDiv, S.tol);
   if (!S.auction(prices, eps, kBidBudget * (double)n)) {
     column_means(s, n, k, prices.data());
     S.auction(prices, eps, ba::inf());

@@ -16,12 +16,21 @@
 namespace moe_kernels {
 namespace {
 
-// log(sum_t exp(a[t] + b[t])) over m terms, max-shifted; -inf if every term is -inf.
+// log(sum_t exp(a[t] + b[t])) over m terms, max-shifted, with torch.logsumexp's non-finite
+// semantics (the reference calls it): NaN if any term is NaN, +inf if any is +inf, -inf if every
+// term is -inf. std::max would drop a NaN that is not first.
 template <typename acc_t>
 acc_t logsumexp_plus(const acc_t* a, const acc_t* b, int64_t m) {
-  acc_t mx = -std::numeric_limits<acc_t>::infinity();
-  for (int64_t t = 0; t < m; ++t) mx = std::max(mx, a[t] + b[t]);
-  if (mx == -std::numeric_limits<acc_t>::infinity()) return mx;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  acc_t mx = -kInf;
+  bool nan = false;
+  for (int64_t t = 0; t < m; ++t) {
+    const acc_t x = a[t] + b[t];
+    nan |= x != x;
+    mx = x > mx ? x : mx;
+  }
+  if (nan) return std::numeric_limits<acc_t>::quiet_NaN();
+  if (mx == kInf || mx == -kInf) return mx;
   acc_t sum = 0;
   for (int64_t t = 0; t < m; ++t) sum += std::exp(a[t] + b[t] - mx);
   return mx + std::log(sum);
@@ -44,8 +53,13 @@ std::tuple<int64_t, double> sinkhorn_loop(const acc_t* x, const acc_t* xt, int64
     at::parallel_for(0, k, std::max<int64_t>(1, 16384 / n), [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) log_col[j] = logsumexp_plus(xt + j * n, u, n);
     });
+    // NaN-propagating max, as the reference's tensor .max(): a NaN column is never "converged".
     err = 0.0;
-    for (int64_t j = 0; j < k; ++j) err = std::max(err, std::abs((double)std::exp(v[j] + log_col[j] - log_target) - 1.0));
+    for (int64_t j = 0; j < k; ++j) {
+      const double e = std::abs((double)std::exp(v[j] + log_col[j] - log_target) - 1.0);
+      err = (e > err || e != e) ? e : err;
+      if (err != err) break;
+    }
     if (err <= tol) break;
     for (int64_t j = 0; j < k; ++j) v[j] = log_target - log_col[j];
   }

@@ -32,6 +32,14 @@ BID_BUDGET = 4
 TOL_REL = 1e-12
 
 
+def auction_epsilon(spread: float, tol: float) -> float:
+    """spread / EPS_DIV, but never below the cycle tolerance: on scores that are nearly equal and
+    large (spread 1e-9 at magnitude 1e6), spread / EPS_DIV is below the float64 spacing of the
+    prices after a column-mean restart, price + eps == price, and the auction bids forever. With
+    eps >= tol the warm start is within n * tol of the optimum, which cycle cancelling removes."""
+    return max(spread / EPS_DIV, tol)
+
+
 def auction(s: list[list[float]], capacity: int, prices: list[float], eps: float, budget: float) -> list[int] | None:
     """The auction (Bertsekas, tokens bid for expert slots) from `prices`, updated in place.
 
@@ -135,10 +143,15 @@ def split_negative_cycle(walk, w, tol):
 
 
 def path(nxt, u, v):
-    """Nodes of the recorded shortest path u -> v, without v."""
+    """Nodes of the recorded shortest path u -> v, without v; None if it has more than N nodes
+    (nxt pointers in a loop: impossible with exact shortest paths, a guard against hanging on
+    float64 noise, as append_path in csrc/include/moe_kernels/balanced_assignment.h)."""
+    N = len(nxt)
     out = [u]
     while nxt[u][v] != v:
         u = nxt[u][v]
+        if u < 0 or len(out) == N:
+            return None
         out.append(u)
     return out
 
@@ -162,7 +175,10 @@ def floyd_warshall_cycles(w, tol):
         closing = [u for u in range(N) if u != m and not blocked[u] and dist[u][m] + dist[m][u] < -tol]
         if closing:
             for u in closing:
-                walk = path(nxt, u, m) + path(nxt, m, u)
+                there, back = path(nxt, u, m), path(nxt, m, u)
+                if there is None or back is None:
+                    continue
+                walk = there + back
                 if any(blocked[v] for v in walk):
                     continue
                 cyc = split_negative_cycle(walk, w, tol)
@@ -190,7 +206,7 @@ def solve(s: list[list[float]], capacity: int):
     spread = (max(flat) - min(flat)) if flat else 0.0
     spread = spread if spread > 0 else 1.0
     tol = TOL_REL * max(1.0, max((abs(x) for x in flat), default=0.0))
-    eps = spread / EPS_DIV
+    eps = auction_epsilon(spread, tol)
     z = auction(s, capacity, [0.0] * k, eps, BID_BUDGET * n) if n else []
     if z is None:
         z = auction(s, capacity, column_means(s), eps, math.inf)

@@ -60,6 +60,11 @@ MK_HD double cycle_tolerance(double max_abs_score) {
   return kTolRel * (max_abs_score > 1.0 ? max_abs_score : 1.0);
 }
 
+// The auction's epsilon, never below the cycle tolerance: on nearly equal large scores (spread
+// 1e-9 at magnitude 1e6) a smaller eps is below the float64 spacing of the prices, price + eps ==
+// price, and the auction bids forever. See reference.auction_epsilon.
+MK_HD double auction_epsilon(double eps, double tol) { return eps > tol ? eps : tol; }
+
 // Auction holders: is (bid_a, token_a) evicted before (bid_b, token_b)? The lower bid, and on
 // equal bids the higher token index (the reference's min-heap of (bid, -token)). A strict total
 // order on distinct tokens, so the `capacity` holders an expert keeps are the same set whatever

@@ -198,7 +198,8 @@ MK_HD_STEP void score_stats(const Exec& ex, const Problem<scalar_t>& P, const Wo
 template <class Exec, typename scalar_t>
 MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
   const int64_t n = P.n, k = P.k, capacity = P.capacity;
-  double eps = W.reals[kSpread] / kDeviceEpsStartDiv;
+  const double tol = W.reals[kTol];
+  double eps = auction_epsilon(W.reals[kSpread] / kDeviceEpsStartDiv, tol);
   for (int phase = 0; phase < kDeviceEpsPhases; ++phase) {
     int32_t* queue = W.queue[0];
     int32_t* next = W.queue[1];
@@ -272,6 +273,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
     // Every thread has read kQueued = 0 before the leader sets it for the next phase.
     ex.barrier();
     eps /= kDeviceEpsFactor;
+    eps = auction_epsilon(eps, tol);
   }
   group_tokens(ex, P, W);
   ex.for_each(k, [&](int64_t j) { W.dirty[j] = 1; });
