@@ -55,6 +55,22 @@ MK_VEC_INLINE float exp(float x) {
   return underflow ? 0.0f : value;
 }
 
+// exp(x) without the flush: below x = -80, e^(x + 80) (x + 80 is exact there, Sterbenz) times
+// e^-80, so results down to float's smallest normal (x ~ -87.3) keep exp's relative error and
+// smaller ones round like torch's expf; exactly 0 below x = -104 (under the smallest denormal).
+// For values that are returned (softplus, sigmoid), where torch's float32 gives e.g. 1.5e-35 at
+// x = -80 and a flushed 0 would be a relative error of 1. The operands are chosen so that only
+// lanes whose true result is denormal produce one (an underflowing multiply costs a microcode
+// assist on x86): -inf and far tails take exp(0) and a select. Sums that add such terms to 1
+// keep exp.
+MK_VEC_INLINE float exp_full(float x) {
+  const bool tail = x < -80.0f;
+  const bool zero = x < -104.0f;
+  const float value = exp(zero ? 0.0f : (tail ? x + 80.0f : x));
+  const float scaled = value * (tail ? 1.80485139e-35f : 1.0f);
+  return zero ? 0.0f : scaled;
+}
+
 // log(1 + y) for y in [0, 1] (the y = e^-|x| of softplus). u = 1 + y is split as 2^e m with m in
 // [sqrt(1/2), sqrt(2)) (e is 0 or 1 here); log m by the polynomial of Cephes' logf (relative
 // error ~1e-7); then (y - (u - 1)) / u restores what rounding 1 + y lost, so that tiny y keep
@@ -80,15 +96,16 @@ MK_VEC_INLINE float log1p_unit(float y) {
 }
 
 // Softplus(x) = log(1 + e^x) = max(x, 0) + log1p(e^-|x|): never overflows; equals torch's
-// softplus (x for x > 20, else log1p(exp(x))) to about one float ulp. +-inf and NaN as torch.
+// softplus (x for x > 20, else log1p(exp(x))) to about one float ulp, tails included (exp_full).
+// +-inf and NaN as torch.
 MK_VEC_INLINE float softplus(float x) {
-  const float y = exp(x < 0.0f ? x : -x);
+  const float y = exp_full(x < 0.0f ? x : -x);
   return (x > 0.0f ? x : 0.0f) + log1p_unit(y);
 }
 
 // d Softplus / dx = sigmoid(x), from the same y = e^-|x|.
 MK_VEC_INLINE float sigmoid(float x) {
-  const float y = exp(x < 0.0f ? x : -x);
+  const float y = exp_full(x < 0.0f ? x : -x);
   return (x >= 0.0f ? 1.0f : y) / (1.0f + y);
 }
 

@@ -26,10 +26,12 @@ def smooth_step(t: torch.Tensor, gamma: float) -> torch.Tensor:
     x = t.to(compute)
     half = gamma / 2
     c1, c3 = smooth_step_coefficients(gamma)
-    # The cubic on the clamped input: outside the interval its branch is discarded, and the
-    # clamp keeps it finite there (so the discarded branch cannot put inf * 0 = NaN in the
-    # gradient at t = +-inf).
-    xc = x.clamp(-half, half)
+    # The cubic on the input clamped to the interval, by a where rather than clamp: outside the
+    # interval its branch is discarded, and the bound keeps it finite there (so the discarded
+    # branch cannot put inf * 0 = NaN in the gradient at t = +-inf); a NaN t fails every
+    # comparison and passes through with its gradient, which is NaN (clamp's would be 0), the
+    # convention of docs/reliability.md and what the kernels give.
+    xc = torch.where(x.abs() > half, torch.full_like(x, half).copysign(x), x)
     cubic = xc * (c1 - c3 * xc * xc) + 0.5
     out = torch.where(x <= -half, 0.0, torch.where(x >= half, 1.0, cubic))
     return out.to(t.dtype)

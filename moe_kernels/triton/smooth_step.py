@@ -18,9 +18,10 @@ def smooth_step_value(t, half, c1, c3):
 
 @triton.jit
 def smooth_step_slope(t, half, c1, c3):
-    """S'(t) in float32: exactly 0 outside the open interval (-half, half)."""
-    inside = (t > -half) & (t < half)
-    return tl.where(inside, c1 - 3.0 * c3 * t * t, 0.0)
+    """S'(t) in float32: exactly 0 outside the open interval (-half, half); NaN at a NaN t (it
+    fails both comparisons), as csrc's smooth_step_grad and the reference."""
+    outside = (t <= -half) | (t >= half)
+    return tl.where(outside, 0.0, c1 - 3.0 * c3 * t * t)
 
 
 @triton.jit
