@@ -32,13 +32,10 @@ namespace vec_math {
 #define MK_ROW_CLONES
 #endif
 
-// exp(x): round-to-nearest n by the 1.5 * 2^23 trick, r = x - n ln2 in two parts, a degree-6
-// polynomial for e^r (the minimax coefficients of Cephes' expf), 2^n through the exponent bits.
-// Relative error ~1e-7. Below x = -80 (e^x < 2e-35) the result is 0: far tails would otherwise
-// produce denormals, whose arithmetic is ~100x slower on x86. NaN stays NaN.
-MK_VEC_INLINE float exp(float x) {
-  const bool underflow = x < -80.0f;
-  x = underflow ? -80.0f : (x > 88.0f ? 88.0f : x);
+// e^x = p(r) 2^n: round-to-nearest n by the 1.5 * 2^23 trick, r = x - n ln2 in two parts, a
+// degree-6 polynomial for e^r (the minimax coefficients of Cephes' expf). x must be clamped by
+// the caller; writes n (0 for a NaN x: converting NaN to int is undefined, and p is NaN already).
+MK_VEC_INLINE float exp_reduced(float x, int32_t* n_out) {
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -48,27 +45,34 @@ MK_VEC_INLINE float exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  // n is NaN for a NaN x (the clamps let it through): converting that to int is undefined, so
-  // convert 0 instead; p is NaN already and carries the NaN out.
-  const float n_int = n == n ? n : 0.0f;
-  const float value = p * __builtin_bit_cast(float, (int32_t)(((int32_t)n_int + 127) << 23));
+  *n_out = (int32_t)(n == n ? n : 0.0f);
+  return p;
+}
+
+MK_VEC_INLINE float pow2(int32_t n) { return __builtin_bit_cast(float, (int32_t)((n + 127) << 23)); }
+
+// exp(x), relative error ~1e-7. Below x = -80 (e^x < 2e-35) the result is 0: in the sums of
+// softmax rows those terms are noise, and their denormals would cost ~100x on x86. NaN stays NaN.
+MK_VEC_INLINE float exp(float x) {
+  const bool underflow = x < -80.0f;
+  int32_t n;
+  const float p = exp_reduced(underflow ? -80.0f : (x > 88.0f ? 88.0f : x), &n);
+  const float value = p * pow2(n);
   return underflow ? 0.0f : value;
 }
 
-// exp(x) without the flush: below x = -80, e^(x + 80) (x + 80 is exact there, Sterbenz) times
-// e^-80, so results down to float's smallest normal (x ~ -87.3) keep exp's relative error and
-// smaller ones round like torch's expf; exactly 0 below x = -104 (under the smallest denormal).
-// For values that are returned (softplus, sigmoid), where torch's float32 gives e.g. 1.5e-35 at
-// x = -80 and a flushed 0 would be a relative error of 1. The operands are chosen so that only
-// lanes whose true result is denormal produce one (an underflowing multiply costs a microcode
-// assist on x86): -inf and far tails take exp(0) and a select. Sums that add such terms to 1
-// keep exp.
+// exp(x) with torch's tail: 2^n as 2^(n >> 1) 2^(n - (n >> 1)), both normal for n >= -150, so
+// results keep exp's relative error down to float's smallest normal (x ~ -87.3) and round like
+// torch's expf below it; exactly 0 below x = -104 (under the smallest denormal). Only lanes whose
+// true result is denormal produce one. For values that are returned (softplus, sigmoid), where
+// torch's float32 gives e.g. 1.5e-35 at x = -80 and a flushed 0 is a relative error of 1.
 MK_VEC_INLINE float exp_full(float x) {
-  const bool tail = x < -80.0f;
   const bool zero = x < -104.0f;
-  const float value = exp(zero ? 0.0f : (tail ? x + 80.0f : x));
-  const float scaled = value * (tail ? 1.80485139e-35f : 1.0f);
-  return zero ? 0.0f : scaled;
+  int32_t n;
+  const float p = exp_reduced(zero ? 0.0f : (x > 88.0f ? 88.0f : x), &n);
+  const int32_t h = n >> 1;
+  const float value = (p * pow2(h)) * pow2(n - h);
+  return zero ? 0.0f : value;
 }
 
 // log(1 + y) for y in [0, 1] (the y = e^-|x| of softplus). u = 1 + y is split as 2^e m with m in
