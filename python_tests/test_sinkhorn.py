@@ -97,3 +97,20 @@ def test_bad_arguments():
         sinkhorn(torch.randn(4))
     with pytest.raises(TypeError, match="dtype"):
         sinkhorn(torch.zeros(4, 2, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not moe_kernels._extension.has_kernel("sinkhorn", "CPU"), reason="no C++ kernel in this build")
+@pytest.mark.parametrize(
+    "logits, tol, error, match",
+    [
+        (torch.zeros(4, 2, dtype=torch.int32), 1e-4, TypeError, "logits must be float"),
+        (torch.zeros(4, 2, dtype=torch.bool), 1e-4, TypeError, "logits must be float"),
+        (torch.zeros(4, 2, dtype=torch.complex64), 1e-4, TypeError, "logits must be float"),
+        (torch.zeros(4, 2), float("nan"), ValueError, "tol must be"),
+        (torch.zeros(4, 2), -1.0, ValueError, "tol must be"),
+    ],
+)
+def test_raw_op_refuses_bad_arguments(logits, tol, error, match):
+    # The audit's raw calls (issue 15): the registered op checks what the Python wrapper checks.
+    with pytest.raises(error, match=match):
+        torch.ops.moe_kernels.sinkhorn(logits, 10, tol)

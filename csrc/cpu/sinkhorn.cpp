@@ -68,7 +68,10 @@ std::tuple<int64_t, double> sinkhorn_loop(const acc_t* x, const acc_t* xt, int64
 
 std::tuple<at::Tensor, at::Tensor> sinkhorn_cpu(const at::Tensor& logits, int64_t num_iters, double tol) {
   TORCH_CHECK(logits.dim() == 2, "sinkhorn: logits must be [n, k], got ", logits.sizes());
-  TORCH_CHECK(num_iters >= 1, "sinkhorn: num_iters must be >= 1");
+  TORCH_CHECK_TYPE(at::isFloatingType(logits.scalar_type()),
+                   "sinkhorn: logits must be float64, float32, float16 or bfloat16, got ", logits.scalar_type());
+  TORCH_CHECK_VALUE(num_iters >= 1, "sinkhorn: num_iters must be >= 1, got ", num_iters);
+  TORCH_CHECK_VALUE(tol >= 0, "sinkhorn: tol must be a number >= 0, got ", tol);  // false for NaN
   const int64_t n = logits.size(0), k = logits.size(1);
   TORCH_CHECK(k >= 1, "sinkhorn: need k >= 1");
   auto info = at::empty({2}, logits.options().dtype(at::kDouble));  // (iterations, column error)
