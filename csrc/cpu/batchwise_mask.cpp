@@ -1,11 +1,10 @@
 // Batchwise top-m mask (eq 18 of Shazeer et al. 2017, Appendix F) on CPU: parallel over experts.
 // Each expert's column is read once into 32-bit order keys (a group of experts at a time, so the
 // row-major scores are read a cache line at a time). A radix select finds the m-th largest key:
-// one pass over the column histograms the first 8-bit digit and splits the tokens into certainly
-// kept ones and boundary ones (the threshold's first digit); the remaining passes run over the
-// boundary keys only. The boundary tokens above the threshold and its first ties (ties go to the
-// lower token index) are merged with the certain ones into an ascending token list, and the mask
-// is written from the lists at the end.
+// one pass over the column histograms the first 11-bit digit, a second copies out the boundary
+// keys (the threshold's first digit), on which the remaining passes run; a third writes the
+// ascending token list (keys above the threshold, then its first ties: ties go to the lower
+// token index). The mask is written from the lists at the end.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,18 +13,16 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "moe_kernels/batchwise_mask.h"
+#include "vec_math.h"
 
 namespace moe_kernels {
 namespace {
 
-using batchwise_mask::digit;
-using batchwise_mask::kRadixBins;
-using batchwise_mask::kRadixPasses;
 using batchwise_mask::order_key;
-using batchwise_mask::select_digit;
 
 // At most this many experts' columns are gathered together: 16 floats are one 64-byte cache line
 // of a row. Fewer when there are few experts, so that every thread still gets a group.
@@ -34,71 +31,144 @@ constexpr int64_t kMinTaskElements = 1 << 18;
 
 // Scratch space of one thread, reused across its experts.
 struct Scratch {
-  std::vector<uint32_t> keys;     // [group, ld] the group's order keys, column by column
-  std::vector<int32_t> above;     // tokens whose first digit is above the threshold's
-  std::vector<int32_t> boundary;  // tokens whose first digit equals the threshold's
-  std::vector<uint32_t> boundary_keys, work;
-  std::vector<int32_t> picked;
+  std::vector<uint32_t> keys;  // [group, ld] the group's order keys, column by column
+  std::vector<int32_t> above;  // [T + 1] tokens whose first digit is above the threshold's
+  std::vector<int32_t> boundary;  // [T + 1] tokens whose first digit equals the threshold's
+  std::vector<uint32_t> boundary_keys, work;  // [T + 1] their keys; the candidates of a pass
+  std::vector<int32_t> picked;  // boundary tokens kept
+  std::vector<int32_t> hist;    // [2 * kFirstBins] two interleaved first-digit histograms
 };
 
-// Select the m largest keys of one column (1 <= m <= T) and write its token list (ascending).
-// Pass 0 (first digit) runs over all T keys and splits them into tokens certainly kept (digit
-// above the threshold's digit) and boundary tokens; passes 1-3 run over the boundary keys only.
-void select_column(const uint32_t* keys, int64_t T, int64_t m, Scratch& s, int64_t* tokens) {
-  constexpr int kBits = batchwise_mask::kRadixBits;
-  // Four interleaved histograms: consecutive increments of one counter would serialise.
-  int64_t hist4[4 * kRadixBins] = {};
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4)
-    for (int u = 0; u < 4; ++u) ++hist4[u * kRadixBins + digit(keys[t + u], 0)];
-  for (; t < T; ++t) ++hist4[digit(keys[t], 0)];
-  int64_t hist[kRadixBins];
-  for (int b = 0; b < kRadixBins; ++b)
-    hist[b] = hist4[b] + hist4[kRadixBins + b] + hist4[2 * kRadixBins + b] + hist4[3 * kRadixBins + b];
-  int64_t remaining = m;
-  uint32_t d = select_digit(hist, &remaining);
-  uint32_t threshold = d << (32 - kBits);
-  s.above.clear();
-  s.boundary.clear();
-  s.boundary_keys.clear();
-  for (int64_t j = 0; j < T; ++j) {
-    const uint32_t dj = digit(keys[j], 0);
-    if (dj > d) {
-      s.above.push_back((int32_t)j);
-    } else if (dj == d) {
-      s.boundary.push_back((int32_t)j);
-      s.boundary_keys.push_back(keys[j]);
+// The CPU radix select takes its digits at these (shift, bits), most significant first. The first
+// digit is wide: a float's top 8 bits are its sign and 7 exponent bits, which on real scores
+// (most in [0.5, 2)) leave a third of a column on the boundary; 11 bits reach 2 mantissa bits.
+// (The CUDA kernel keeps 8-bit digits: batchwise_mask.h.)
+constexpr int kDigitShift[4] = {21, 13, 5, 0};
+constexpr int kDigitBits[4] = {11, 8, 8, 5};
+constexpr int kFirstBins = 1 << 11;
+
+inline uint32_t cpu_digit(uint32_t key, int pass) {
+  return (key >> kDigitShift[pass]) & ((1u << kDigitBits[pass]) - 1);
+}
+
+// The digit of the `*remaining`-th largest candidate given their digit histogram over `bins`;
+// *remaining becomes its rank among the candidates with that digit (batchwise_mask::select_digit
+// for any width).
+template <typename count_t>
+uint32_t select_bin(const count_t* hist, int bins, int64_t* remaining) {
+  int64_t above = 0;
+  for (int d = bins - 1; d > 0; --d) {
+    if (above + hist[d] >= *remaining) {
+      *remaining -= above;
+      return (uint32_t)d;
     }
+    above += hist[d];
   }
-  s.work.assign(s.boundary_keys.begin(), s.boundary_keys.end());
-  for (int pass = 1; pass < kRadixPasses; ++pass) {
-    std::fill(hist, hist + kRadixBins, 0);
-    for (uint32_t k : s.work) ++hist[digit(k, pass)];
-    d = select_digit(hist, &remaining);
-    threshold |= d << (32 - kBits * (pass + 1));
+  *remaining -= above;
+  return 0;
+}
+
+// Select the m largest keys of one column (1 <= m <= T) and write its token list (ascending).
+// Pass 0 (the first digit) runs over all T keys: a histogram, then a split into tokens certainly
+// kept (digit above the threshold's) and boundary tokens (a few % of the column); passes 1-3 run
+// over the boundary keys only. The split is written branch-free: every token is stored in both
+// lists and the counts advance by the comparisons (which tokens qualify is unpredictable on real
+// scores: branches mispredicted on a third of them and cost most of the kernel's time).
+void select_column(const uint32_t* keys, int64_t T, int64_t m, Scratch& s, int64_t* tokens) {
+  s.hist.assign(2 * kFirstBins, 0);
+  int32_t* h0 = s.hist.data();
+  int32_t* h1 = h0 + kFirstBins;
+  int64_t t = 0;
+  // Two interleaved histograms: consecutive increments of one counter would serialise.
+  for (; t + 2 <= T; t += 2) {
+    ++h0[cpu_digit(keys[t], 0)];
+    ++h1[cpu_digit(keys[t + 1], 0)];
+  }
+  for (; t < T; ++t) ++h0[cpu_digit(keys[t], 0)];
+  for (int b = 0; b < kFirstBins; ++b) h0[b] += h1[b];
+  int64_t remaining = m;
+  uint32_t d = select_bin(h0, kFirstBins, &remaining);
+  uint32_t threshold = d << kDigitShift[0];
+  for (auto* v : {&s.above, &s.boundary}) v->resize(std::max<size_t>(v->size(), T + 1));
+  s.boundary_keys.resize(std::max<size_t>(s.boundary_keys.size(), T + 1));
+  int32_t* above = s.above.data();
+  int32_t* boundary = s.boundary.data();
+  uint32_t* boundary_keys = s.boundary_keys.data();
+  int64_t n_above = 0, n_boundary = 0;
+  for (int64_t j = 0; j < T; ++j) {
+    const uint32_t key = keys[j];
+    const uint32_t dj = cpu_digit(key, 0);
+    above[n_above] = (int32_t)j;
+    n_above += dj > d;
+    boundary[n_boundary] = (int32_t)j;
+    boundary_keys[n_boundary] = key;
+    n_boundary += dj == d;
+  }
+  s.work.assign(boundary_keys, boundary_keys + n_boundary);
+  int64_t hist[256];
+  for (int pass = 1; pass < 4; ++pass) {
+    const int bins = 1 << kDigitBits[pass];
+    std::fill(hist, hist + bins, 0);
+    for (uint32_t key : s.work) ++hist[cpu_digit(key, pass)];
+    d = select_bin(hist, bins, &remaining);
+    threshold |= d << kDigitShift[pass];
     size_t kept = 0;
-    for (uint32_t k : s.work)
-      if (digit(k, pass) == d) s.work[kept++] = k;
+    for (uint32_t key : s.work) {
+      s.work[kept] = key;
+      kept += cpu_digit(key, pass) == d;
+    }
     s.work.resize(kept);
   }
   // Among the boundary tokens keep the keys above the threshold and its first `remaining` ties
   // in token order (ties go to the lower index); then merge with the certain ones.
   s.picked.clear();
   int64_t ties = 0;
-  for (size_t i = 0; i < s.boundary.size(); ++i) {
-    const uint32_t k = s.boundary_keys[i];
-    if (k > threshold || (k == threshold && ties++ < remaining)) s.picked.push_back(s.boundary[i]);
+  for (int64_t i = 0; i < n_boundary; ++i) {
+    const uint32_t key = boundary_keys[i];
+    if (key > threshold || (key == threshold && ties++ < remaining)) s.picked.push_back(boundary[i]);
   }
   // Never write past the expert's m slots, whatever happened above.
-  TORCH_CHECK((int64_t)(s.above.size() + s.picked.size()) == m, "batchwise_mask: internal error, selected ",
-              s.above.size() + s.picked.size(), " tokens instead of m=", m);
-  std::merge(s.above.begin(), s.above.end(), s.picked.begin(), s.picked.end(), tokens);
+  TORCH_CHECK(n_above + (int64_t)s.picked.size() == m, "batchwise_mask: internal error, selected ",
+              n_above + (int64_t)s.picked.size(), " tokens instead of m=", m);
+  std::merge(above, above + n_above, s.picked.begin(), s.picked.end(), tokens);
+}
+
+// batchwise_mask::order_key without branches (NaN by a select), so that a row of keys vectorises.
+MK_VEC_INLINE uint32_t order_key_f32(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x + 0.0f);  // + 0.0f: -0 becomes +0
+  const uint32_t ordered = (int32_t)u >= 0 ? u : (u ^ 0x7fffffffu);
+  return (x != x ? 0x7fffffffu : ordered) ^ 0x80000000u;
+}
+
+// The common case of gather_keys (float32, contiguous rows, a full group of 16 experts): 16 rows
+// at a time, their keys computed a row (one vector) at a time into a 16 x 16 tile, then written
+// out column by column (16 consecutive tokens: one cache line per column).
+MK_VECTORISE MK_ROW_CLONES
+void gather_keys_f32_16(const float* scores, int64_t stride_t, int64_t T, uint32_t* keys, int64_t ld) {
+  uint32_t tile[kMaxGroup][kMaxGroup];
+  int64_t t0 = 0;
+  for (; t0 + kMaxGroup <= T; t0 += kMaxGroup) {
+    for (int64_t r = 0; r < kMaxGroup; ++r) {
+      const float* row = scores + (t0 + r) * stride_t;
+      for (int64_t j = 0; j < kMaxGroup; ++j) tile[r][j] = order_key_f32(row[j]);
+    }
+    for (int64_t j = 0; j < kMaxGroup; ++j)
+      for (int64_t r = 0; r < kMaxGroup; ++r) keys[j * ld + t0 + r] = tile[r][j];
+  }
+  for (; t0 < T; ++t0)
+    for (int64_t j = 0; j < kMaxGroup; ++j) keys[j * ld + t0] = order_key_f32(scores[t0 * stride_t + j]);
 }
 
 // Order keys of `g` consecutive experts' columns, a row (cache line) at a time.
 template <typename scalar_t>
 void gather_keys(const scalar_t* scores, int64_t stride_t, int64_t stride_e, int64_t T, int64_t g,
                  uint32_t* keys, int64_t ld) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (stride_e == 1 && g == kMaxGroup) {
+      gather_keys_f32_16(scores, stride_t, T, keys, ld);
+      return;
+    }
+  }
   if (stride_e == 1 && g == kMaxGroup) {  // the common case, with a constant trip count
     for (int64_t t = 0; t < T; ++t) {
       const scalar_t* row = scores + t * stride_t;
