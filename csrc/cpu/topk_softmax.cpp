@@ -28,9 +28,8 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
                        scalar_t* weights,       // [T, k] contiguous
                        int64_t* experts) {      // [T, k] contiguous
   using topk_softmax::exp_term;
-  using topk_softmax::weight;
   std::vector<int64_t> best(k > kRowInsertionMaxK ? E : k);
-  std::vector<float> row_buffer(E), exps(renormalize ? 0 : E);
+  std::vector<float> row_buffer(E), exps(renormalize ? 0 : E), terms(renormalize ? k : 0);
   for (int64_t t = begin; t < end; ++t) {
     const float* x = float_row(logits + t * stride_t, stride_e, E, row_buffer.data());
     row_top_pairs(x, E, k, best.data());
@@ -39,15 +38,26 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
     const float vmax = x[pair_index(best[0])];
     float denom = 0.0f;
     if (renormalize) {
-      for (int64_t s = 0; s < k; ++s) denom += exp_term(x[pair_index(best[s])], vmax);
+      // Each selected term once (weight() would compute the same expf again). The first is
+      // exp(vmax - vmax): 1 for a finite vmax without an expf call (NaN for NaN or +inf; 0 for a
+      // -inf row, as exp_term), so that k = 1 costs no expf at all.
+      const float d0 = vmax - vmax;
+      terms[0] = vmax == -INFINITY ? 0.0f : (d0 == 0.0f ? 1.0f : expf(d0));
+      denom = terms[0];
+      for (int64_t s = 1; s < k; ++s) {
+        terms[s] = exp_term(x[pair_index(best[s])], vmax);
+        denom += terms[s];
+      }
     } else if (vmax != -INFINITY) {
       denom = row_exp_sum_f32(x, E, vmax, exps.data());
     }
     for (int64_t s = 0; s < k; ++s) {
       const int32_t e = pair_index(best[s]);
       experts[t * k + s] = e;
-      // The full softmax reuses the sum's own terms (the backward recomputes those exactly).
-      weights[t * k + s] = (scalar_t)(renormalize || vmax == -INFINITY ? weight(x[e], vmax, denom) : exps[e] / denom);
+      // The full softmax reuses the sum's own terms (the backward recomputes those exactly); the
+      // renormalised one its k terms (weight()'s value, bit for bit).
+      const float w = vmax == -INFINITY ? 0.0f : (renormalize ? terms[s] : exps[e]) / denom;
+      weights[t * k + s] = (scalar_t)w;
     }
   }
 }
