@@ -60,3 +60,4 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "triton: runs a Triton kernel (needs TRITON_INTERPRET=1 on CPU)")
     config.addinivalue_line("markers", "slow: long-running (paper reproductions)")
+    config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (test_fuzz_ops.py)")

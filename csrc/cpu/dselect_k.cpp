@@ -132,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor> dselect_k_backward_cpu(const at::Tensor& grad
             for (int64_t l = 0; l < L; ++l) u[l] += gsp[(b * k + i) * L + l];
           dselect_k::selector_grad(u.data(), r.data(), (int)m, ds.data());
           for (int64_t j = 0; j < m; ++j)
-            gz[(b * k + i) * m + j] = (scalar_t)(ds[j] * dselect_k::smooth_step_grad((float)zi[j], sp));
+            gz[(b * k + i) * m + j] = (scalar_t)dselect_k::smooth_step_chain(ds[j], (float)zi[j], sp);
         }
         for (int64_t i = 0; i < k; ++i) ga[b * k + i] = (scalar_t)(p[i] * (c[i] - pc));
       }

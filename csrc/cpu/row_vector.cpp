@@ -226,11 +226,12 @@ void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best) {
   }
 }
 
-MK_VECTORISE MK_ROW_CLONES
-float row_exp_sum_f32(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
-  // The terms first (a loop with no reduction vectorises), then the sum in 8 lanes (a float sum
-  // in one accumulator would not: the compiler may not reorder it).
-  for (int64_t e = 0; e < E; ++e) exps[e] = vec_math::exp(row[e] - vmax);
+namespace {
+// The terms first (a loop with no reduction vectorises), then the sum in 8 lanes (a float sum in
+// one accumulator would not: the compiler may not reorder it).
+template <bool kFull>
+MK_VEC_INLINE float exp_sum_terms(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
+  for (int64_t e = 0; e < E; ++e) exps[e] = kFull ? vec_math::exp_full(row[e] - vmax) : vec_math::exp(row[e] - vmax);
   lanes_f32 sum = {};
   int64_t e = 0;
   for (; e + kLanes <= E; e += kLanes) sum += load(exps + e);
@@ -238,6 +239,17 @@ float row_exp_sum_f32(const float* __restrict row, int64_t E, float vmax, float*
   for (int l = 0; l < kLanes; ++l) total += sum[l];
   for (; e < E; ++e) total += exps[e];
   return total;
+}
+}  // namespace
+
+MK_VECTORISE MK_ROW_CLONES
+float row_exp_sum_f32(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
+  return exp_sum_terms<false>(row, E, vmax, exps);
+}
+
+MK_VECTORISE MK_ROW_CLONES
+float row_exp_sum_full_f32(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
+  return exp_sum_terms<true>(row, E, vmax, exps);
 }
 
 }  // namespace moe_kernels

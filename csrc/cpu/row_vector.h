@@ -71,4 +71,9 @@ void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 // sum). vec_math::exp: terms below e^-80 (including those of -inf logits) are 0; a few ulp each.
 float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps);
 
+// The same with vec_math::exp_full: the terms keep torch's tails (denormals below e^-87.3) where
+// they are compared rather than only summed (topk_router ranks softmax scores when it has a bias
+// or groups, and a flushed 0 would tie with an expert torch ranks above it).
+float row_exp_sum_full_f32(const float* row, int64_t E, float vmax, float* exps);
+
 }  // namespace moe_kernels

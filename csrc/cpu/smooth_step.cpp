@@ -50,7 +50,7 @@ at::Tensor smooth_step_backward_cpu(const at::Tensor& grad, const at::Tensor& t,
       t_t* o = out.mutable_data_ptr<t_t>();
       at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i)
-          o[i] = (t_t)((float)gi[i] * dselect_k::smooth_step_grad((float)in[i], p));
+          o[i] = (t_t)dselect_k::smooth_step_chain((float)gi[i], (float)in[i], p);
       });
     });
   });

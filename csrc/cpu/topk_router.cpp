@@ -4,7 +4,7 @@
 //     selection is exact and the scores are computed only where needed: softmax with
 //     renormalisation reads the k selected logits only; the full softmax adds one vectorised
 //     exp-sum pass; sigmoid reads the k selected logits.
-//   - a bias or groups: every score (one vectorised exp pass), choice = score + bias, the groups'
+//   - a bias or groups: every score (one vectorised exp pass, torch's tails kept), choice = score + bias, the groups'
 //     scores, the eligible experts gathered in index order, and the top k among them.
 // The weights' renormalisation and its gradient are the shared rules of topk_router.h.
 #include <ATen/Dispatch.h>
@@ -95,7 +95,9 @@ int64_t row_max_index(const double* v, int64_t n) {
 }
 
 // exps[e] = exp(v[e] - vmax), returns their sum. float: the vectorised pass of row_vector.h.
-float exp_sum(const float* v, int64_t n, float vmax, float* exps) { return row_exp_sum_f32(v, n, vmax, exps); }
+// exp_full terms: scores are ranked (bias, groups) and returned as weights, so their tails are
+// torch's (row_vector.h).
+float exp_sum(const float* v, int64_t n, float vmax, float* exps) { return row_exp_sum_full_f32(v, n, vmax, exps); }
 double exp_sum(const double* v, int64_t n, double vmax, double* exps) {
   double total = 0;
   for (int64_t e = 0; e < n; ++e) total += (exps[e] = std::exp(v[e] - vmax));
@@ -231,13 +233,23 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
         g[s] = (acc_t)grad_w[t * k + s];
       }
       topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, a.renormalize, scaling);
-      std::fill_n(out, E, (scalar_t)0);
+      // Zero off the selection, except at a NaN logit: the reference's sigmoid over the whole row
+      // backpropagates 0 * sigmoid'(NaN) = NaN there (docs/reliability.md: a NaN input's gradient
+      // is NaN, selected or not).
+      for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(x[e] != x[e] ? (acc_t)NAN : acc_t(0));
       for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((acc_t)out[ex[s]] + gp[s] * ps[s] * (1 - ps[s]));
       continue;
     }
     const acc_t vmax = x[row_max_index(x, E)];
     if (vmax == -INFINITY) {  // a fully masked token: scores 0, gradient 0
       std::fill_n(out, E, (scalar_t)0);
+      continue;
+    }
+    if (vmax != vmax || vmax == INFINITY) {
+      // A NaN or +inf logit makes every softmax score of the row NaN (the reference's softmax
+      // over the row), so every gradient of the row is NaN, renormalised or not
+      // (docs/reliability.md); the cancelling shortcut below would give 0 off the selection.
+      std::fill_n(out, E, (scalar_t)NAN);
       continue;
     }
     if (a.renormalize) {

@@ -48,7 +48,10 @@ def _backward_from_logits(logits, experts, grad_weights, scoring, renormalize, s
     else:
         gp = scaling_factor * g
     if soft is None:
-        grad = torch.zeros_like(x).scatter_add(1, experts, gp * p * (1 - p))
+        # 0 off the selection, but NaN at a NaN logit: the reference's sigmoid over the row
+        # backpropagates 0 * sigmoid'(NaN) = NaN there (docs/reliability.md).
+        off = torch.where(torch.isnan(x), x, torch.zeros_like(x))
+        grad = off.scatter_add(1, experts, gp * p * (1 - p))
     else:
         grad = (-soft * (gp * p).sum(dim=-1, keepdim=True)).scatter_add(1, experts, gp * p)
     return grad.to(logits.dtype)

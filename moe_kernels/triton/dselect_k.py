@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.common import row_tile_config
-from moe_kernels.triton.smooth_step import _params, smooth_step_slope, smooth_step_value
+from moe_kernels.triton.smooth_step import _params, smooth_step_chain, smooth_step_value
 
 # 2^m selector entries of BLOCK_B rows in registers: at most 1024 per program and 8 per thread in
 # the forward; 512 and 4 in the backward, which holds more tiles (grad_gates, the selector, u and
@@ -149,7 +149,7 @@ def dselect_k_backward_kernel(
             sign = tl.where(((ls >> j) & 1) == 1, 1.0, -1.0)
             ds = tl.sum(sign[None, :] * r * (u - u_flipped), axis=1)
             zj = tl.load(z_ptr + base + j, mask=row_ok, other=0.0).to(tl.float32)
-            dz = ds * smooth_step_slope(zj, half, c1, c3)
+            dz = smooth_step_chain(ds, zj, half, c1, c3)
             tl.store(grad_z_ptr + base + j, dz.to(grad_z_ptr.dtype.element_ty), mask=row_ok)
 
 

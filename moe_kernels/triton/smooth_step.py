@@ -25,6 +25,14 @@ def smooth_step_slope(t, half, c1, c3):
 
 
 @triton.jit
+def smooth_step_chain(g, t, half, c1, c3):
+    """g * S'(t), exactly 0 where S is flat whatever g is (NaN included), as csrc's
+    smooth_step_chain and the reference's where()."""
+    slope = smooth_step_slope(t, half, c1, c3)
+    return tl.where(slope == 0.0, 0.0, g * slope)
+
+
+@triton.jit
 def smooth_step_kernel(
     t_ptr,  # [N] contiguous fp32/fp16/bf16
     out_ptr,  # [N] contiguous, t's dtype
@@ -55,7 +63,7 @@ def smooth_step_backward_kernel(
     ok = offs < N
     t = tl.load(t_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (g * smooth_step_slope(t, half, c1, c3)).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + offs, smooth_step_chain(g, t, half, c1, c3).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _params(gamma: float):

@@ -29,6 +29,14 @@ MK_HD float smooth_step_grad(float t, SmoothStep p) {
   return p.c1 - 3.0f * p.c3 * t * t;
 }
 
+// g * S'(t), exactly 0 where S is flat (outside the open interval) whatever g is, NaN included:
+// the reference's where() passes no gradient to the discarded branch, so a NaN upstream (another
+// selector bit at NaN) leaves a saturated input's gradient at 0 (docs/reliability.md).
+MK_HD float smooth_step_chain(float g, float t, SmoothStep p) {
+  const float slope = smooth_step_grad(t, p);
+  return slope == 0.0f ? 0.0f : g * slope;
+}
+
 // r(s) of eq 4 for s [m] into r [2^m]: built by doubling, bit j of the index picks s_j or
 // 1 - s_j, least significant bit first.
 MK_HD void selector(const float* s, int m, float* r) {

@@ -176,6 +176,13 @@ MK_HD void router_backward_row(const Exec& w, const X& x, const G& g, const int6
       w.items(E, [&](int64_t e) { out(e, T(0)); });
       return;
     }
+    if (vmax != vmax || vmax == INFINITY) {
+      // A NaN or +inf logit makes every softmax score of the row NaN (the reference's softmax
+      // over the row), so every gradient of the row is NaN, renormalised or not
+      // (docs/reliability.md); the cancelling shortcut below would give 0 off the selection.
+      w.items(E, [&](int64_t e) { out(e, T(NAN)); });
+      return;
+    }
   }
   if (a.scoring == kSigmoid || a.renormalize) {
     // The gradient is zero off the selection: p_s = sigmoid(x_s), or exp(x_s - vmax) whose
@@ -192,7 +199,12 @@ MK_HD void router_backward_row(const Exec& w, const X& x, const G& g, const int6
       for (int64_t s = 0; s < k; ++s) total += p(s);
       for (int64_t s = 0; s < k; ++s) dot += g(s) * (p(s) / total);
     }
-    w.items(E, [&](int64_t e) { out(e, T(0)); });
+    // Zero off the selection, except at a NaN logit (sigmoid: the reference backpropagates
+    // 0 * sigmoid'(NaN) = NaN there; a softmax row with a NaN returned above).
+    w.items(E, [&](int64_t e) {
+      const T v = x(e);
+      out(e, v != v ? T(NAN) : T(0));
+    });
     w.sync();
     w.items(k, [&](int64_t s) {
       if (!valid(s)) return;
