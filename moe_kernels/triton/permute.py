@@ -34,8 +34,10 @@ def permute(
         )
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     e = experts.reshape(-1)
-    valid = e >= 0
-    row = torch.where(valid, offsets[e.clamp(min=0)] + rank.reshape(-1), -1)
+    # An id outside [0, E) matches no expert's scan (rank -1): dropped like an empty choice,
+    # without indexing offsets out of range (docs/reliability.md).
+    valid = (e >= 0) & (e < num_experts)
+    row = torch.where(valid, offsets[e.clamp(0, max(num_experts - 1, 0))] + rank.reshape(-1), -1)
     order = torch.full((n,), -1, dtype=torch.int64, device=x.device).index_put((row[valid],), flat[valid])
     return _rows.gather_rows(x, order, k, None), offsets, order
 
