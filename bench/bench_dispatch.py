@@ -20,12 +20,13 @@ OpenMP fork/join can wait milliseconds for a descheduled worker.
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, measure, peak_memory_mb, report, stable_malloc  # noqa: E402
+from common import RESULTS, compile_notes, compile_sequence, measure, peak_memory_mb, report, stable_malloc  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -88,6 +89,7 @@ def dropless(x, logits, E, k, C):
     return unpermute(x_sorted, order, weights, x.shape[0])
 
 
+COMPILED = "torch.compile torch index"
 PROVIDERS = {
     "moe_kernels": ours,
     "reference": ref,
@@ -117,7 +119,7 @@ def main():
     print(f"backends: { {op: row['cpu'] for op, row in moe_kernels.backends().items()} }")
     timing = {"warmup": 1, "reps": 5, "min_time": 0.0}
     slow_timing = {"warmup": 0, "reps": 3, "min_time": 0.0}
-    rows, extra = [], []
+    rows, extra, notes = [], [], []
     for T, E, k, d in grid:
         C = capacity_for(T, E, k, 1.0)
         config = {"T": T, "E": E, "k": k, "d": d, "C": C}
@@ -146,6 +148,21 @@ def main():
             rows.append(
                 measure("dispatch", name, step, config=config, mode="fwd+bwd", **(slow_timing if slow else timing))
             )
+        # The plain-torch index sequence under torch.compile (what a user tries first), its compile
+        # time (the first forward and the first backward) reported apart.
+        compiled, seconds = compile_sequence(torch_index, x, logits, E, k, C)
+
+        def compiled_step():
+            x.grad = logits.grad = None
+            compiled(x, logits, E, k, C).backward(g)
+
+        start = time.perf_counter()
+        compiled_step()  # compiles the backward
+        cfg = " ".join(f"{a}={b}" for a, b in config.items())
+        notes.append(f"| {COMPILED} | {cfg} | {seconds + time.perf_counter() - start:.1f} |")
+        torch.testing.assert_close(compiled(x, logits, E, k, C), expected, atol=1e-4, rtol=1e-4)
+        memory[COMPILED] = peak_memory_mb(compiled_step)
+        rows.append(measure("dispatch", COMPILED, compiled_step, config=config, mode="fwd+bwd", **timing))
         # Our dispatch and combine alone vs torch.clone of the same bytes.
         with torch.no_grad():
             weights, experts = topk_softmax(logits, k)
@@ -184,12 +201,14 @@ def main():
         both = (dispatch_bytes + combine_bytes) / ((rd["median_ms"] + rc["median_ms"]) / 1e3) / 1e9
         extra.append((config, memory, rd["gb_per_s"], rc["gb_per_s"], both, rclone["gb_per_s"]))
     name = "dispatch" + ("_quick" if args.quick else "")
+    providers = [*PROVIDERS, COMPILED]
     md = report(
         name,
         rows,
         baseline="torch index",
-        providers=list(PROVIDERS),
+        providers=providers,
         command=" ".join([".venv/bin/python bench/bench_dispatch.py", *sys.argv[1:]]),
+        notes=compile_notes(notes),
     )
     md = md.replace(
         "Median of >= 15 runs",
@@ -198,12 +217,12 @@ def main():
     )
     lines = [
         "\n## Peak resident memory of one forward + backward step (MB above the inputs)\n",
-        "| config | " + " | ".join(PROVIDERS) + " |",
-        "|---|" + "---|" * len(PROVIDERS),
+        "| config | " + " | ".join(providers) + " |",
+        "|---|" + "---|" * len(providers),
     ]
     for config, memory, *_ in extra:
         cfg = " ".join(f"{k}={v}" for k, v in config.items())
-        lines.append(f"| {cfg} | " + " | ".join(f"{memory[p]:.0f}" if p in memory else "-" for p in PROVIDERS) + " |")
+        lines.append(f"| {cfg} | " + " | ".join(f"{memory[p]:.0f}" if p in memory else "-" for p in providers) + " |")
     lines += [
         "\n## Bandwidth of our dispatch and combine (forward) against torch.clone of the same bytes\n",
         "Bytes: dispatch reads x once and writes every buffer row; combine reads every kept row and writes y.\n",
