@@ -201,12 +201,22 @@ void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best) {
   for (; e < E; ++e) pairs[e] = rank_pair(row[e], (int32_t)e);
   const int64_t n = (E + kLanes - 1) / kLanes * kLanes;
   for (; e < n; ++e) pairs[e] = kNoPair;
+  // The winner is knocked out in the next round's pass, lane-wise (pairs are distinct, so only its
+  // lane matches), and stored back a whole vector at a time: a scalar store into the array followed
+  // by the next round's vector loads of it would stall on store forwarding every round.
+  const lanes_i64 none = lanes_i64{} + kNoPair;
+  lanes_i64 previous = none;  // matches only padding lanes, which are kNoPair already
   for (int s = 0; s < k; ++s) {
-    lanes_i64 m = load_pairs(pairs);
-    for (int64_t c = kLanes; c < n; c += kLanes) m = max_pairs(m, load_pairs(pairs + c));
+    lanes_i64 m = none;
+    for (int64_t c = 0; c < n; c += kLanes) {
+      lanes_i64 v = load_pairs(pairs + c);
+      v = v == previous ? none : v;
+      std::memcpy(pairs + c, &v, sizeof v);
+      m = max_pairs(m, v);
+    }
     const int64_t top = max_lane(m);
     best[s] = top;
-    pairs[pair_index(top)] = kNoPair;
+    previous = lanes_i64{} + top;
   }
 }
 
