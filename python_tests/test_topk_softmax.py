@@ -81,6 +81,42 @@ def test_every_width(backend, kind, k):
             assert_close(w, w_ref)
 
 
+def float_compare_edge_rows(E: int) -> torch.Tensor:
+    """Rows that probe the C++ float-compare selection (k = 1, 2) and its rank-key fallback."""
+    rows = []
+    g = torch.Generator().manual_seed(E)
+    inf = float("inf")
+    for pos in sorted({0, 1, E // 2, E - 1}):
+        one = torch.full((E,), -inf)
+        one[pos] = 0.5  # one finite value: the second is the lowest-index -inf
+        rows.append(one)
+        mixed = torch.randn(E, generator=g)
+        mixed[pos] = inf  # +inf with -inf elsewhere: the lane sums are NaN, so the rank-key path
+        mixed[(pos + 3) % E] = -inf
+        rows.append(mixed)
+    tiny = torch.tensor([1e-45, -1e-45, 0.0, -0.0, 1e-40, -1e-40], dtype=torch.float32)
+    rows.append(tiny[torch.randint(0, 6, (E,), generator=g)])  # denormals and signed zeros
+    rows.append(torch.full((E,), 3e38))  # sums overflow to +inf (not NaN): the float path, all ties
+    big = torch.full((E,), 3e38)
+    big[-1] = -inf  # +inf + -inf in the sums although no element is NaN or +inf
+    rows.append(big)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_float_compare_edges(backend, k):
+    # k = 1, 2 on the C++ CPU kernel rank a row holding no NaN by float compares and fall back to
+    # rank keys when the row's lane sums are NaN; both must give the reference's experts.
+    widths = range(max(k, 8), 26) if backend == "triton" else range(max(k, 8), 42)
+    for E in widths:
+        logits = float_compare_edge_rows(E)
+        for renormalize in (True, False):
+            w, e = run(backend, logits, k, renormalize)
+            w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
+            assert torch.equal(e, e_ref), (E, e, e_ref)
+            assert_close(w, w_ref)
+
+
 @pytest.mark.parametrize("k", [2, 3])
 def test_sorted_rows(backend, k):
     # Ascending rows replace the running maxima at every element, descending rows never do;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <climits>
 #include <functional>
+#include <vector>
 #include <cmath>
 #include <cstring>
 
@@ -67,6 +68,20 @@ inline int64_t max_lane(lanes_i64 x) {
   return x[0] > x[1] ? x[0] : x[1];
 }
 
+// rank pairs (common.h) of eight (key, index) lanes.
+inline lanes_i64 lane_pairs(lanes_i32 key, lanes_i32 index) {
+  return (__builtin_convertvector(key, lanes_i64) << 32) | (0xffffffffLL - __builtin_convertvector(index, lanes_i64));
+}
+
+// The smallest lane of x, in three shuffle + min steps.
+inline int32_t min_lane(lanes_i32 x) {
+  lanes_i32 y = __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
+  x = x < y ? x : y;
+  y = __builtin_shuffle(x, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5});
+  x = x < y ? x : y;
+  return x[0] < x[1] ? x[0] : x[1];
+}
+
 // The largest lane of x, in three shuffle + max steps.
 inline int32_t max_lane(lanes_i32 x) {
   x = x > __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3}) ? x : __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
@@ -74,10 +89,53 @@ inline int32_t max_lane(lanes_i32 x) {
   return x[0] > x[1] ? x[0] : x[1];
 }
 
-}  // namespace
+// The selections' bodies, inlined into the per-row entry points below and into rows_top_pairs_f32
+// (a call per row through the load-time dispatch, and the data dependence of one row's outputs on
+// its call, cost as much as the selection at E = 64).
+#define MK_ROW_BODY inline __attribute__((always_inline))
 
-MK_ROW_CLONES
-int32_t row_argmax_f32(const float* row, int64_t E) {
+// Whether lane-wise float sums hold a NaN: a row whose sum is not NaN holds no NaN (the sum is NaN
+// also for +inf and -inf together, or an overflow meeting -inf: those rows only take the slower
+// path).
+inline bool any_nan(lanes_f32 sum) {
+  const lanes_i32 nan = sum != sum;  // -1 in a NaN lane
+  return min_lane(nan) != 0;
+}
+
+// The float-compare selections: on a row without NaN, an ordered float compare ranks like rank_key
+// (-0 == +0, and with denormals-are-zero set both treat a denormal as 0), at half the vector
+// operations of building rank keys for every element. They return false on a row holding a NaN,
+// which then takes the rank-key path. E >= kLanes.
+MK_ROW_BODY bool argmax_row_float(const float* row, int64_t E, int32_t* arg) {
+  lanes_f32 best = load(row), sum = best;
+  lanes_i32 best_index = {0, 1, 2, 3, 4, 5, 6, 7};
+  lanes_i32 index = best_index + kLanes;
+  int64_t e = kLanes;
+  for (; e + kLanes <= E; e += kLanes) {
+    const lanes_f32 v = load(row + e);
+    const lanes_i32 better = v > best;
+    best = better ? v : best;
+    best_index = better ? index : best_index;
+    sum += v;
+    index += kLanes;
+  }
+  if (any_nan(sum)) return false;
+  const lanes_i32 keys = rank_keys(best);
+  int32_t key = max_lane(keys);
+  *arg = min_lane(keys == key ? best_index : (lanes_i32{} + INT_MAX));
+  for (; e < E; ++e) {  // the tail: later indices than every lane's, so strict > keeps ties right
+    const int32_t k = rank_key(row[e]);
+    if (k > key) {
+      key = k;
+      *arg = (int32_t)e;
+    }
+  }
+  return true;
+}
+
+MK_ROW_BODY int32_t argmax_row(const float* row, int64_t E) {
+  int32_t fast;
+  if (E >= kLanes && argmax_row_float(row, E, &fast)) return fast;
   // Lane l sees the elements l, l + 8, l + 16, ... in order and keeps the first of its largest
   // keys (strict >); the lanes are merged by key, then by the lower index.
   lanes_i32 best_key = {INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN};
@@ -91,12 +149,12 @@ int32_t row_argmax_f32(const float* row, int64_t E) {
     best_index = better ? index : best_index;
     index += kLanes;
   }
+  // The lanes merged without a branch (a data-dependent one per lane mispredicted on most rows and
+  // cost more than the whole pass at E = 64): the largest key, then the lowest index holding it.
   int32_t key = INT_MIN, arg = 0;
-  for (int l = 0; l < kLanes && e > 0; ++l) {
-    if (best_key[l] > key || (best_key[l] == key && best_index[l] < arg)) {
-      key = best_key[l];
-      arg = best_index[l];
-    }
+  if (e > 0) {
+    key = max_lane(best_key);
+    arg = min_lane(best_key == key ? best_index : (lanes_i32{} + INT_MAX));
   }
   for (; e < E; ++e) {  // the tail: later indices than every lane's, so strict > keeps ties right
     const int32_t k = rank_key(row[e]);
@@ -107,6 +165,8 @@ int32_t row_argmax_f32(const float* row, int64_t E) {
   }
   return arg;
 }
+
+}  // namespace
 
 MK_ROW_CLONES
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
@@ -148,8 +208,48 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
   for (; e < E; ++e) insert_pair(best, k, k, rank_pair(row[e], (int32_t)e));
 }
 
-MK_ROW_CLONES
-void row_top2_f32(const float* row, int64_t E, int64_t* best) {
+namespace {
+
+// The two largest rank pairs on a row without NaN by float compares (argmax_row_float), E >= kLanes.
+// The second slots start at -inf with an index above every real one, so a real element of equal
+// value always outranks them; a -inf element never enters a second slot (strict >), which matters
+// only if the row has fewer than two elements above -inf, and then the first chunk's lanes hold the
+// lowest-index -inf elements already.
+MK_ROW_BODY bool top2_row_float(const float* row, int64_t E, int64_t* best) {
+  lanes_f32 value1 = load(row), sum = value1;
+  lanes_f32 value2 = lanes_f32{} - INFINITY;
+  lanes_i32 index1 = {0, 1, 2, 3, 4, 5, 6, 7};
+  lanes_i32 index2 = lanes_i32{} + INT_MAX;
+  lanes_i32 index = index1 + kLanes;
+  int64_t e = kLanes;
+  for (; e + kLanes <= E; e += kLanes) {
+    const lanes_f32 v = load(row + e);
+    const lanes_i32 above1 = v > value1;
+    const lanes_i32 above2 = v > value2;
+    value2 = above1 ? value1 : (above2 ? v : value2);
+    index2 = above1 ? index1 : (above2 ? index : index2);
+    value1 = above1 ? v : value1;
+    index1 = above1 ? index : index1;
+    sum += v;
+    index += kLanes;
+  }
+  if (any_nan(sum)) return false;
+  const lanes_i64 pair1 = lane_pairs(rank_keys(value1), index1), pair2 = lane_pairs(rank_keys(value2), index2);
+  int64_t first = max_lane(pair1);
+  int64_t second = max_lane(pair1 == first ? pair2 : pair1);
+  for (; e < E; ++e) {
+    const int64_t pair = rank_pair(row[e], (int32_t)e);
+    const int64_t low = pair > first ? first : pair;
+    first = pair > first ? pair : first;
+    second = low > second ? low : second;
+  }
+  best[0] = first;
+  best[1] = second;
+  return true;
+}
+
+MK_ROW_BODY void top2_row(const float* row, int64_t E, int64_t* best) {
+  if (E >= kLanes && top2_row_float(row, E, best)) return;
   // Two running maxima per lane, no insertion list. Lane l sees the elements l, l + 8, ... in
   // ascending index order, so strict > keeps the lower index of equal keys in both slots. Unfilled
   // slots hold INT_MIN, below every rank_key (even -inf's), so they never win while E >= 2.
@@ -168,8 +268,15 @@ void row_top2_f32(const float* row, int64_t E, int64_t* best) {
     index1 = above1 ? index : index1;
     index += kLanes;
   }
-  // Merge the 16 lane slots and the tail as rank pairs (distinct indices: the order is total).
+  // Merge the 16 lane slots as rank pairs (distinct indices: the order is total), without a
+  // branch: the first is the largest lane-first pair; the second the largest of the other lanes'
+  // firsts and the winning lane's second. Then the tail, one by one.
   int64_t first = kNoPair, second = kNoPair;
+  if (e > 0) {
+    const lanes_i64 pair1 = lane_pairs(key1, index1), pair2 = lane_pairs(key2, index2);
+    first = max_lane(pair1);
+    second = max_lane(pair1 == first ? pair2 : pair1);
+  }
   auto offer = [&](int64_t pair) {
     if (pair > first) {
       second = first;
@@ -178,17 +285,12 @@ void row_top2_f32(const float* row, int64_t E, int64_t* best) {
       second = pair;
     }
   };
-  for (int l = 0; l < kLanes && e > 0; ++l) {
-    offer(((int64_t)key1[l] << 32) | (int64_t)(0xffffffffu - (uint32_t)index1[l]));
-    offer(((int64_t)key2[l] << 32) | (int64_t)(0xffffffffu - (uint32_t)index2[l]));
-  }
   for (; e < E; ++e) offer(rank_pair(row[e], (int32_t)e));
   best[0] = first;
   best[1] = second;
 }
 
-MK_ROW_CLONES
-void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best) {
+MK_ROW_BODY void rounds_row(const float* row, int64_t E, int k, int64_t* best) {
   // k rounds of a row max over the row's rank pairs, each round's winner knocked out of the row
   // by its index (the low half of its pair). Branch-free: the cost is k * E / 8 vector maxima
   // whatever the data, where an insertion list pays a mispredicted branch per candidate.
@@ -220,6 +322,17 @@ void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best) {
   }
 }
 
+}  // namespace
+
+MK_ROW_CLONES
+int32_t row_argmax_f32(const float* row, int64_t E) { return argmax_row(row, E); }
+
+MK_ROW_CLONES
+void row_top2_f32(const float* row, int64_t E, int64_t* best) { top2_row(row, E, best); }
+
+MK_ROW_CLONES
+void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best) { rounds_row(row, E, k, best); }
+
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best) {
   if (k == 1) {
     const int32_t e = row_argmax_f32(row, E);
@@ -233,6 +346,31 @@ void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best) {
   } else {
     for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(row[e], (int32_t)e);
     std::partial_sort(best, best + k, best + E, std::greater<int64_t>());
+  }
+}
+
+MK_ROW_CLONES
+void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* best) {
+  if (k == 1) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = x + i * stride;
+      const int32_t e = argmax_row(row, E);
+      best[i] = rank_pair(row[e], e);
+    }
+  } else if (k == 2) {
+    for (int64_t i = 0; i < n; ++i) top2_row(x + i * stride, E, best + 2 * i);
+  } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
+    for (int64_t i = 0; i < n; ++i) rounds_row(x + i * stride, E, (int)k, best + k * i);
+  } else if (k <= kRowInsertionMaxK) {
+    for (int64_t i = 0; i < n; ++i) row_topk_f32(x + i * stride, E, (int)k, best + k * i);
+  } else {
+    std::vector<int64_t> all(E);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = x + i * stride;
+      for (int64_t e = 0; e < E; ++e) all[e] = rank_pair(row[e], (int32_t)e);
+      std::partial_sort(all.begin(), all.begin() + k, all.end(), std::greater<int64_t>());
+      std::copy_n(all.begin(), k, best + k * i);
+    }
   }
 }
 

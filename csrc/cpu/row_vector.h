@@ -66,6 +66,10 @@ constexpr int64_t kRowInsertionMaxK = 16;
 // scalar insertion list).
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 
+// row_top_pairs for each of the n rows x[i * stride .. i * stride + E), into best[i * k .. i * k + k):
+// one call for a block of rows, so that consecutive rows' selections overlap in the core.
+void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* best);
+
 // sum over e of exp(row[e] - vmax), each term also stored to exps[e] (exps [E], not aliasing
 // row). vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and
 // sum). vec_math::exp: terms below e^-80 (including those of -inf logits) are 0; a few ulp each.

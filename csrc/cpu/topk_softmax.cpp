@@ -17,47 +17,86 @@
 #include "moe_kernels/topk_softmax.h"
 #include "index_check.h"
 #include "row_vector.h"
+#include "vec_math.h"
 
 namespace moe_kernels {
 namespace {
 
+// A renormalised weight's exp term on CPU, the forward's and the backward's (the same bits in
+// both): exp(v - vmax) with torch's tails (vec_math::exp_full, inlined and vectorised where
+// expf was a libm call per term), 0 for a row whose largest logit is -inf (fully masked tokens).
+// exp_full(0) is exactly 1, so k = 1 gives weight 1 for a finite row.
+MK_VEC_INLINE float renorm_term(float v, float vmax) {
+  return vmax == -INFINITY ? 0.0f : vec_math::exp_full(v - vmax);
+}
+
+// Rows are processed in blocks: the block's selections first (one call, rows_top_pairs_f32), then
+// the weights of all its k * rows slots in vectorised loops.
 template <typename scalar_t>
-void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, stride_e)
-                       int64_t stride_t, int64_t stride_e, int64_t begin, int64_t end,
-                       int64_t E, int64_t k, bool renormalize,
-                       scalar_t* weights,       // [T, k] contiguous
-                       int64_t* experts) {      // [T, k] contiguous
-  using topk_softmax::exp_term;
-  std::vector<int64_t> best(k > kRowInsertionMaxK ? E : k);
-  std::vector<float> row_buffer(E), exps(renormalize ? 0 : E), terms(renormalize ? k : 0);
-  for (int64_t t = begin; t < end; ++t) {
-    const float* x = float_row(logits + t * stride_t, stride_e, E, row_buffer.data());
-    row_top_pairs(x, E, k, best.data());
-    // Values are re-read from the row rather than decoded from the key: NaN payloads and -0
-    // must come out exactly as the reference sees them.
-    const float vmax = x[pair_index(best[0])];
-    float denom = 0.0f;
-    if (renormalize) {
-      // Each selected term once (weight() would compute the same expf again). The first is
-      // exp(vmax - vmax): 1 for a finite vmax without an expf call (NaN for NaN or +inf; 0 for a
-      // -inf row, as exp_term), so that k = 1 costs no expf at all.
-      const float d0 = vmax - vmax;
-      terms[0] = vmax == -INFINITY ? 0.0f : (d0 == 0.0f ? 1.0f : expf(d0));
-      denom = terms[0];
-      for (int64_t s = 1; s < k; ++s) {
-        terms[s] = exp_term(x[pair_index(best[s])], vmax);
-        denom += terms[s];
+MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, stride_e)
+                                    int64_t stride_t, int64_t stride_e, int64_t begin, int64_t end,
+                                    int64_t E, int64_t k, bool renormalize,
+                                    scalar_t* weights,       // [T, k] contiguous
+                                    int64_t* experts) {      // [T, k] contiguous
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  const bool direct = kFloat && stride_e == 1;  // select on the logits themselves
+  const int64_t block = std::clamp<int64_t>(16384 / E, 1, 64);
+  std::vector<float> rows(direct ? 0 : block * E), exps(renormalize ? 0 : E);
+  std::vector<int64_t> best(block * k);
+  std::vector<float> value(block * k), vmax(block * k), term(block * k);
+  for (int64_t t0 = begin; t0 < end; t0 += block) {
+    const int64_t n = std::min(block, end - t0);
+    const float* x;
+    int64_t stride;
+    if (direct) {
+      x = reinterpret_cast<const float*>(logits) + t0 * stride_t;
+      stride = stride_t;
+    } else {
+      // Converted exactly (float_row): order, -0 and NaN kept, so selecting on it selects on the row.
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t* row = logits + (t0 + i) * stride_t;
+        for (int64_t e = 0; e < E; ++e) rows[i * E + e] = (float)row[e * stride_e];
       }
-    } else if (vmax != -INFINITY) {
-      denom = row_exp_sum_f32(x, E, vmax, exps.data());
+      x = rows.data();
+      stride = E;
     }
-    for (int64_t s = 0; s < k; ++s) {
-      const int32_t e = pair_index(best[s]);
-      experts[t * k + s] = e;
-      // The full softmax reuses the sum's own terms (the backward recomputes those exactly); the
-      // renormalised one its k terms (weight()'s value, bit for bit).
-      const float w = vmax == -INFINITY ? 0.0f : (renormalize ? terms[s] : exps[e]) / denom;
-      weights[t * k + s] = (scalar_t)w;
+    rows_top_pairs_f32(x, stride, n, E, k, best.data());
+    // Values are re-read from the row rather than decoded from the key: NaN payloads and -0 must
+    // come out exactly as the reference sees them.
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = x + i * stride;
+      const float m = row[pair_index(best[i * k])];
+      for (int64_t s = 0; s < k; ++s) {
+        const int32_t e = pair_index(best[i * k + s]);
+        experts[(t0 + i) * k + s] = e;
+        value[i * k + s] = row[e];
+        vmax[i * k + s] = m;
+      }
+    }
+    const int64_t slots = n * k;
+    if (renormalize) {
+      for (int64_t j = 0; j < slots; ++j) term[j] = renorm_term(value[j], vmax[j]);
+      for (int64_t i = 0; i < n; ++i) {
+        float denom = 0.0f;
+        for (int64_t s = 0; s < k; ++s) denom += term[i * k + s];
+        for (int64_t s = 0; s < k; ++s) {
+          const int64_t j = i * k + s;
+          weights[(t0 + i) * k + s] = (scalar_t)(vmax[j] == -INFINITY ? 0.0f : term[j] / denom);
+        }
+      }
+    } else {
+      // The full softmax reuses the sum's own terms (the backward recomputes those exactly).
+      for (int64_t i = 0; i < n; ++i) {
+        const float m = vmax[i * k];
+        if (m == -INFINITY) {
+          for (int64_t s = 0; s < k; ++s) weights[(t0 + i) * k + s] = (scalar_t)0.0f;
+          continue;
+        }
+        const float denom = row_exp_sum_f32(x + i * stride, E, m, exps.data());
+        for (int64_t s = 0; s < k; ++s) {
+          weights[(t0 + i) * k + s] = (scalar_t)(exps[pair_index(best[i * k + s])] / denom);
+        }
+      }
     }
   }
 }
@@ -68,12 +107,11 @@ void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, st
 //   full softmax: grad_j = [j selected] g_j p_j - p_j sum_s g_s p_s, with the row's exp terms
 //   computed once (vectorised) and kept in a row buffer for the second pass.
 template <typename scalar_t, typename grad_t>
-void topk_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
+MK_VECTORISE void topk_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
                                 const grad_t* grad_w,     // [T, k] contiguous
                                 const int64_t* experts,   // [T, k] contiguous
                                 int64_t begin, int64_t end, int64_t E, int64_t k, bool renormalize,
                                 scalar_t* grad) {         // [T, E] contiguous
-  using topk_softmax::exp_term;
   std::vector<float> w(k);
   std::vector<float> row_buffer(renormalize ? 0 : E), exps(renormalize ? 0 : E);
   for (int64_t t = begin; t < end; ++t) {
@@ -88,10 +126,13 @@ void topk_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_
     }
     if (renormalize) {
       float denom = 0.0f;
-      for (int64_t s = 0; s < k; ++s) denom += exp_term((float)row[ex[s] * stride_e], vmax);
+      for (int64_t s = 0; s < k; ++s) {
+        w[s] = renorm_term((float)row[ex[s] * stride_e], vmax);
+        denom += w[s];
+      }
       float dot = 0.0f;
       for (int64_t s = 0; s < k; ++s) {
-        w[s] = exp_term((float)row[ex[s] * stride_e], vmax) / denom;
+        w[s] /= denom;
         dot += (float)g[s] * w[s];
       }
       std::fill_n(out, E, (scalar_t)0.0f);
