@@ -103,10 +103,11 @@ def float_compare_edge_rows(E: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
 def test_float_compare_edges(backend, k):
-    # k = 1, 2 on the C++ CPU kernel rank a row holding no NaN by float compares and fall back to
-    # rank keys when the row's lane sums are NaN; both must give the reference's experts.
+    # The C++ CPU kernel ranks a row holding no NaN by float compares (k = 1, 2) or filters it by
+    # a float floor before its rounds (3 <= k <= 8), and falls back to rank keys when the row's
+    # lane sums are NaN; both must give the reference's experts.
     widths = range(max(k, 8), 26) if backend == "triton" else range(max(k, 8), 42)
     for E in widths:
         logits = float_compare_edge_rows(E)

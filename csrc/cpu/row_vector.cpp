@@ -290,11 +290,128 @@ MK_ROW_BODY void top2_row(const float* row, int64_t E, int64_t* best) {
   best[1] = second;
 }
 
-MK_ROW_BODY void rounds_row(const float* row, int64_t E, int k, int64_t* best) {
-  // k rounds of a row max over the row's rank pairs, each round's winner knocked out of the row
-  // by its index (the low half of its pair). Branch-free: the cost is k * E / 8 vector maxima
-  // whatever the data, where an insertion list pays a mispredicted branch per candidate.
-  alignas(64) int64_t pairs[kRoundsMaxE];
+// The largest lane of x in every lane (a butterfly: the result feeds the next round's knockout
+// without a round trip through a scalar register).
+inline lanes_i64 max_all_lanes(lanes_i64 x) {
+  x = max_pairs(x, __builtin_shuffle(x, (lanes_i64){4, 5, 6, 7, 0, 1, 2, 3}));
+  x = max_pairs(x, __builtin_shuffle(x, (lanes_i64){2, 3, 0, 1, 6, 7, 4, 5}));
+  return max_pairs(x, __builtin_shuffle(x, (lanes_i64){1, 0, 3, 2, 5, 4, 7, 6}));
+}
+
+// One round over pairs[0 .. n) (n a multiple of kLanes, padded with kNoPair): the previous round's
+// winner knocked out, the largest remaining pair returned in every lane. The winner is knocked out
+// lane-wise (pairs are distinct, so only its lane matches) and stored back a whole vector at a
+// time: a scalar store into the array followed by the next round's vector loads of it would stall
+// on store forwarding every round.
+MK_ROW_BODY lanes_i64 knockout_round(int64_t* pairs, int64_t n, lanes_i64 previous) {
+  const lanes_i64 none = lanes_i64{} + kNoPair;
+  lanes_i64 m = none;
+  for (int64_t c = 0; c < n; c += kLanes) {
+    lanes_i64 v = load_pairs(pairs + c);
+    v = v == previous ? none : v;
+    std::memcpy(pairs + c, &v, sizeof v);
+    m = max_pairs(m, v);
+  }
+  return max_all_lanes(m);
+}
+
+// k rounds of knockout_round: the k largest pairs, descending. Branch-free: the cost is k * n / 8
+// vector maxima whatever the data, where an insertion list pays a mispredicted branch per
+// candidate.
+MK_ROW_BODY void rounds_on_pairs(int64_t* pairs, int64_t n, int k, int64_t* best) {
+  lanes_i64 previous = lanes_i64{} + kNoPair;  // matches only padding lanes, kNoPair already
+  for (int s = 0; s < k; ++s) {
+    previous = knockout_round(pairs, n, previous);
+    best[s] = previous[0];
+  }
+}
+
+// For each 8-bit lane mask: its set lanes in ascending order (then zeros), and how many there are.
+struct CompressTable {
+  int32_t lanes[256][kLanes];
+  int32_t count[256];
+  constexpr CompressTable() : lanes(), count() {
+    for (int m = 0; m < 256; ++m) {
+      for (int l = 0; l < kLanes; ++l) {
+        if (m >> l & 1) lanes[m][count[m]++] = l;
+      }
+    }
+  }
+};
+alignas(64) constexpr CompressTable kCompress{};
+
+inline float min_lane(lanes_f32 x) {
+  lanes_f32 y = __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
+  x = x < y ? x : y;
+  y = __builtin_shuffle(x, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5});
+  x = x < y ? x : y;
+  return x[0] < x[1] ? x[0] : x[1];
+}
+
+// rounds_on_pairs on the row's candidates only, for a row without NaN and k <= kLanes <= E:
+// lane l's maximum over the elements l, l + 8, ... of the full chunks is >= the floor (the smallest
+// lane maximum) for all 8 lanes, so at least k elements are >= floor and no element below it can
+// be in the top k. The elements >= floor (float compares, as argmax_row_float) and the tail are
+// compressed into a candidate list, a chunk at a time by a table permutation; on random rows
+// about a fifth of a 64-wide row is left. Writes the candidates' pairs, padded with kNoPair to a
+// multiple of kLanes, and returns their padded count; 0 for a row whose lane sums are NaN.
+MK_ROW_BODY int64_t filtered_candidates(const float* row, int64_t E, int64_t* pairs) {
+  const int64_t full = E / kLanes * kLanes;
+  lanes_f32 lane_max = load(row), sum = lane_max;
+  for (int64_t e = kLanes; e < full; e += kLanes) {
+    const lanes_f32 v = load(row + e);
+    lane_max = v > lane_max ? v : lane_max;
+    sum += v;
+  }
+  if (any_nan(sum)) return 0;
+  const float floor = min_lane(lane_max);
+  alignas(64) int32_t index[kRoundsMaxE + kLanes];
+  alignas(64) float value[kRoundsMaxE + kLanes];
+  const lanes_i32 bit = {1, 2, 4, 8, 16, 32, 64, 128};
+  lanes_i32 lane_index = {0, 1, 2, 3, 4, 5, 6, 7};
+  int64_t n = 0;
+  for (int64_t e = 0; e < full; e += kLanes) {
+    const lanes_f32 v = load(row + e);
+    lanes_i32 m = (v >= floor) & bit;
+    m |= __builtin_shuffle(m, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
+    m |= __builtin_shuffle(m, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5});
+    const int32_t mask = m[0] | m[1];
+    lanes_i32 order;
+    std::memcpy(&order, kCompress.lanes[mask], sizeof order);
+    lanes_i32 bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    const lanes_i32 kept_index = __builtin_shuffle(lane_index, order);
+    const lanes_i32 kept_bits = __builtin_shuffle(bits, order);
+    std::memcpy(index + n, &kept_index, sizeof kept_index);
+    std::memcpy(value + n, &kept_bits, sizeof kept_bits);
+    n += kCompress.count[mask];
+    lane_index += kLanes;
+  }
+  for (int64_t e = full; e < E; ++e, ++n) {  // the tail: always candidates (NaN included)
+    index[n] = (int32_t)e;
+    value[n] = row[e];
+  }
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  const lanes_i64 none = lanes_i64{} + kNoPair;
+  const lanes_i64 slot = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int64_t c = 0; c < padded; c += kLanes) {
+    lanes_i32 i;
+    std::memcpy(&i, index + c, sizeof i);
+    lanes_i64 p = lane_pairs(rank_keys(load(value + c)), i);
+    p = slot + c < n ? p : none;
+    std::memcpy(pairs + c, &p, sizeof p);
+  }
+  return padded;
+}
+
+// The candidates of rounds_on_pairs for the k largest of a row (E <= kRoundsMaxE) into pairs
+// [kRoundsMaxE + kLanes]: filtered_candidates where it applies, else every pair of the row.
+// Returns their count, padded with kNoPair to a multiple of kLanes.
+MK_ROW_BODY int64_t round_candidates(const float* row, int64_t E, int k, int64_t* pairs) {
+  if (k <= kLanes && E >= kLanes) {
+    const int64_t n = filtered_candidates(row, E, pairs);
+    if (n > 0) return n;
+  }
   int64_t e = 0;
   for (; e + kLanes <= E; e += kLanes) {
     const lanes_i64 p = rank_pairs(load(row + e), e);
@@ -303,22 +420,31 @@ MK_ROW_BODY void rounds_row(const float* row, int64_t E, int k, int64_t* best) {
   for (; e < E; ++e) pairs[e] = rank_pair(row[e], (int32_t)e);
   const int64_t n = (E + kLanes - 1) / kLanes * kLanes;
   for (; e < n; ++e) pairs[e] = kNoPair;
-  // The winner is knocked out in the next round's pass, lane-wise (pairs are distinct, so only its
-  // lane matches), and stored back a whole vector at a time: a scalar store into the array followed
-  // by the next round's vector loads of it would stall on store forwarding every round.
-  const lanes_i64 none = lanes_i64{} + kNoPair;
-  lanes_i64 previous = none;  // matches only padding lanes, which are kNoPair already
+  return n;
+}
+
+MK_ROW_BODY void rounds_row(const float* row, int64_t E, int k, int64_t* best) {
+  alignas(64) int64_t pairs[kRoundsMaxE + kLanes];
+  rounds_on_pairs(pairs, round_candidates(row, E, k, pairs), k, best);
+}
+
+// rounds_row for four rows at once, their rounds interleaved: one row's rounds are a chain (each
+// knocks out the previous winner), and four independent chains keep the core busy while each
+// round's reduction completes.
+constexpr int kRoundRows = 4;
+MK_ROW_BODY void rounds_rows4(const float* x, int64_t stride, int64_t E, int k, int64_t* best) {
+  alignas(64) int64_t pairs[kRoundRows][kRoundsMaxE + kLanes];
+  int64_t n[kRoundRows];
+  lanes_i64 previous[kRoundRows];
+  for (int j = 0; j < kRoundRows; ++j) {
+    n[j] = round_candidates(x + j * stride, E, k, pairs[j]);
+    previous[j] = lanes_i64{} + kNoPair;
+  }
   for (int s = 0; s < k; ++s) {
-    lanes_i64 m = none;
-    for (int64_t c = 0; c < n; c += kLanes) {
-      lanes_i64 v = load_pairs(pairs + c);
-      v = v == previous ? none : v;
-      std::memcpy(pairs + c, &v, sizeof v);
-      m = max_pairs(m, v);
+    for (int j = 0; j < kRoundRows; ++j) {
+      previous[j] = knockout_round(pairs[j], n[j], previous[j]);
+      best[j * k + s] = previous[j][0];
     }
-    const int64_t top = max_lane(m);
-    best[s] = top;
-    previous = lanes_i64{} + top;
   }
 }
 
@@ -360,7 +486,9 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
   } else if (k == 2) {
     for (int64_t i = 0; i < n; ++i) top2_row(x + i * stride, E, best + 2 * i);
   } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
-    for (int64_t i = 0; i < n; ++i) rounds_row(x + i * stride, E, (int)k, best + k * i);
+    int64_t i = 0;
+    for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, (int)k, best + k * i);
+    for (; i < n; ++i) rounds_row(x + i * stride, E, (int)k, best + k * i);
   } else if (k <= kRowInsertionMaxK) {
     for (int64_t i = 0; i < n; ++i) row_topk_f32(x + i * stride, E, (int)k, best + k * i);
   } else {

@@ -75,15 +75,16 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
     }
     const int64_t slots = n * k;
     if (renormalize) {
+      // Flat loops over the block's slots vectorise (the exp terms, then one division per slot);
+      // the denominators are summed per row in slot order, as the backward sums them.
       for (int64_t j = 0; j < slots; ++j) term[j] = renorm_term(value[j], vmax[j]);
       for (int64_t i = 0; i < n; ++i) {
         float denom = 0.0f;
         for (int64_t s = 0; s < k; ++s) denom += term[i * k + s];
-        for (int64_t s = 0; s < k; ++s) {
-          const int64_t j = i * k + s;
-          weights[(t0 + i) * k + s] = (scalar_t)(vmax[j] == -INFINITY ? 0.0f : term[j] / denom);
-        }
+        for (int64_t s = 0; s < k; ++s) value[i * k + s] = denom;
       }
+      scalar_t* w = weights + t0 * k;
+      for (int64_t j = 0; j < slots; ++j) w[j] = (scalar_t)(vmax[j] == -INFINITY ? 0.0f : term[j] / value[j]);
     } else {
       // The full softmax reuses the sum's own terms (the backward recomputes those exactly).
       for (int64_t i = 0; i < n; ++i) {
