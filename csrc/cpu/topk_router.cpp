@@ -130,6 +130,74 @@ void all_scores(const acc_t* x, int64_t E, int scoring, acc_t* p) {
   for (int64_t e = 0; e < E; ++e) p[e] *= inv;
 }
 
+// exp of a softmax term relative to the row max, the forward's and the backward's: float32 by
+// vec_math::exp_full (inlined, vectorised in flat loops; torch's tails), float64 by std::exp.
+MK_VEC_INLINE float term_exp(float d) { return vec_math::exp_full(d); }
+inline double term_exp(double d) { return std::exp(d); }
+
+// The common router (no bias, one group) in float32: rows in blocks, selected by
+// rows_top_pairs_f32 (as topk_softmax), the selected scores of the whole block in flat loops that
+// vectorise, then each row's finish_weights.
+template <typename scalar_t>
+MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
+                                 int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                                 float* weights,      // [T, k] contiguous
+                                 int64_t* experts) {  // [T, k] contiguous
+  const int64_t k = a.k;
+  const float scaling = (float)a.scaling;
+  const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;
+  const int64_t block = std::clamp<int64_t>(16384 / E, 1, 64);
+  std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : E);
+  std::vector<int64_t> best(block * k);
+  std::vector<float> value(block * k), vmax(block * k);
+  for (int64_t t0 = begin; t0 < end; t0 += block) {
+    const int64_t n = std::min(block, end - t0);
+    const float* x;
+    int64_t stride;
+    if (direct) {
+      x = reinterpret_cast<const float*>(logits) + t0 * stride_t;
+      stride = stride_t;
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t* row = logits + (t0 + i) * stride_t;
+        for (int64_t e = 0; e < E; ++e) rows[i * E + e] = (float)row[e * stride_e];
+      }
+      x = rows.data();
+      stride = E;
+    }
+    rows_top_pairs_f32(x, stride, n, E, k, best.data());  // ranked by the logits
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = x + i * stride;
+      const float m = row[pair_index(best[i * k])];
+      for (int64_t s = 0; s < k; ++s) {
+        const int32_t e = pair_index(best[i * k + s]);
+        experts[(t0 + i) * k + s] = e;
+        value[i * k + s] = row[e];
+        vmax[i * k + s] = m;
+      }
+    }
+    const int64_t slots = n * k;
+    float* w = weights + t0 * k;
+    if (a.scoring == kSigmoid) {
+      for (int64_t j = 0; j < slots; ++j) w[j] = vec_math::sigmoid(value[j]);
+    } else if (a.renormalize) {
+      // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
+      for (int64_t j = 0; j < slots; ++j) w[j] = vmax[j] == -INFINITY ? 0.0f : term_exp(value[j] - vmax[j]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const float m = vmax[i * k];
+        if (m == -INFINITY) {
+          std::fill_n(w + i * k, k, 0.0f);
+          continue;
+        }
+        const float inv = 1.0f / exp_sum(x + i * stride, E, m, exps.data());
+        for (int64_t s = 0; s < k; ++s) w[i * k + s] = exps[pair_index(best[i * k + s])] * inv;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) topk_router::finish_weights(w + i * k, k, a.renormalize, scaling);
+  }
+}
+
 // Forward of rows [begin, end).
 template <typename scalar_t, typename acc_t>
 void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
@@ -139,6 +207,12 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
                  int64_t* experts) { // [T, k] contiguous
   const int64_t k = a.k, G = a.num_groups, size = E / G;
   const acc_t scaling = (acc_t)a.scaling;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (bias == nullptr && !a.grouped()) {
+      plain_rows_f32<scalar_t>(logits, stride_t, stride_e, begin, end, E, a, weights, experts);
+      return;
+    }
+  }
   RowBuffers<acc_t> buf(E, G);
   for (int64_t t = begin; t < end; ++t) {
     const acc_t* x = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, buf.x.data());
@@ -155,7 +229,7 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
           for (int64_t s = 0; s < k; ++s) w[s] = 0;
         } else if (a.renormalize) {
           // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
-          for (int64_t s = 0; s < k; ++s) w[s] = std::exp(x[best[s]] - vmax);
+          for (int64_t s = 0; s < k; ++s) w[s] = term_exp(x[best[s]] - vmax);
         } else {
           const acc_t inv = acc_t(1) / exp_sum(x, E, vmax, buf.p.data());
           for (int64_t s = 0; s < k; ++s) w[s] = buf.p[best[s]] * inv;
@@ -257,7 +331,7 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
       // scaling * softmax(x)_s / sum over the selected = scaling * exp(x_s) / sum over the selected
       // exps: the full softmax's terms cancel, and the gradient is zero off the selection.
       for (int64_t s = 0; s < k; ++s) {
-        ps[s] = std::exp(x[ex[s]] - vmax);
+        ps[s] = term_exp(x[ex[s]] - vmax);
         g[s] = (acc_t)grad_w[t * k + s];
       }
       topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, true, scaling);
