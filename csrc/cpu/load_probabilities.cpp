@@ -1,7 +1,7 @@
 // Smooth load estimator P(x, i) (eqs 8-9 of Shazeer et al. 2017, Appendix A) on CPU. One pass
-// over a row of noisy logits keeps its k+1 best (value, index) pairs; a second pass over the
-// row's three inputs writes P: element i is compared with the (k+1)-th largest when it is itself
-// in the top k, else with the k-th (kth_excluding).
+// over a row of noisy logits keeps its k+1 best (value, index) pairs (row_top_pairs); a second
+// pass over the row's three inputs writes P: element i is compared with the (k+1)-th largest when
+// it is itself in the top k, else with the k-th (kth_excluding).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,17 +14,12 @@
 #include <vector>
 
 #include "moe_kernels/load_probabilities.h"
-#include "moe_kernels/topk_softmax.h"
 #include "row_vector.h"
 #include "vec_math.h"
 #include "index_check.h"
 
 namespace moe_kernels {
 namespace {
-
-// Above this many kept pairs an insertion list costs O(E * k) on ascending rows; a partial sort
-// of all pairs is O(E log k) and wins (the same limit as topk_softmax).
-constexpr int64_t kInsertionMax = 16;
 
 using vec_math::normal_cdf;
 
@@ -43,6 +38,12 @@ MK_VECTORISE MK_ROW_CLONES void density_row(const float* g, const float* z, cons
   }
 }
 
+// z = (clean - kth_excluding) / stddev for a row, selected[e] choosing its threshold (vectorised).
+MK_VECTORISE MK_ROW_CLONES void z_row(const float* clean, const float* stddev, const uint8_t* selected, float kth,
+                                      float k1th, float* z, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) z[e] = vec_math::z_score(clean[e], selected[e] ? k1th : kth, stddev[e]);
+}
+
 template <typename scalar_t>
 void load_probabilities_rows(const Strided& clean,   // [T, E]
                              const Strided& noisy,   // [T, E]
@@ -50,34 +51,29 @@ void load_probabilities_rows(const Strided& clean,   // [T, E]
                              int64_t begin, int64_t end, int64_t E, int64_t k,
                              scalar_t* probs,  // [T, E] contiguous
                              int64_t* top) {   // [T, k+1] contiguous
-  using load_probabilities::z_score;
   const int64_t kept = std::min(k + 1, E);  // pairs needed: k+1, or all E when k = E
-  std::vector<int64_t> best(kept > kInsertionMax ? E : kept);
-  std::vector<float> zs(E), ps(E);
+  std::vector<int64_t> best(kept > kRowInsertionMaxK ? E : kept);
+  std::vector<float> zs(E), ps(E), clean_row(E), noisy_row(E), stddev_row(E);
+  std::vector<uint8_t> selected(E);
   for (int64_t t = begin; t < end; ++t) {
-    // Phase 1: the `kept` largest rank pairs of the noisy row, descending.
-    if (kept <= kInsertionMax) {
-      int filled = 0;
-      for (int64_t e = 0; e < E; ++e)
-        filled = topk_softmax::insert_pair(best.data(), filled, (int)kept, rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e));
-    } else {
-      for (int64_t e = 0; e < E; ++e) best[e] = rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e);
-      std::partial_sort(best.begin(), best.begin() + kept, best.end(), std::greater<int64_t>());
-    }
+    // The rows as contiguous float32 (themselves when they already are; float_row's conversion is
+    // exact and keeps the order, -0 and NaN).
+    const float* x = float_row<scalar_t>(noisy, t, E, noisy_row.data());
+    const float* c = float_row<scalar_t>(clean, t, E, clean_row.data());
+    const float* sd = float_row<scalar_t>(stddev, t, E, stddev_row.data());
+    // Phase 1: the `kept` largest rank pairs of the noisy row, descending (the vectorised
+    // selections of row_vector.h).
+    row_top_pairs(x, E, kept, best.data());
     // The two thresholds, re-read from the row (not decoded from the key: NaN payloads and -0).
-    const int64_t kth_pair = best[k - 1];
-    const float kth = at<scalar_t>(noisy, t, pair_index(kth_pair));
-    const float k1th = k < E ? at<scalar_t>(noisy, t, pair_index(best[k])) : -INFINITY;
+    const float kth = x[pair_index(best[k - 1])];
+    const float k1th = k < E ? x[pair_index(best[k])] : -INFINITY;
     for (int64_t s = 0; s <= k; ++s) top[t * (k + 1) + s] = s < kept ? pair_index(best[s]) : -1;
-
-    // Phase 2: z = (clean - kth_excluding) / stddev for every expert of the row, then
-    // P = Phi(z) in a loop the compiler vectorises.
-    float* z = zs.data();
-    for (int64_t e = 0; e < E; ++e) {
-      const bool selected = rank_pair(at<scalar_t>(noisy, t, e), (int32_t)e) >= kth_pair;
-      z[e] = z_score(at<scalar_t>(clean, t, e), selected ? k1th : kth, at<scalar_t>(stddev, t, e));
-    }
-    normal_cdf_row(z, ps.data(), E);
+    // Phase 2: an element of the top k takes the (k+1)-th as its threshold, any other the k-th;
+    // z for the whole row, then P = Phi(z), both in loops the compiler vectorises.
+    std::fill(selected.begin(), selected.end(), 0);
+    for (int64_t s = 0; s < k; ++s) selected[pair_index(best[s])] = 1;
+    z_row(c, sd, selected.data(), kth, k1th, zs.data(), E);
+    normal_cdf_row(zs.data(), ps.data(), E);
     scalar_t* out = probs + t * E;
     for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)ps[e];
   }

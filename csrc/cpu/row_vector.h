@@ -36,7 +36,8 @@ const float* float_row(const Strided& s, int64_t t, int64_t E, float* buffer) {
 }
 
 // Index of the largest element of row[0 .. E) in the routing ops' rank order (rank_key in
-// moe_kernels/common.h: NaN highest, -0 == +0, ties to the lower index). E >= 1.
+// moe_kernels/common.h: NaN highest, -0 == +0, ties to the lower index). E >= 1. A row holding no
+// NaN is ranked by float compares (the same order there), any other by rank keys.
 int32_t row_argmax_f32(const float* row, int64_t E);
 
 // The k largest (value, index) rank pairs of row[0 .. E) into best[0 .. k), descending (rank_pair
@@ -45,12 +46,16 @@ int32_t row_argmax_f32(const float* row, int64_t E);
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
 
 // The two largest rank pairs of row[0 .. E) into best[0 .. 2), descending, for E >= 2: one pass
-// with two running maxima per lane (no insertion list), the lanes merged at the end.
+// with two running maxima per lane (no insertion list), the lanes merged at the end; float
+// compares on a row holding no NaN, as row_argmax_f32.
 void row_top2_f32(const float* row, int64_t E, int64_t* best);
 
 // The k largest rank pairs by k rounds of a vectorised row max (the winner knocked out each
 // round), for 1 <= k <= E <= kRoundsMaxE: row_top_pairs uses it while k * E <= kRoundsMaxWork,
-// where its fixed k * E / 8 vector steps beat an insertion list's data-dependent branches.
+// where its fixed k * E / 8 vector steps beat an insertion list's data-dependent branches. For
+// k <= 8 on a row holding no NaN the rounds run on candidates only: the elements at or above the
+// smallest of the 8 lane maxima (at least k elements are, and no element below it can be in the
+// top k), compressed a chunk at a time.
 constexpr int64_t kRoundsMaxE = 512;
 constexpr int64_t kRoundsMaxWork = 8 * 512;
 void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best);
@@ -61,9 +66,9 @@ constexpr int64_t kRowInsertionMaxK = 16;
 
 // The k largest rank pairs of row[0 .. E) into best, descending, 1 <= k <= E: row_argmax_f32
 // (k = 1), row_top2_f32 (k = 2), row_topk_rounds_f32 (small k * E), row_topk_f32
-// (k <= kRowInsertionMaxK), else a partial sort
-// (best must then hold E pairs). topk_softmax and noisy_topk_gate select through here (load_probabilities still has its own
-// scalar insertion list).
+// (k <= kRowInsertionMaxK), else a partial sort (best must then hold E pairs). topk_softmax,
+// topk_router, noisy_topk_gate and load_probabilities select through here (or the block form,
+// rows_top_pairs_f32).
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 
 // row_top_pairs for each of the n rows x[i * stride .. i * stride + E), into best[i * k .. i * k + k):
