@@ -12,12 +12,27 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_notes, measure, measure_compiled, report, stable_malloc  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    bandwidth_section,
+    compile_notes,
+    copy_pass,
+    measure,
+    measure_compiled,
+    report,
+    stable_malloc,
+)
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
 from moe_kernels.ops import dselect_k  # noqa: E402
 from moe_kernels.reference.dselect_k import num_bits  # noqa: E402
+
+# The bytes the forward must move at least (float32), docs/dselect_k.md.
+BYTES_MODEL = (
+    "Bytes moved, the least the forward must move (float32): dselect_k reads alpha [B, k] and z "
+    "[B, k, m] and writes the gates [B, n]: 4 B (k + k m + n)."
+)
 
 PROVIDERS = {
     "moe_kernels": lambda a, z, n: dselect_k(a, z, n, 1.0),
@@ -32,7 +47,7 @@ def main():
     stable_malloc()
     grid = [(512, 16, 2)] if args.quick else [(4096, n, k) for n in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['dselect_k']}")
-    rows, notes = [], []
+    rows, notes, bandwidth = [], [], []
     for B, n, k in grid:
         m = num_bits(n)
         alpha = torch.randn(B, k)
@@ -55,6 +70,11 @@ def main():
         # The inputs are small ([B, k] and [B, k, m]): writing the [B, n] gates once is the limit.
         out = torch.empty(B, n)
         rows.append(measure("dselect_k", "write pass", out.zero_, config=config, bytes_moved=out.numel() * 4))
+        nbytes = 4 * B * (k + k * m + n)
+        row = measure(
+            "dselect_k", "moe_kernels", lambda: dselect_k(alpha, z, n, 1.0), config=config, bytes_moved=nbytes
+        )
+        bandwidth.append(("dselect_k", config, nbytes, row, copy_pass(config, nbytes)))
         for name, fn in PROVIDERS.items():
             a = alpha.clone().requires_grad_()
             zz = z.clone().requires_grad_()
@@ -65,14 +85,18 @@ def main():
                 fn(a, zz, n).backward(g)
 
             rows.append(measure("dselect_k", name, step, config=config, mode="fwd+bwd"))
-    report(
-        "dselect_k" + ("_quick" if args.quick else ""),
+    name = "dselect_k" + ("_quick" if args.quick else "")
+    md = report(
+        name,
         rows,
         baseline="torch (reference)",
         providers=[*PROVIDERS, "torch.compile reference", "write pass"],
         command=".venv/bin/python bench/bench_dselect.py",
         notes=compile_notes(notes),
     )
+    tail = bandwidth_section(BYTES_MODEL, bandwidth)
+    print(tail)
+    (RESULTS / f"{name}.md").write_text(md + tail)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,27 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_notes, compile_sequence, measure, report, stable_malloc  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    bandwidth_section,
+    compile_notes,
+    compile_sequence,
+    copy_pass,
+    measure,
+    report,
+    stable_malloc,
+)
 
 import moe_kernels  # noqa: E402
 from moe_kernels.gates.noisy_topk import noisy_topk_routing  # noqa: E402
+from moe_kernels.ops import load_probabilities, noisy_topk_gate  # noqa: E402
+
+# The bytes each forward op must move at least (float32 [T, E] inputs), docs/noisy_topk.md.
+BYTES_MODEL = (
+    "Bytes moved, the least each forward must move (float32): noisy_topk_gate reads clean, raw and "
+    "noise [T, E] and writes weights and experts [T, k]: 12 T E + 12 T k; load_probabilities reads "
+    "clean, noisy and stddev [T, E] and writes P [T, E]: 16 T E."
+)
 
 W_IMPORTANCE = W_LOAD = 0.1
 EPS = 1e-2
@@ -68,7 +85,7 @@ def main():
     stable_malloc()
     grid = [(4096, 64, 2)] if args.quick else [(16384, E, k) for E in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['load_probabilities']}")
-    rows, notes = [], []
+    rows, notes, bandwidth = [], [], []
     for T, E, k in grid:
         g = torch.Generator(device=torch.get_default_device()).manual_seed(0)  # the GPU under gpu-report
         clean = torch.randn(T, E, generator=g)
@@ -103,8 +120,19 @@ def main():
                 bytes_moved=3 * clean.numel() * 4,
             )
         )
-    report(
-        "noisy_topk" + ("_quick" if args.quick else ""),
+        # The two forward ops alone, in GB/s of their bytes models, next to copy_ of those bytes.
+        with torch.no_grad():
+            stddev = torch.nn.functional.softplus(raw) + EPS
+            noisy = clean + noise * stddev
+            for op, fn, nbytes in (
+                ("noisy_topk_gate", lambda: noisy_topk_gate(clean, raw, noise, k, EPS), 12 * T * E + 12 * T * k),
+                ("load_probabilities", lambda: load_probabilities(clean, noisy, stddev, k), 16 * T * E),
+            ):
+                row = measure(op, "moe_kernels", fn, config=config, bytes_moved=nbytes)
+                bandwidth.append((op, config, nbytes, row, copy_pass(config, nbytes)))
+    name = "noisy_topk" + ("_quick" if args.quick else "")
+    md = report(
+        name,
         rows,
         baseline="plain torch",
         providers=[*PROVIDERS, "torch.compile plain torch", "read pass"],
@@ -112,6 +140,9 @@ def main():
         notes=compile_notes(notes)
         + "\n\n(The backward's compilation falls in the warm-up runs, never in the timings.)",
     )
+    tail = bandwidth_section(BYTES_MODEL, bandwidth)
+    print(tail)
+    (RESULTS / f"{name}.md").write_text(md + tail)
 
 
 if __name__ == "__main__":

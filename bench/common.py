@@ -188,6 +188,32 @@ def measure(
     return row
 
 
+def copy_pass(config: dict, nbytes: int, **timing) -> dict:
+    """torch's copy_ between two float32 tensors moving `nbytes` (half read, half written): the
+    machine's practical limit for an op that moves that many bytes, measured in the same run."""
+    n = max(1, nbytes // 8)
+    src, dst = torch.ones(n), torch.empty(n)
+    return measure("copy_", "copy_", lambda: dst.copy_(src), config=config, bytes_moved=8 * n, **timing)
+
+
+def bandwidth_section(model: str, entries: list[tuple[str, dict, int, dict, dict]]) -> str:
+    """A markdown section: each op's achieved GB/s under its bytes-moved model next to copy_ of
+    the same bytes. entries: (op, config, bytes moved, the op's measure() row, copy_pass's row)."""
+    lines = [
+        "\n## Bandwidth against copy_ of the same bytes (forward)\n",
+        model + "\n",
+        "| op | config | MB moved | ms | GB/s | copy_ GB/s | fraction of copy_ |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for op, config, nbytes, row, copy in entries:
+        cfg = " ".join(f"{k}={v}" for k, v in config.items())
+        lines.append(
+            f"| {op} | {cfg} | {nbytes / 1e6:.1f} | {row['median_ms']:.3f} | {row['gb_per_s']:.1f} | "
+            f"{copy['gb_per_s']:.1f} | {row['gb_per_s'] / copy['gb_per_s']:.0%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write_csv(name: str, rows: list[dict]) -> Path:
     """Append rows to bench/results/<name>.csv; when they bring a column the file lacks (peak_mb),
     the file is rewritten with the union of the columns (old rows get empty cells)."""
