@@ -210,6 +210,36 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
 
 namespace {
 
+// One step of two running maxima per lane, on float values or on rank keys: v enters the first
+// slot if strictly above it (the first moving down), else the second if strictly above that. Each
+// lane sees its elements in ascending index order, so strict > keeps the lower index of equal
+// values in both slots.
+template <typename V>
+MK_ROW_BODY void top2_step(V v, lanes_i32 index, V& value1, lanes_i32& index1, V& value2, lanes_i32& index2) {
+  const lanes_i32 above1 = v > value1;
+  const lanes_i32 above2 = v > value2;
+  value2 = above1 ? value1 : (above2 ? v : value2);
+  index2 = above1 ? index1 : (above2 ? index : index2);
+  value1 = above1 ? v : value1;
+  index1 = above1 ? index : index1;
+}
+
+// best[0 .. 2) = the two largest of the 16 lane slots (rank pairs: distinct indices, a total
+// order) and of the tail row[e .. E), without a branch: the first is the largest lane-first pair,
+// the second the largest of the other lanes' firsts and the winning lane's second.
+MK_ROW_BODY void merge_top2(lanes_i64 pair1, lanes_i64 pair2, const float* row, int64_t e, int64_t E, int64_t* best) {
+  int64_t first = max_lane(pair1);
+  int64_t second = max_lane(pair1 == first ? pair2 : pair1);
+  for (; e < E; ++e) {
+    const int64_t pair = rank_pair(row[e], (int32_t)e);
+    const int64_t low = pair > first ? first : pair;
+    first = pair > first ? pair : first;
+    second = low > second ? low : second;
+  }
+  best[0] = first;
+  best[1] = second;
+}
+
 // The two largest rank pairs on a row without NaN by float compares (argmax_row_float), E >= kLanes.
 // The second slots start at -inf with an index above every real one, so a real element of equal
 // value always outranks them; a -inf element never enters a second slot (strict >), which matters
@@ -224,70 +254,30 @@ MK_ROW_BODY bool top2_row_float(const float* row, int64_t E, int64_t* best) {
   int64_t e = kLanes;
   for (; e + kLanes <= E; e += kLanes) {
     const lanes_f32 v = load(row + e);
-    const lanes_i32 above1 = v > value1;
-    const lanes_i32 above2 = v > value2;
-    value2 = above1 ? value1 : (above2 ? v : value2);
-    index2 = above1 ? index1 : (above2 ? index : index2);
-    value1 = above1 ? v : value1;
-    index1 = above1 ? index : index1;
+    top2_step(v, index, value1, index1, value2, index2);
     sum += v;
     index += kLanes;
   }
   if (any_nan(sum)) return false;
-  const lanes_i64 pair1 = lane_pairs(rank_keys(value1), index1), pair2 = lane_pairs(rank_keys(value2), index2);
-  int64_t first = max_lane(pair1);
-  int64_t second = max_lane(pair1 == first ? pair2 : pair1);
-  for (; e < E; ++e) {
-    const int64_t pair = rank_pair(row[e], (int32_t)e);
-    const int64_t low = pair > first ? first : pair;
-    first = pair > first ? pair : first;
-    second = low > second ? low : second;
-  }
-  best[0] = first;
-  best[1] = second;
+  merge_top2(lane_pairs(rank_keys(value1), index1), lane_pairs(rank_keys(value2), index2), row, e, E, best);
   return true;
 }
 
 MK_ROW_BODY void top2_row(const float* row, int64_t E, int64_t* best) {
   if (E >= kLanes && top2_row_float(row, E, best)) return;
-  // Two running maxima per lane, no insertion list. Lane l sees the elements l, l + 8, ... in
-  // ascending index order, so strict > keeps the lower index of equal keys in both slots. Unfilled
-  // slots hold INT_MIN, below every rank_key (even -inf's), so they never win while E >= 2.
+  // The same on rank keys. Unfilled slots hold INT_MIN, below every rank_key (even -inf's): their
+  // pairs lose to every real one, so with E >= 2 both results are real even when every element is
+  // in the tail (E < 8).
   const lanes_i32 none = {INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN, INT_MIN};
   lanes_i32 key1 = none, key2 = none;
   lanes_i32 index = {0, 1, 2, 3, 4, 5, 6, 7};
   lanes_i32 index1 = index, index2 = index;
   int64_t e = 0;
   for (; e + kLanes <= E; e += kLanes) {
-    const lanes_i32 key = rank_keys(load(row + e));
-    const lanes_i32 above1 = key > key1;
-    const lanes_i32 above2 = key > key2;
-    key2 = above1 ? key1 : (above2 ? key : key2);
-    index2 = above1 ? index1 : (above2 ? index : index2);
-    key1 = above1 ? key : key1;
-    index1 = above1 ? index : index1;
+    top2_step(rank_keys(load(row + e)), index, key1, index1, key2, index2);
     index += kLanes;
   }
-  // Merge the 16 lane slots as rank pairs (distinct indices: the order is total), without a
-  // branch: the first is the largest lane-first pair; the second the largest of the other lanes'
-  // firsts and the winning lane's second. Then the tail, one by one.
-  int64_t first = kNoPair, second = kNoPair;
-  if (e > 0) {
-    const lanes_i64 pair1 = lane_pairs(key1, index1), pair2 = lane_pairs(key2, index2);
-    first = max_lane(pair1);
-    second = max_lane(pair1 == first ? pair2 : pair1);
-  }
-  auto offer = [&](int64_t pair) {
-    if (pair > first) {
-      second = first;
-      first = pair;
-    } else if (pair > second) {
-      second = pair;
-    }
-  };
-  for (; e < E; ++e) offer(rank_pair(row[e], (int32_t)e));
-  best[0] = first;
-  best[1] = second;
+  merge_top2(lane_pairs(key1, index1), lane_pairs(key2, index2), row, e, E, best);
 }
 
 // The largest lane of x in every lane (a butterfly: the result feeds the next round's knockout

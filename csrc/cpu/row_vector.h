@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "moe_kernels/common.h"
+
 namespace moe_kernels {
 
 // A [T, E] input of any float dtype and strides, read element-wise as float32.
@@ -33,6 +35,41 @@ const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* 
 template <typename scalar_t>
 const float* float_row(const Strided& s, int64_t t, int64_t E, float* buffer) {
   return float_row(static_cast<const scalar_t*>(s.data) + t * s.stride_t, s.stride_e, E, buffer);
+}
+
+// Rows [t0, t0 + n) of a [T, E] input as contiguous float32 rows: the input itself when it is
+// float32 with stride_e = 1, else converted into buffer [n, E] (float_row's exact conversion).
+// Returns the first row and sets *stride to the result's row stride.
+template <typename scalar_t>
+const float* float_rows(const scalar_t* data, int64_t stride_t, int64_t stride_e, int64_t t0, int64_t n, int64_t E,
+                        float* buffer, int64_t* stride) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (stride_e == 1) {
+      *stride = stride_t;
+      return data + t0 * stride_t;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) float_row(data + (t0 + i) * stride_t, stride_e, E, buffer + i * E);
+  *stride = E;
+  return buffer;
+}
+
+// The slots of a block's selection (best: k rank pairs per row, from rows_top_pairs_f32): for row
+// i and slot s, the expert into experts[i * k + s], its value into value[i * k + s] and the row's
+// largest selected value into vmax[i * k + s]. Values are re-read from the row rather than
+// decoded from the key: NaN payloads and -0 come out exactly as the reference sees them.
+inline void gather_selected(const float* x, int64_t stride, int64_t n, int64_t k, const int64_t* best,
+                            int64_t* experts, float* value, float* vmax) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = x + i * stride;
+    const float m = row[pair_index(best[i * k])];
+    for (int64_t s = 0; s < k; ++s) {
+      const int32_t e = pair_index(best[i * k + s]);
+      experts[i * k + s] = e;
+      value[i * k + s] = row[e];
+      vmax[i * k + s] = m;
+    }
+  }
 }
 
 // Index of the largest element of row[0 .. E) in the routing ops' rank order (rank_key in

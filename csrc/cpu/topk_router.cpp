@@ -145,37 +145,17 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
                                  int64_t* experts) {  // [T, k] contiguous
   const int64_t k = a.k;
   const float scaling = (float)a.scaling;
-  const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;
+  const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
   const int64_t block = std::clamp<int64_t>(16384 / E, 1, 64);
   std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : E);
   std::vector<int64_t> best(block * k);
   std::vector<float> value(block * k), vmax(block * k);
   for (int64_t t0 = begin; t0 < end; t0 += block) {
     const int64_t n = std::min(block, end - t0);
-    const float* x;
     int64_t stride;
-    if (direct) {
-      x = reinterpret_cast<const float*>(logits) + t0 * stride_t;
-      stride = stride_t;
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        const scalar_t* row = logits + (t0 + i) * stride_t;
-        for (int64_t e = 0; e < E; ++e) rows[i * E + e] = (float)row[e * stride_e];
-      }
-      x = rows.data();
-      stride = E;
-    }
+    const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
     rows_top_pairs_f32(x, stride, n, E, k, best.data());  // ranked by the logits
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = x + i * stride;
-      const float m = row[pair_index(best[i * k])];
-      for (int64_t s = 0; s < k; ++s) {
-        const int32_t e = pair_index(best[i * k + s]);
-        experts[(t0 + i) * k + s] = e;
-        value[i * k + s] = row[e];
-        vmax[i * k + s] = m;
-      }
-    }
+    gather_selected(x, stride, n, k, best.data(), experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
     if (a.scoring == kSigmoid) {
