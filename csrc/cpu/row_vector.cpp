@@ -73,9 +73,10 @@ inline lanes_i64 lane_pairs(lanes_i32 key, lanes_i32 index) {
   return (__builtin_convertvector(key, lanes_i64) << 32) | (0xffffffffLL - __builtin_convertvector(index, lanes_i64));
 }
 
-// The smallest lane of x, in three shuffle + min steps.
-inline int32_t min_lane(lanes_i32 x) {
-  lanes_i32 y = __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
+// The smallest lane of x (int32 or float lanes, no NaN), in three shuffle + min steps.
+template <typename V>
+inline auto min_lane(V x) {
+  V y = __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
   x = x < y ? x : y;
   y = __builtin_shuffle(x, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5});
   x = x < y ? x : y;
@@ -329,14 +330,6 @@ struct CompressTable {
   }
 };
 alignas(64) constexpr CompressTable kCompress{};
-
-inline float min_lane(lanes_f32 x) {
-  lanes_f32 y = __builtin_shuffle(x, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
-  x = x < y ? x : y;
-  y = __builtin_shuffle(x, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5});
-  x = x < y ? x : y;
-  return x[0] < x[1] ? x[0] : x[1];
-}
 
 // rounds_on_pairs on the row's candidates only, for a row without NaN and k <= kLanes <= E:
 // lane l's maximum over the elements l, l + 8, ... of the full chunks is >= the floor (the smallest
