@@ -26,7 +26,11 @@ namespace vec_math {
 // inline function across target options: each element would become a call).
 #define MK_VEC_INLINE MK_VECTORISE inline __attribute__((always_inline))
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
+// MOE_KERNELS_NO_CLONES builds one variant for the compiler's own target flags: the tests compile
+// row_vector.cpp that way for each instruction set (python_tests/test_row_vector_isa.py), since a
+// machine runs only the clone it supports.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
+    !defined(MOE_KERNELS_NO_CLONES)
 #define MK_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MK_ROW_CLONES

@@ -1,0 +1,96 @@
+// The row selections of csrc/cpu/row_vector.cpp checked against a scalar specification (every
+// rank pair of the row, sorted), built once per instruction set by python_tests/test_row_vector_isa.py
+// with MOE_KERNELS_NO_CLONES: the extension's load-time dispatch runs only the clone the machine
+// supports, so the AVX2 and SSE2 variants are otherwise never executed where AVX-512 exists.
+// Prints the number of rows checked; exits 1 at the first mismatch.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+#include "moe_kernels/common.h"
+#include "row_vector.h"
+
+using namespace moe_kernels;
+
+namespace {
+
+uint64_t state = 0x9e3779b97f4a7c15ULL;
+uint64_t next() {
+  state ^= state << 13;
+  state ^= state >> 7;
+  state ^= state << 17;
+  return state;
+}
+float uniform() { return (float)(next() >> 40) / (float)(1 << 24); }
+
+// A row of one of the kinds the fuzz tests use, plus the float-compare paths' edge cases.
+void fill(int kind, int64_t E, float* x) {
+  const float inf = INFINITY;
+  for (int64_t e = 0; e < E; ++e) {
+    const float u = uniform();
+    switch (kind) {
+      case 0: x[e] = 4.0f * u - 2.0f; break;                                  // random
+      case 1: x[e] = (float)(next() % 3); break;                              // ties
+      case 2: x[e] = u < 0.4f ? -inf : u; break;                              // masked experts
+      case 3: x[e] = -inf; break;                                             // fully masked
+      case 4: x[e] = u < 0.5f ? -0.0f : 0.0f; break;                          // signed zeros
+      case 5: x[e] = u < 0.1f ? NAN : u; break;                               // NaN
+      case 6: x[e] = u < 0.1f ? inf : (u < 0.2f ? -inf : u); break;           // +inf with -inf
+      case 7: x[e] = u < 0.5f ? 1e-45f : (u < 0.75f ? -1e-40f : 0.0f); break;  // denormals
+      case 8: x[e] = 3e38f; break;                                            // sums overflow
+      default: x[e] = (float)e; break;                                        // ascending
+    }
+  }
+  if (kind == 3 && E > 1) x[next() % E] = 0.5f;  // a single finite value
+}
+
+bool check(const char* what, const float* x, int64_t E, int64_t k, const int64_t* got) {
+  std::vector<int64_t> all(E);
+  for (int64_t e = 0; e < E; ++e) all[e] = rank_pair(x[e], (int32_t)e);
+  std::sort(all.begin(), all.end(), std::greater<int64_t>());
+  for (int64_t s = 0; s < k; ++s) {
+    if (got[s] != all[s]) {
+      std::printf("%s E=%lld k=%lld slot %lld: expert %d, expected %d\n", what, (long long)E, (long long)k,
+                  (long long)s, pair_index(got[s]), pair_index(all[s]));
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main() {
+  std::vector<int64_t> widths;
+  for (int64_t E = 1; E <= 70; ++E) widths.push_back(E);
+  for (int64_t E : {127, 128, 256, 512, 600}) widths.push_back(E);
+  constexpr int64_t kRows = 6;
+  long checked = 0;
+  for (int64_t E : widths) {
+    for (int64_t k : {1, 2, 3, 5, 8, 9, 17}) {
+      if (k > E) continue;
+      for (int kind = 0; kind < 10; ++kind) {
+        std::vector<float> x(kRows * E);
+        for (int64_t i = 0; i < kRows; ++i) fill((kind + (int)i) % 10, E, x.data() + i * E);
+        std::vector<int64_t> block(kRows * k), one(k > kRowInsertionMaxK ? E : k);
+        rows_top_pairs_f32(x.data(), E, kRows, E, k, block.data());
+        for (int64_t i = 0; i < kRows; ++i) {
+          const float* row = x.data() + i * E;
+          row_top_pairs(row, E, k, one.data());
+          if (!check("row_top_pairs", row, E, k, one.data())) return 1;
+          if (!check("rows_top_pairs_f32", row, E, k, block.data() + i * k)) return 1;
+          if (k == 1) {
+            const int64_t pair = rank_pair(row[row_argmax_f32(row, E)], row_argmax_f32(row, E));
+            if (!check("row_argmax_f32", row, E, 1, &pair)) return 1;
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  std::printf("%ld\n", checked);
+  return 0;
+}
