@@ -374,6 +374,10 @@ MK_ROW_BODY int64_t filtered_candidates(const float* row, int64_t E, int64_t* pa
     index[n] = (int32_t)e;
     value[n] = row[e];
   }
+  // The padding lanes become kNoPair below; zeroing them first keeps every lane read defined.
+  const lanes_i32 zero = {};
+  std::memcpy(index + n, &zero, sizeof zero);
+  std::memcpy(value + n, &zero, sizeof zero);
   const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
   const lanes_i64 none = lanes_i64{} + kNoPair;
   const lanes_i64 slot = {0, 1, 2, 3, 4, 5, 6, 7};
