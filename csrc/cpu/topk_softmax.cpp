@@ -30,6 +30,21 @@ MK_VEC_INLINE float renorm_term(float v, float vmax) {
   return vmax == -INFINITY ? 0.0f : vec_math::exp_full(v - vmax);
 }
 
+// The renormalised weights of n rows' k selected slots (value, vmax [n * k]) into w [n * k]: the
+// exp terms in one flat loop, each row's denominator summed in slot order (as the backward sums
+// it), one division per slot; 0 for a row whose largest logit is -inf. Compiled per instruction
+// set: the loops vectorise, and their elementwise values are the same in every variant.
+MK_VECTORISE MK_ROW_CLONES void renormalized_weights(const float* __restrict value, const float* __restrict vmax,
+                                                     int64_t n, int64_t k, float* __restrict w) {
+  const int64_t slots = n * k;
+  for (int64_t j = 0; j < slots; ++j) w[j] = renorm_term(value[j], vmax[j]);
+  for (int64_t i = 0; i < n; ++i) {
+    float denom = 0.0f;
+    for (int64_t s = 0; s < k; ++s) denom += w[i * k + s];
+    for (int64_t s = 0; s < k; ++s) w[i * k + s] = vmax[i * k + s] == -INFINITY ? 0.0f : w[i * k + s] / denom;
+  }
+}
+
 // Rows are processed in blocks: the block's selections first (one call, rows_top_pairs_f32), then
 // the weights of all its k * rows slots in vectorised loops.
 template <typename scalar_t>
@@ -51,16 +66,11 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
     gather_selected(x, stride, n, k, best.data(), experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     if (renormalize) {
-      // Flat loops over the block's slots vectorise (the exp terms, then one division per slot);
-      // the denominators are summed per row in slot order, as the backward sums them.
-      for (int64_t j = 0; j < slots; ++j) term[j] = renorm_term(value[j], vmax[j]);
-      for (int64_t i = 0; i < n; ++i) {
-        float denom = 0.0f;
-        for (int64_t s = 0; s < k; ++s) denom += term[i * k + s];
-        for (int64_t s = 0; s < k; ++s) value[i * k + s] = denom;
+      float* w = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(weights + t0 * k) : term.data();
+      renormalized_weights(value.data(), vmax.data(), n, k, w);
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        for (int64_t j = 0; j < slots; ++j) weights[t0 * k + j] = (scalar_t)w[j];
       }
-      scalar_t* w = weights + t0 * k;
-      for (int64_t j = 0; j < slots; ++j) w[j] = (scalar_t)(vmax[j] == -INFINITY ? 0.0f : term[j] / value[j]);
     } else {
       // The full softmax reuses the sum's own terms (the backward recomputes those exactly).
       for (int64_t i = 0; i < n; ++i) {
