@@ -129,6 +129,36 @@ def test_larger_batch_many_experts(kernel_backend):
     assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
 
 
+def sampled_threshold_scores(T, E, seed):
+    """Columns for the C++ kernel's sampled-threshold select (csrc/cpu/batchwise_filter.h, T >= 4096,
+    m << T), including columns it must hand back to the whole-column select: one whose sampled rows
+    (every 16th at T = 8192) hold its largest scores, so the sample's bound leaves fewer than m
+    candidates; one constant (every score a candidate, more than the lists hold)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, E, generator=g)
+    x[::16, 0] += 10.0
+    x[:, 1] = 0.5
+    x[:, 2] = torch.linspace(-1, 1, T)
+    x[torch.rand(T, generator=g) < 0.05, 3] = float("nan")
+    x[torch.rand(T, generator=g) < 0.9, 4] = float("-inf")
+    x[:, 5] = (x[:, 5] * 4).round() / 4  # many ties at every threshold
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 37, 300, 2000])
+def test_sampled_threshold_select(dtype, m):
+    if not moe_kernels._extension.has_kernel("batchwise_mask", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    scores = sampled_threshold_scores(8192, 23, seed=m).to(dtype)
+    for x in (scores, scores.t().contiguous().t()):  # row-major, and strided (converted by rows)
+        with moe_kernels.use_backend("cpu"):
+            mask, tokens = batchwise_mask(x, m, return_indices=True)
+        ref_mask, ref_tokens = reference.batchwise_mask(x, m)
+        check_layout(mask, tokens, m)
+        assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (dtype, m, x.stride())
+
+
 @pytest.mark.parametrize(
     "scores, m, error",
     [

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "batchwise_filter.h"
 #include "moe_kernels/batchwise_mask.h"
 #include "vec_math.h"
 
@@ -182,9 +183,67 @@ void gather_keys(const scalar_t* scores, int64_t stride_t, int64_t stride_e, int
   }
 }
 
+// At most this many columns share one row pass of the sampled-threshold select: all of them in
+// real routers (a pass over slices of the rows reads far below the bandwidth), while the
+// candidate lists, which shrink as m = O(T / E) does, stay a few MB.
+constexpr int64_t kMaxFilterBlock = 512;
+
+// Experts [begin, end) by batchwise_filter (the sampled-threshold select), a block of columns at
+// a time; a column it cannot settle is selected over the whole column.
+template <typename scalar_t>
+void filtered_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_e, int64_t T, int64_t m,
+                      int64_t begin, int64_t end, const batchwise_filter::Plan& plan, int64_t* tokens) {
+  const int64_t S = plan.sample_rows;
+  // Kept by each thread between calls (a few MB at T = 65536): memory fresh from the system costs
+  // a page fault per 4 KiB touched, which measured as much as the row pass itself.
+  thread_local std::vector<float> sample, lo, rows;
+  thread_local std::vector<uint32_t> lo_key;
+  thread_local batchwise_filter::CandidateLists lists;
+  thread_local batchwise_filter::SelectScratch select_scratch;
+  Scratch s;
+  for (int64_t c0 = begin; c0 < end; c0 += kMaxFilterBlock) {
+    const int64_t w = std::min(kMaxFilterBlock, end - c0);
+    const scalar_t* x = scores + c0 * stride_e;
+    sample.resize(S * w);
+    for (int64_t i = 0; i < S; ++i) {
+      const scalar_t* row = x + batchwise_filter::sample_row(i, S, T) * stride_t;
+      for (int64_t j = 0; j < w; ++j) sample[i * w + j] = (float)row[j * stride_e];
+    }
+    lo.resize(w);
+    lo_key.resize(w);
+    batchwise_filter::thresholds(sample.data(), S, w, plan.rank, lo.data(), lo_key.data());
+    lists.reset(w, plan.capacity);
+    if (std::is_same_v<scalar_t, float> && stride_e == 1) {
+      batchwise_filter::filter_rows(reinterpret_cast<const float*>(x), stride_t, 0, T, lo.data(), lists);
+    } else {  // other dtypes and strides: blocks of rows converted to contiguous float32 first
+      constexpr int64_t kRows = 64;
+      rows.resize(kRows * w);
+      for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+        const int64_t n = std::min(kRows, T - t0);
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t j = 0; j < w; ++j) rows[r * w + j] = (float)x[(t0 + r) * stride_t + j * stride_e];
+        batchwise_filter::filter_rows(rows.data(), w, t0, n, lo.data(), lists);
+      }
+    }
+    for (int64_t j = 0; j < w; ++j) {
+      int64_t* out = tokens + (c0 + j) * m;
+      if (batchwise_filter::select_candidates(lists, j, m, lo_key[j], select_scratch, out)) continue;
+      const int64_t ld = T + 16;
+      s.keys.resize(ld);
+      gather_keys<scalar_t>(x + j * stride_e, stride_t, stride_e, T, 1, s.keys.data(), ld);
+      select_column(s.keys.data(), T, m, s, out);
+    }
+  }
+}
+
 template <typename scalar_t>
 void batchwise_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_e, int64_t T,
                        int64_t m, int64_t begin, int64_t end, int64_t group, int64_t* tokens) {
+  const batchwise_filter::Plan plan = batchwise_filter::plan(T, m);
+  if (plan.use) {
+    filtered_experts<scalar_t>(scores, stride_t, stride_e, T, m, begin, end, plan, tokens);
+    return;
+  }
   // Column buffers padded so that they are not a multiple of 4 KiB apart (store aliasing).
   const int64_t ld = T + 16;
   Scratch s;

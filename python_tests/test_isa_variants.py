@@ -1,9 +1,11 @@
-"""The CPU row selections (csrc/cpu/row_vector.cpp) built for each x86-64 instruction set this
-machine can run and checked against a scalar specification (python_tests/isa/row_vector_check.cpp).
+"""The CPU code compiled once per x86-64 instruction set, built for each one this machine can run
+and checked against a scalar specification: the row selections (csrc/cpu/row_vector.cpp, checked by
+python_tests/isa/row_vector_check.cpp) and batchwise_mask's sampled-threshold select
+(csrc/cpu/batchwise_filter.cpp, checked by python_tests/isa/batchwise_filter_check.cpp).
 
-The extension compiles them as target clones (AVX-512, AVX2, SSE2) and runs only the one the CPU
-supports, so without this test the other variants (what an AVX2-only user runs) would never
-execute here. Each build takes a few seconds with g++."""
+The extension compiles them for AVX-512, AVX2 and SSE2 and runs only the variant the CPU supports,
+so without this test the others (what an AVX2-only user runs) would never execute here. Each build
+takes a few seconds with g++."""
 
 import platform
 import shutil
@@ -13,7 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "python_tests" / "isa" / "row_vector_check.cpp"
+# (driver, the source it checks, the least count of rows or columns a run must report checked)
+CHECKS = [
+    ("row_vector_check.cpp", "row_vector.cpp", 10000),
+    ("batchwise_filter_check.cpp", "batchwise_filter.cpp", 2000),
+]
 
 # (name, g++ flags, the /proc/cpuinfo flags the CPU needs to run it)
 VARIANTS = [
@@ -35,14 +41,15 @@ def cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the clones are x86-64 only")
+@pytest.mark.parametrize("driver,source,least", CHECKS, ids=[c[1].split(".")[0] for c in CHECKS])
 @pytest.mark.parametrize("name,flags,needs", VARIANTS, ids=[v[0] for v in VARIANTS])
-def test_row_selections_per_instruction_set(name, flags, needs, tmp_path):
+def test_per_instruction_set(name, flags, needs, driver, source, least, tmp_path):
     gxx = shutil.which("g++")
     assert gxx, "g++ not found (the extension build needs it too)"
     missing = [f for f in needs if f not in cpu_flags()]
     if missing:
         pytest.skip(f"this CPU lacks {missing}")
-    exe = tmp_path / f"row_vector_{name}"
+    exe = tmp_path / f"{source.split('.')[0]}_{name}"
     cmd = [
         gxx,
         "-O3",
@@ -51,8 +58,8 @@ def test_row_selections_per_instruction_set(name, flags, needs, tmp_path):
         *flags,
         f"-I{ROOT / 'csrc' / 'include'}",
         f"-I{ROOT / 'csrc' / 'cpu'}",
-        str(DRIVER),
-        str(ROOT / "csrc" / "cpu" / "row_vector.cpp"),
+        str(ROOT / "python_tests" / "isa" / driver),
+        str(ROOT / "csrc" / "cpu" / source),
         "-o",
         str(exe),
     ]
@@ -60,4 +67,4 @@ def test_row_selections_per_instruction_set(name, flags, needs, tmp_path):
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert int(run.stdout.split()[-1]) > 10000  # rows checked
+    assert int(run.stdout.split()[-1]) > least  # rows or columns checked

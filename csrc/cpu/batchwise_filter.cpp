@@ -1,0 +1,225 @@
+// The sampled-threshold select of batchwise_mask on CPU: batchwise_filter.h says what and why.
+#include "batchwise_filter.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "moe_kernels/batchwise_mask.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace moe_kernels {
+namespace batchwise_filter {
+
+namespace {
+
+// S: enough sampled rows that lo lands within a few % of its target quantile, few enough that
+// sampling costs little next to the row pass. Below kMinTokens a column is cheap to select whole.
+constexpr int64_t kSampleRows = 512;
+constexpr int64_t kMinTokens = 4096;
+// Bits of the first (and usually only) radix digit of select_candidates.
+constexpr int kCandidateBits = 10;
+
+// The float whose order key is `key` (the inverse of batchwise_mask::order_key; -0 never occurs).
+inline float key_float(uint32_t key) {
+  const int32_t ordered = (int32_t)(key ^ 0x80000000u);
+  return bits_float((uint32_t)(ordered < 0 ? ordered ^ 0x7fffffff : ordered));
+}
+
+}  // namespace
+
+Plan plan(int64_t T, int64_t m) {
+  Plan p;
+  if (T < kMinTokens || m < 1) return p;
+  const int64_t S = std::min<int64_t>(kSampleRows, T / 16);
+  // lo is above the column's m-th largest only if the sample holds >= rank scores above it, a
+  // Binomial(S, m / T) count (mean `expected`, sd <= sqrt(expected)): 3 sd above the mean (+2 for
+  // small means) leaves about 1 column in 3000 short of m candidates (it is then selected whole),
+  // at about twice as many candidates as an exact lo would keep.
+  const double expected = (double)m * S / T;
+  const int64_t rank = (int64_t)std::ceil(expected + 3.0 * std::sqrt(expected) + 2.0);
+  if (rank * 4 > S) return p;  // lo would keep more than a quarter of the column
+  p.use = true;
+  p.sample_rows = S;
+  p.rank = rank;
+  const int64_t expected_candidates = (rank * T + S - 1) / S;
+  p.capacity = std::min<int64_t>(T, 2 * expected_candidates + 256);
+  return p;
+}
+
+void thresholds(const float* sample, int64_t S, int64_t w, int64_t rank, float* lo, uint32_t* lo_key) {
+  std::vector<uint32_t> column(S);
+  for (int64_t j = 0; j < w; ++j) {
+    for (int64_t i = 0; i < S; ++i) column[i] = batchwise_mask::order_key(sample[i * w + j]);
+    std::nth_element(column.begin(), column.begin() + (S - rank), column.end());
+    lo_key[j] = column[S - rank];
+    lo[j] = key_float(lo_key[j]);
+  }
+}
+
+void CandidateLists::reset(int64_t w_, int64_t capacity_) {
+  w = w_;
+  capacity = capacity_;
+  // + the sink slot; then padded so that consecutive lists start one cache line apart modulo 4 KiB:
+  // the rows' appends go to w lists at once, and lists a multiple of 4 KiB apart would all fall
+  // in the same few L1 sets.
+  ld = (capacity + 1 + 511) / 512 * 512 + 8;
+  if (allocated < w * ld) {
+    entries.reset(new uint64_t[w * ld]);
+    allocated = w * ld;
+  }
+  count.assign(w, 0);
+}
+
+// filter_rows, once per instruction set. Each chunk_mask is !(x < lo) lane-wise (true for NaN:
+// the _NLT_UQ predicate), as a bit mask.
+namespace {
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
+    !defined(MOE_KERNELS_NO_CLONES)
+#define MK_FILTER_DISPATCH 1
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+constexpr int64_t kChunk = 16;
+inline uint32_t chunk_mask(const float* x, const float* lo) {
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_loadu_ps(lo), _CMP_NLT_UQ);
+}
+#define MK_FILTER_ROWS filter_rows_avx512
+#include "batchwise_filter_rows.inc"
+#undef MK_FILTER_ROWS
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace avx2 {
+constexpr int64_t kChunk = 8;
+inline uint32_t chunk_mask(const float* x, const float* lo) {
+  return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(lo), _CMP_NLT_UQ));
+}
+#define MK_FILTER_ROWS filter_rows_avx2
+#include "batchwise_filter_rows.inc"
+#undef MK_FILTER_ROWS
+}  // namespace avx2
+#pragma GCC pop_options
+
+namespace sse2 {
+constexpr int64_t kChunk = 4;
+inline uint32_t chunk_mask(const float* x, const float* lo) {
+  return (uint32_t)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_loadu_ps(x), _mm_loadu_ps(lo)));
+}
+#define MK_FILTER_ROWS filter_rows_sse2
+#include "batchwise_filter_rows.inc"
+#undef MK_FILTER_ROWS
+}  // namespace sse2
+
+#else
+// One variant for the compiler's own target flags (and the scalar loop elsewhere).
+namespace native {
+#if defined(__AVX512F__)
+constexpr int64_t kChunk = 16;
+inline uint32_t chunk_mask(const float* x, const float* lo) {
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_loadu_ps(lo), _CMP_NLT_UQ);
+}
+#elif defined(__AVX__)
+constexpr int64_t kChunk = 8;
+inline uint32_t chunk_mask(const float* x, const float* lo) {
+  return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(lo), _CMP_NLT_UQ));
+}
+#elif defined(__SSE2__)
+constexpr int64_t kChunk = 4;
+inline uint32_t chunk_mask(const float* x, const float* lo) {
+  return (uint32_t)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_loadu_ps(x), _mm_loadu_ps(lo)));
+}
+#else
+constexpr int64_t kChunk = 64 + 1;  // never taken: the row loop's scalar tail does every column
+inline uint32_t chunk_mask(const float*, const float*) { return 0; }
+#endif
+#define MK_FILTER_ROWS filter_rows_native
+#include "batchwise_filter_rows.inc"
+#undef MK_FILTER_ROWS
+}  // namespace native
+#endif
+
+using RowsFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, CandidateLists&);
+
+RowsFn pick_filter_rows() {
+#if defined(MK_FILTER_DISPATCH)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return avx512::filter_rows_avx512;
+  if (__builtin_cpu_supports("avx2")) return avx2::filter_rows_avx2;
+  return sse2::filter_rows_sse2;
+#else
+  return native::filter_rows_native;
+#endif
+}
+
+}  // namespace
+
+void filter_rows(const float* x, int64_t stride_t, int64_t t0, int64_t rows, const float* lo, CandidateLists& lists) {
+  static const RowsFn fn = pick_filter_rows();
+  fn(x, stride_t, t0, rows, lo, lists);
+}
+
+bool select_candidates(const CandidateLists& lists, int64_t j, int64_t m, uint32_t lo_key, SelectScratch& s,
+                       int64_t* out) {
+  const int64_t n = lists.count[j];
+  if (n < m || n > lists.capacity) return false;
+  const uint64_t* entries = lists.entries.get() + j * lists.ld;
+  // The keys apart first: the passes below run over 4 bytes a candidate, not 8.
+  s.keys.resize(n);
+  uint32_t* keys = s.keys.data();
+  for (int64_t i = 0; i < n; ++i) keys[i] = (uint32_t)(entries[i] >> 32);
+  // One radix digit over the candidates' range above lo (not over all 32 bits: the candidates
+  // share their top bits, which would put most of them in one bin).
+  uint32_t top = 0;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, keys[i] - lo_key);
+  const int width = top ? 32 - __builtin_clz(top) : 0;
+  const int shift = width > kCandidateBits ? width - kCandidateBits : 0;
+  const int64_t bins = (int64_t)(top >> shift) + 1;
+  s.hist.assign(2 * bins, 0);
+  int32_t* h0 = s.hist.data();
+  int32_t* h1 = h0 + bins;
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {  // two interleaved histograms: consecutive increments serialise
+    ++h0[(keys[i] - lo_key) >> shift];
+    ++h1[(keys[i + 1] - lo_key) >> shift];
+  }
+  for (; i < n; ++i) ++h0[(keys[i] - lo_key) >> shift];
+  int64_t above = 0, bin = bins - 1;
+  for (; bin > 0 && above + h0[bin] + h1[bin] < m; --bin) above += h0[bin] + h1[bin];
+  const int64_t rank = m - above;  // of the m-th largest within its bin, 1-based
+  // The exact threshold among the bin's keys (usually a handful).
+  s.bin.resize(n);
+  int64_t in_bin = 0;
+  for (i = 0; i < n; ++i) {
+    s.bin[in_bin] = keys[i];
+    in_bin += ((keys[i] - lo_key) >> shift) == (uint32_t)bin;
+  }
+  std::nth_element(s.bin.begin(), s.bin.begin() + (rank - 1), s.bin.begin() + in_bin, std::greater<uint32_t>());
+  const uint32_t threshold = s.bin[rank - 1];
+  int64_t greater = 0;
+  for (i = 0; i < in_bin; ++i) greater += s.bin[i] > threshold;
+  const int64_t ties = rank - greater;  // keys equal to the threshold that are kept: the first ones
+  // Branch-free (which candidates are kept is unpredictable): every candidate is written to the
+  // next slot, which advances when it is kept; the slots after the last kept absorb the rest.
+  s.picked.resize(n + 1);
+  int64_t kept = 0, seen = 0;
+  for (i = 0; i < n; ++i) {
+    const uint32_t key = keys[i];
+    const bool equal = key == threshold;
+    s.picked[kept] = (int64_t)(uint32_t)entries[i];
+    kept += (key > threshold) | (equal & (seen < ties));
+    seen += equal;
+  }
+  std::copy(s.picked.begin(), s.picked.begin() + m, out);
+  return kept == m;
+}
+
+}  // namespace batchwise_filter
+}  // namespace moe_kernels
