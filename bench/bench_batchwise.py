@@ -57,7 +57,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)  # the same scores every run (torch's default seed differs per process)
-    grid = [(4096, 8)] if args.quick else [(T, E) for T in (4096, 65536) for E in (8, 64)]
+    grid = [(4096, 8)] if args.quick else [(T, E) for T in (4096, 65536) for E in (8, 64, 256)]
     print(f"backend: {moe_kernels.backends()['batchwise_mask']}, threads {torch.get_num_threads()}")
     rows, notes = [], []
     for T, E in grid:
