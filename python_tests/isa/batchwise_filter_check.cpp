@@ -14,19 +14,11 @@
 
 #include "batchwise_filter.h"
 #include "moe_kernels/batchwise_mask.h"
+#include "xorshift.h"
 
 using namespace moe_kernels;
 
 namespace {
-
-uint64_t state = 0x9e3779b97f4a7c15ULL;
-uint64_t next() {
-  state ^= state << 13;
-  state ^= state >> 7;
-  state ^= state << 17;
-  return state;
-}
-float uniform() { return (float)(next() >> 40) / (float)(1 << 24); }
 
 // Scores of one kind: random, few distinct values (ties), -inf and NaN mixed in, signed zeros,
 // ascending in the token (the sample sees the column's spread), rounded to 1/64 (ties at lo).

@@ -12,19 +12,11 @@
 
 #include "moe_kernels/common.h"
 #include "row_vector.h"
+#include "xorshift.h"
 
 using namespace moe_kernels;
 
 namespace {
-
-uint64_t state = 0x9e3779b97f4a7c15ULL;
-uint64_t next() {
-  state ^= state << 13;
-  state ^= state >> 7;
-  state ^= state << 17;
-  return state;
-}
-float uniform() { return (float)(next() >> 40) / (float)(1 << 24); }
 
 // A row of one of the kinds the fuzz tests use, plus the float-compare paths' edge cases.
 void fill(int kind, int64_t E, float* x) {
