@@ -1,4 +1,6 @@
 // Batchwise top-m mask (eq 18 of Shazeer et al. 2017, Appendix F) on CPU: parallel over experts.
+// For m << T (T >= 4096) the sampled-threshold select of batchwise_filter.h runs first and settles
+// almost every column; the radix select below takes the rest, and every column otherwise.
 // Each expert's column is read once into 32-bit order keys (a group of experts at a time, so the
 // row-major scores are read a cache line at a time). A radix select finds the m-th largest key:
 // one pass over the column histograms the first 11-bit digit, a second copies out the boundary
