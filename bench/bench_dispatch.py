@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, compile_notes, compile_sequence, measure, peak_memory_mb, report, stable_malloc  # noqa: E402
+from common import RESULTS, compile_notes, compile_sequence, measure, peak_memory_mb, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -100,7 +100,6 @@ PROVIDERS = {
 
 
 def main():
-    stable_malloc()  # before any allocation: peak_memory_mb reads VmHWM
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--einsum-limit-gb", type=float, default=0.5, help="skip einsum when a mask exceeds this")

@@ -20,7 +20,6 @@ from common import (  # noqa: E402
     measure,
     measure_compiled,
     report,
-    stable_malloc,
 )
 
 import moe_kernels  # noqa: E402
@@ -44,7 +43,6 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     args = parser.parse_args()
-    stable_malloc()
     grid = [(512, 16, 2)] if args.quick else [(4096, n, k) for n in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['dselect_k']}")
     rows, notes, bandwidth = [], [], []

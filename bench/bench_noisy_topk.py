@@ -27,7 +27,6 @@ from common import (  # noqa: E402
     copy_pass,
     measure,
     report,
-    stable_malloc,
 )
 
 import moe_kernels  # noqa: E402
@@ -82,7 +81,6 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     args = parser.parse_args()
-    stable_malloc()
     grid = [(4096, 64, 2)] if args.quick else [(16384, E, k) for E in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['load_probabilities']}")
     rows, notes, bandwidth = [], [], []

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_notes, measure, measure_compiled, report, stable_malloc  # noqa: E402
+from common import compile_notes, measure, measure_compiled, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels.ops import topk_router  # noqa: E402
@@ -89,7 +89,6 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="two small configurations (smoke test)")
     args = parser.parse_args()
-    stable_malloc()
     print(f"backend: {moe_kernels.backends()['topk_router']}")
     rows, notes = [], []
     for family, T, E, k, G, topk_group in grid(args.quick):
