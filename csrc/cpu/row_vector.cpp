@@ -317,6 +317,54 @@ MK_ROW_BODY void rounds_on_pairs(int64_t* pairs, int64_t n, int k, int64_t* best
   }
 }
 
+// Whether lane l keeps the larger pair of itself and its partner l ^ j, in the step of a bitonic
+// sorting network whose sorted blocks of size `block` alternate direction, the first descending
+// (the last step, block = kLanes, sorts the whole vector descending).
+constexpr int64_t keeps_larger(int l, int block, int j) { return ((l < (l ^ j)) == ((l & block) == 0)) ? -1 : 0; }
+
+// One compare-exchange step of that network over the eight lanes, or of its mirror image (every
+// exchange reversed: the network then sorts ascending).
+template <int block, int j, bool descending>
+MK_ROW_BODY lanes_i64 bitonic_step(lanes_i64 x) {
+  constexpr lanes_i64 partner = {0 ^ j, 1 ^ j, 2 ^ j, 3 ^ j, 4 ^ j, 5 ^ j, 6 ^ j, 7 ^ j};
+  constexpr lanes_i64 keep = {keeps_larger(0, block, j), keeps_larger(1, block, j), keeps_larger(2, block, j),
+                              keeps_larger(3, block, j), keeps_larger(4, block, j), keeps_larger(5, block, j),
+                              keeps_larger(6, block, j), keeps_larger(7, block, j)};
+  constexpr lanes_i64 take = descending ? keep : ~keep;
+  const lanes_i64 y = __builtin_shuffle(x, partner);
+  // The larger and the smaller, blended by a constant mask: one max, one min, one masked move (a
+  // select on the compare instead leaves GCC with scalar code).
+  const lanes_i64 larger = x > y ? x : y, smaller = x > y ? y : x;
+  return take ? larger : smaller;
+}
+
+// Eight rank pairs sorted, descending or ascending: six compare-exchange steps, no branch.
+template <bool descending>
+MK_ROW_BODY lanes_i64 sort8(lanes_i64 x) {
+  x = bitonic_step<2, 1, descending>(x);
+  x = bitonic_step<4, 2, descending>(x);
+  x = bitonic_step<4, 1, descending>(x);
+  x = bitonic_step<8, 4, descending>(x);
+  x = bitonic_step<8, 2, descending>(x);
+  return bitonic_step<8, 1, descending>(x);
+}
+
+// The eight largest of pairs[0 .. n) (n a positive multiple of kLanes, padded with kNoPair),
+// descending. Each further vector is sorted ascending and merged into the running top eight: the
+// lane-wise larger of a descending and an ascending run is a bitonic sequence holding the eight
+// largest of both, which three steps sort. About 40 vector operations per vector of pairs, with no
+// data-dependent branch and a short dependence chain, where k knockout rounds cost k reductions.
+MK_ROW_BODY lanes_i64 top8_pairs(const int64_t* pairs, int64_t n) {
+  lanes_i64 top = sort8<true>(load_pairs(pairs));
+  for (int64_t c = kLanes; c < n; c += kLanes) {
+    top = max_pairs(top, sort8<false>(load_pairs(pairs + c)));
+    top = bitonic_step<8, 4, true>(top);
+    top = bitonic_step<8, 2, true>(top);
+    top = bitonic_step<8, 1, true>(top);
+  }
+  return top;
+}
+
 // For each 8-bit lane mask: its set lanes in ascending order (then zeros), and how many there are.
 struct CompressTable {
   int32_t lanes[256][kLanes];
@@ -412,7 +460,13 @@ MK_ROW_BODY int64_t round_candidates(const float* row, int64_t E, int k, int64_t
 
 MK_ROW_BODY void rounds_row(const float* row, int64_t E, int k, int64_t* best) {
   alignas(64) int64_t pairs[kRoundsMaxE + kLanes];
-  rounds_on_pairs(pairs, round_candidates(row, E, k, pairs), k, best);
+  const int64_t n = round_candidates(row, E, k, pairs);
+  if (k <= kLanes) {
+    const lanes_i64 top = top8_pairs(pairs, n);
+    for (int s = 0; s < k; ++s) best[s] = top[s];
+  } else {
+    rounds_on_pairs(pairs, n, k, best);
+  }
 }
 
 // rounds_row for four rows at once, their rounds interleaved: one row's rounds are a chain (each
@@ -474,7 +528,9 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
     for (int64_t i = 0; i < n; ++i) top2_row(x + i * stride, E, best + 2 * i);
   } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
     int64_t i = 0;
-    for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, (int)k, best + k * i);
+    if (k > kLanes) {
+      for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, (int)k, best + k * i);
+    }
     for (; i < n; ++i) rounds_row(x + i * stride, E, (int)k, best + k * i);
   } else if (k <= kRowInsertionMaxK) {
     for (int64_t i = 0; i < n; ++i) row_topk_f32(x + i * stride, E, (int)k, best + k * i);

@@ -87,12 +87,13 @@ void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
 // compares on a row holding no NaN, as row_argmax_f32.
 void row_top2_f32(const float* row, int64_t E, int64_t* best);
 
-// The k largest rank pairs by k rounds of a vectorised row max (the winner knocked out each
-// round), for 1 <= k <= E <= kRoundsMaxE: row_top_pairs uses it while k * E <= kRoundsMaxWork,
-// where its fixed k * E / 8 vector steps beat an insertion list's data-dependent branches. For
-// k <= 8 on a row holding no NaN the rounds run on candidates only: the elements at or above the
-// smallest of the 8 lane maxima (at least k elements are, and no element below it can be in the
-// top k), compressed a chunk at a time.
+// The k largest rank pairs of row[0 .. E), for 1 <= k <= E <= kRoundsMaxE: row_top_pairs uses it
+// while k * E <= kRoundsMaxWork, where its fixed vector steps beat an insertion list's
+// data-dependent branches. For k <= 8 the pairs, eight to a vector, are sorted by a bitonic network
+// and merged into a running top eight; for larger k, k rounds of a vectorised max knock out each
+// round's winner. For k <= 8 on a row holding no NaN only candidates are sorted: the elements at
+// or above the smallest of the 8 lane maxima (at least k elements are, and no element below it can
+// be in the top k), compressed a chunk at a time.
 constexpr int64_t kRoundsMaxE = 512;
 constexpr int64_t kRoundsMaxWork = 8 * 512;
 void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best);

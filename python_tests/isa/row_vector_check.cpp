@@ -62,7 +62,7 @@ int main() {
   constexpr int64_t kRows = 6;
   long checked = 0;
   for (int64_t E : widths) {
-    for (int64_t k : {1, 2, 3, 5, 8, 9, 17}) {
+    for (int64_t k : {1, 2, 3, 4, 5, 7, 8, 9, 17}) {
       if (k > E) continue;
       for (int kind = 0; kind < 10; ++kind) {
         std::vector<float> x(kRows * E);
