@@ -137,9 +137,10 @@ def steady_malloc() -> None:
     imported, so every benchmark times alike). glibc starts with a 128 KiB mmap threshold: each
     larger tensor is a fresh mapping whose pages fault on first touch (~2.3 us per 4 KiB here, as
     much as the kernels themselves). After the first large free it raises the threshold (up to 32
-    MiB) and recycles freed heap memory with no faults. This fixes that end state (mmap threshold
-    32 MiB, trim threshold twice it), so every provider's outputs cost what they cost in a training
-    loop, whatever ran before. peak_memory_mb switches to small thresholds for its one call."""
+    MiB) and, once the heap has grown to a loop's needs (a few calls), recycles the heap with no
+    faults. This fixes that end state (mmap threshold 32 MiB, trim threshold twice it), so every
+    provider's outputs cost what they cost in a training loop, whatever ran before (timeit's
+    warm-up calls grow the heap). peak_memory_mb switches to small thresholds for its one call."""
     if _LIBC is not None:
         _LIBC.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
         _LIBC.mallopt(M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_THRESHOLD_MAX)
