@@ -78,12 +78,28 @@ void CandidateLists::reset(int64_t w_, int64_t capacity_) {
 // the _NLT_UQ predicate), as a bit mask.
 namespace {
 
+// The dispatch build compiles all three x86 variants (each under its own target pragma) and picks
+// one at load time; MOE_KERNELS_NO_CLONES (or another compiler / platform) compiles only the
+// widest one the compiler's own flags allow, or the scalar loop.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
     !defined(MOE_KERNELS_NO_CLONES)
 #define MK_FILTER_DISPATCH 1
+#define MK_FILTER_AVX512 1
+#define MK_FILTER_AVX2 1
+#define MK_FILTER_SSE2 1
+#elif defined(__AVX512F__)
+#define MK_FILTER_AVX512 1
+#elif defined(__AVX__)
+#define MK_FILTER_AVX2 1
+#elif defined(__SSE2__)
+#define MK_FILTER_SSE2 1
+#endif
 
+#if defined(MK_FILTER_AVX512)
+#if defined(MK_FILTER_DISPATCH)
 #pragma GCC push_options
 #pragma GCC target("avx512f")
+#endif
 namespace avx512 {
 constexpr int64_t kChunk = 16;
 inline uint32_t chunk_mask(const float* x, const float* lo) {
@@ -93,10 +109,16 @@ inline uint32_t chunk_mask(const float* x, const float* lo) {
 #include "batchwise_filter_rows.inc"
 #undef MK_FILTER_ROWS
 }  // namespace avx512
+#if defined(MK_FILTER_DISPATCH)
 #pragma GCC pop_options
+#endif
+#endif
 
+#if defined(MK_FILTER_AVX2)
+#if defined(MK_FILTER_DISPATCH)
 #pragma GCC push_options
 #pragma GCC target("avx2")
+#endif
 namespace avx2 {
 constexpr int64_t kChunk = 8;
 inline uint32_t chunk_mask(const float* x, const float* lo) {
@@ -106,8 +128,12 @@ inline uint32_t chunk_mask(const float* x, const float* lo) {
 #include "batchwise_filter_rows.inc"
 #undef MK_FILTER_ROWS
 }  // namespace avx2
+#if defined(MK_FILTER_DISPATCH)
 #pragma GCC pop_options
+#endif
+#endif
 
+#if defined(MK_FILTER_SSE2)
 namespace sse2 {
 constexpr int64_t kChunk = 4;
 inline uint32_t chunk_mask(const float* x, const float* lo) {
@@ -117,33 +143,16 @@ inline uint32_t chunk_mask(const float* x, const float* lo) {
 #include "batchwise_filter_rows.inc"
 #undef MK_FILTER_ROWS
 }  // namespace sse2
+#endif
 
-#else
-// One variant for the compiler's own target flags (and the scalar loop elsewhere).
-namespace native {
-#if defined(__AVX512F__)
-constexpr int64_t kChunk = 16;
-inline uint32_t chunk_mask(const float* x, const float* lo) {
-  return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_loadu_ps(lo), _CMP_NLT_UQ);
-}
-#elif defined(__AVX__)
-constexpr int64_t kChunk = 8;
-inline uint32_t chunk_mask(const float* x, const float* lo) {
-  return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(lo), _CMP_NLT_UQ));
-}
-#elif defined(__SSE2__)
-constexpr int64_t kChunk = 4;
-inline uint32_t chunk_mask(const float* x, const float* lo) {
-  return (uint32_t)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_loadu_ps(x), _mm_loadu_ps(lo)));
-}
-#else
+#if !defined(MK_FILTER_AVX512) && !defined(MK_FILTER_AVX2) && !defined(MK_FILTER_SSE2)
+namespace scalar {
 constexpr int64_t kChunk = 64 + 1;  // never taken: the row loop's scalar tail does every column
 inline uint32_t chunk_mask(const float*, const float*) { return 0; }
-#endif
-#define MK_FILTER_ROWS filter_rows_native
+#define MK_FILTER_ROWS filter_rows_scalar
 #include "batchwise_filter_rows.inc"
 #undef MK_FILTER_ROWS
-}  // namespace native
+}  // namespace scalar
 #endif
 
 using RowsFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, CandidateLists&);
@@ -154,8 +163,14 @@ RowsFn pick_filter_rows() {
   if (__builtin_cpu_supports("avx512f")) return avx512::filter_rows_avx512;
   if (__builtin_cpu_supports("avx2")) return avx2::filter_rows_avx2;
   return sse2::filter_rows_sse2;
+#elif defined(MK_FILTER_AVX512)
+  return avx512::filter_rows_avx512;
+#elif defined(MK_FILTER_AVX2)
+  return avx2::filter_rows_avx2;
+#elif defined(MK_FILTER_SSE2)
+  return sse2::filter_rows_sse2;
 #else
-  return native::filter_rows_native;
+  return scalar::filter_rows_scalar;
 #endif
 }
 
