@@ -546,6 +546,49 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
 }
 
 namespace {
+// The float a rank key was made from (rank_key's inverse): non-negative keys are the float's bits,
+// negative ones had their magnitude bits flipped; NaN's key 0x7fffffff is itself a NaN's bits.
+MK_VEC_INLINE float rank_value(int64_t pair) {
+  const int32_t key = (int32_t)(pair >> 32);
+  return __builtin_bit_cast(float, key < 0 ? key ^ 0x7fffffff : key);
+}
+
+// selected_slots for a fixed k (the compiler vectorises across rows).
+template <int K>
+MK_VEC_INLINE void slots_k(const int64_t* __restrict best, int64_t n, int64_t* __restrict experts,
+                           float* __restrict value, float* __restrict vmax) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = rank_value(best[i * K]);
+    for (int s = 0; s < K; ++s) {
+      experts[i * K + s] = pair_index(best[i * K + s]);
+      value[i * K + s] = rank_value(best[i * K + s]);
+      vmax[i * K + s] = m;
+    }
+  }
+}
+}  // namespace
+
+MK_VECTORISE MK_ROW_CLONES
+void selected_slots(const int64_t* __restrict best, int64_t n, int64_t k, int64_t* __restrict experts,
+                    float* __restrict value, float* __restrict vmax) {
+  switch (k) {
+    case 1: return slots_k<1>(best, n, experts, value, vmax);
+    case 2: return slots_k<2>(best, n, experts, value, vmax);
+    case 4: return slots_k<4>(best, n, experts, value, vmax);
+    case 8: return slots_k<8>(best, n, experts, value, vmax);
+    default:
+      for (int64_t i = 0; i < n; ++i) {
+        const float m = rank_value(best[i * k]);
+        for (int64_t s = 0; s < k; ++s) {
+          experts[i * k + s] = pair_index(best[i * k + s]);
+          value[i * k + s] = rank_value(best[i * k + s]);
+          vmax[i * k + s] = m;
+        }
+      }
+  }
+}
+
+namespace {
 // The terms first (a loop with no reduction vectorises), then the sum in 8 lanes (a float sum in
 // one accumulator would not: the compiler may not reorder it).
 template <bool kFull>

@@ -56,21 +56,11 @@ const float* float_rows(const scalar_t* data, int64_t stride_t, int64_t stride_e
 
 // The slots of a block's selection (best: k rank pairs per row, from rows_top_pairs_f32): for row
 // i and slot s, the expert into experts[i * k + s], its value into value[i * k + s] and the row's
-// largest selected value into vmax[i * k + s]. Values are re-read from the row rather than
-// decoded from the key: NaN payloads and -0 come out exactly as the reference sees them.
-inline void gather_selected(const float* x, int64_t stride, int64_t n, int64_t k, const int64_t* best,
-                            int64_t* experts, float* value, float* vmax) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = x + i * stride;
-    const float m = row[pair_index(best[i * k])];
-    for (int64_t s = 0; s < k; ++s) {
-      const int32_t e = pair_index(best[i * k + s]);
-      experts[i * k + s] = e;
-      value[i * k + s] = row[e];
-      vmax[i * k + s] = m;
-    }
-  }
-}
+// largest selected value into vmax[i * k + s]. Values are decoded from the pairs' rank keys
+// (rank_value), not re-read from the rows: no load depends on a selected index, and the loops
+// vectorise. The decoded value is the logit with -0 as +0 and any NaN as one NaN, which the
+// weights computed from it cannot tell apart (exp(v - vmax), sigmoid(v)).
+void selected_slots(const int64_t* best, int64_t n, int64_t k, int64_t* experts, float* value, float* vmax);
 
 // Index of the largest element of row[0 .. E) in the routing ops' rank order (rank_key in
 // moe_kernels/common.h: NaN highest, -0 == +0, ties to the lower index). E >= 1. A row holding no

@@ -155,7 +155,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     int64_t stride;
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
     rows_top_pairs_f32(x, stride, n, E, k, best.data());  // ranked by the logits
-    gather_selected(x, stride, n, k, best.data(), experts + t0 * k, value.data(), vmax.data());
+    selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
     if (a.scoring == kSigmoid) {

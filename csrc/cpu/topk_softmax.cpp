@@ -63,7 +63,7 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
     int64_t stride;
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
     rows_top_pairs_f32(x, stride, n, E, k, best.data());
-    gather_selected(x, stride, n, k, best.data(), experts + t0 * k, value.data(), vmax.data());
+    selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     if (renormalize) {
       float* w = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(weights + t0 * k) : term.data();

@@ -53,6 +53,29 @@ bool check(const char* what, const float* x, int64_t E, int64_t k, const int64_t
   return true;
 }
 
+// selected_slots on a block's checked selection: each slot's expert, its value decoded from the key
+// (the logit itself, except -0 as +0 and any NaN as NaN) and the row's first-slot value.
+bool check_slots(const float* x, int64_t stride, int64_t rows, int64_t k, const int64_t* best) {
+  std::vector<int64_t> experts(rows * k);
+  std::vector<float> value(rows * k), vmax(rows * k);
+  selected_slots(best, rows, k, experts.data(), value.data(), vmax.data());
+  auto same = [](float a, float b) {
+    return (a != a && b != b) || __builtin_bit_cast(uint32_t, a) == __builtin_bit_cast(uint32_t, b + 0.0f);
+  };
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = x + i * stride;
+    for (int64_t s = 0; s < k; ++s) {
+      const int64_t j = i * k + s, e = pair_index(best[j]);
+      if (experts[j] != e || !same(value[j], row[e]) || !same(vmax[j], row[pair_index(best[i * k])])) {
+        std::printf("selected_slots k=%lld row %lld slot %lld: expert %lld value %g vmax %g\n", (long long)k,
+                    (long long)i, (long long)s, (long long)experts[j], value[j], vmax[j]);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main() {
@@ -80,6 +103,7 @@ int main() {
           }
           ++checked;
         }
+        if (!check_slots(x.data(), E, kRows, k, block.data())) return 1;
       }
     }
   }
