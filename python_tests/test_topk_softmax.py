@@ -59,12 +59,13 @@ def test_adversarial(backend, kind, renormalize):
         assert not torch.isnan(w).any()
 
 
-@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("k", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize("kind", ADVERSARIAL_KINDS + ["nan"])
 def test_every_width(backend, kind, k):
     # The C++ kernel scans contiguous float32 rows 8 lanes at a time (k = 1: a vector argmax;
-    # k = 2: two running maxima per lane; k >= 3: chunks compared against the k-th key, then the
-    # insertion list), then a scalar tail.
+    # k = 2: two running maxima per lane; 3 <= k <= 8: a floor, the candidates above it, a sorting
+    # network), then a scalar tail; its slots' values and weights have loops specialised for
+    # k = 1, 2, 4, 8.
     # Every width up to two full vectors plus a tail, so ties and NaN fall across lanes, chunks
     # and the tail.
     widths = range(k, 26) if backend == "triton" else range(k, 42)

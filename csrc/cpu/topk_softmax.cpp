@@ -32,16 +32,29 @@ MK_VEC_INLINE float renorm_term(float v, float vmax) {
 
 // The renormalised weights of n rows' k selected slots (value, vmax [n * k]) into w [n * k]: the
 // exp terms in one flat loop, each row's denominator summed in slot order (as the backward sums
-// it), one division per slot; 0 for a row whose largest logit is -inf. Compiled per instruction
-// set: the loops vectorise, and their elementwise values are the same in every variant.
-MK_VECTORISE MK_ROW_CLONES void renormalized_weights(const float* __restrict value, const float* __restrict vmax,
-                                                     int64_t n, int64_t k, float* __restrict w) {
-  const int64_t slots = n * k;
-  for (int64_t j = 0; j < slots; ++j) w[j] = renorm_term(value[j], vmax[j]);
+// it), one division per slot; 0 for a row whose largest logit is -inf. K > 0 fixes k at compile
+// time (K = 0: any k), which unrolls the per-row loops; for K = 1 they vectorise across rows too.
+// The elementwise values are the same for every K and instruction set.
+template <int K>
+MK_VEC_INLINE void renormalized_rows(const float* __restrict value, const float* __restrict vmax, int64_t n,
+                                     int64_t k_any, float* __restrict w) {
+  const int64_t k = K > 0 ? K : k_any;
+  for (int64_t j = 0; j < n * k; ++j) w[j] = renorm_term(value[j], vmax[j]);
   for (int64_t i = 0; i < n; ++i) {
     float denom = 0.0f;
     for (int64_t s = 0; s < k; ++s) denom += w[i * k + s];
     for (int64_t s = 0; s < k; ++s) w[i * k + s] = vmax[i * k + s] == -INFINITY ? 0.0f : w[i * k + s] / denom;
+  }
+}
+
+MK_VECTORISE MK_ROW_CLONES void renormalized_weights(const float* __restrict value, const float* __restrict vmax,
+                                                     int64_t n, int64_t k, float* __restrict w) {
+  switch (k) {
+    case 1: return renormalized_rows<1>(value, vmax, n, k, w);
+    case 2: return renormalized_rows<2>(value, vmax, n, k, w);
+    case 4: return renormalized_rows<4>(value, vmax, n, k, w);
+    case 8: return renormalized_rows<8>(value, vmax, n, k, w);
+    default: return renormalized_rows<0>(value, vmax, n, k, w);
   }
 }
 
