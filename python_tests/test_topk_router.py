@@ -14,6 +14,7 @@ from moe_kernels.ops import topk_router
 ROUTERS = [
     ("mixtral", 8, 2, dict(renormalize=True)),
     ("qwen2_moe", 60, 4, dict()),
+    ("qwen3_moe_norm_topk", 64, 8, dict(renormalize=True, scaling_factor=1.5)),  # the plain path's k = 8
     ("llama4", 16, 1, dict(scoring="sigmoid")),
     ("sigmoid_renorm_scaled", 24, 3, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.5)),
     ("minimax_m2", 32, 8, dict(scoring="sigmoid", bias=True, renormalize=True)),

@@ -135,6 +135,37 @@ void all_scores(const acc_t* x, int64_t E, int scoring, acc_t* p) {
 MK_VEC_INLINE float term_exp(float d) { return vec_math::exp_full(d); }
 inline double term_exp(double d) { return std::exp(d); }
 
+// The selected slots' scores (value, vmax [n * k], selected_slots) into w [n * k] for the
+// sigmoid and the renormalised softmax: one flat loop, compiled per instruction set (in
+// plain_rows_f32, which is not, it ran as SSE2).
+MK_VECTORISE MK_ROW_CLONES void slot_scores(const float* __restrict value, const float* __restrict vmax, int64_t slots,
+                                            int scoring, float* __restrict w) {
+  if (scoring == kSigmoid) {
+    for (int64_t j = 0; j < slots; ++j) w[j] = vec_math::sigmoid(value[j]);
+  } else {
+    // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
+    for (int64_t j = 0; j < slots; ++j) w[j] = vmax[j] == -INFINITY ? 0.0f : term_exp(value[j] - vmax[j]);
+  }
+}
+
+// finish_weights of n rows of k slots, k fixed at compile time for the common k (K = 0: any).
+template <int K>
+inline __attribute__((always_inline)) void finish_rows(float* w, int64_t n, int64_t k_any, bool renormalize,
+                                                       float scaling) {
+  const int64_t k = K > 0 ? K : k_any;
+  for (int64_t i = 0; i < n; ++i) topk_router::finish_weights(w + i * k, k, renormalize, scaling);
+}
+
+MK_ROW_CLONES void finish_block(float* w, int64_t n, int64_t k, bool renormalize, float scaling) {
+  switch (k) {
+    case 1: return finish_rows<1>(w, n, k, renormalize, scaling);
+    case 2: return finish_rows<2>(w, n, k, renormalize, scaling);
+    case 4: return finish_rows<4>(w, n, k, renormalize, scaling);
+    case 8: return finish_rows<8>(w, n, k, renormalize, scaling);
+    default: return finish_rows<0>(w, n, k, renormalize, scaling);
+  }
+}
+
 // The common router (no bias, one group) in float32: rows in blocks, selected by
 // rows_top_pairs_f32 (as topk_softmax), the selected scores of the whole block in flat loops that
 // vectorise, then each row's finish_weights.
@@ -158,11 +189,8 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
-    if (a.scoring == kSigmoid) {
-      for (int64_t j = 0; j < slots; ++j) w[j] = vec_math::sigmoid(value[j]);
-    } else if (a.renormalize) {
-      // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
-      for (int64_t j = 0; j < slots; ++j) w[j] = vmax[j] == -INFINITY ? 0.0f : term_exp(value[j] - vmax[j]);
+    if (a.scoring == kSigmoid || a.renormalize) {
+      slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
     } else {
       for (int64_t i = 0; i < n; ++i) {
         const float m = vmax[i * k];
@@ -174,7 +202,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
         for (int64_t s = 0; s < k; ++s) w[i * k + s] = exps[pair_index(best[i * k + s])] * inv;
       }
     }
-    for (int64_t i = 0; i < n; ++i) topk_router::finish_weights(w + i * k, k, a.renormalize, scaling);
+    finish_block(w, n, k, a.renormalize, scaling);
   }
 }
 
