@@ -1,7 +1,9 @@
 """topk_softmax on CPU: the C++ kernel vs the reference vs the plain PyTorch sequence
 (softmax -> topk -> renormalise), eager and under torch.compile (dynamic=False, compile time
 excluded from the timings and listed under the table), forward, and forward+backward. The
-"read pass" row (`x.amax(1)`, one read of the logits) is the memory-bandwidth limit of the forward.
+"read pass" row (`x.amax(1)`, one read of the logits) is the memory-bandwidth limit of the forward;
+the "forward + write" row (our forward, then a fresh [T, E] tensor allocated and filled, as the
+backward's gradient is) is the limit of forward+backward that issue 16 measures against.
 Rows with `full` in the config are renormalize=False (the Switch / GShard convention: the
 full-softmax probabilities of the selected experts), against the same sequence without the renormalisation.
 
@@ -84,11 +86,17 @@ def main():
                 fn(xg, k, renormalize)[0].backward(g)
 
             rows.append(measure("topk_softmax", name, step, config=config, mode="fwd+bwd"))
+
+        def forward_and_write():
+            topk_softmax(x, k, renormalize)
+            return torch.empty(T, E).fill_(0.0)
+
+        rows.append(measure("topk_softmax", "forward + write", forward_and_write, config=config, mode="fwd+bwd"))
     report(
         "topk_softmax" + ("_quick" if args.quick else ""),
         rows,
         baseline="torch sequence",
-        providers=[*PROVIDERS, "torch.compile sequence", "read pass"],
+        providers=[*PROVIDERS, "torch.compile sequence", "read pass", "forward + write"],
         command="make bench (or .venv/bin/python bench/bench_topk_softmax.py)",
         notes="torch.compile (dynamic=False) of the torch sequence, first-call compile time:\n\n"
         "| config | compile s |\n|---|---|\n" + "\n".join(compile_notes),

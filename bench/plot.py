@@ -3,10 +3,11 @@ bench/results/README.md.
 
 A plot shows, per mode (forward, fwd+bwd, ...), the median time per call (log scale) against the
 swept size (T, B, n, E or d: the one taking the most values) for each provider, with the limit
-providers (`read pass`, `write pass`, `copy_`, `torch.clone`: one pass over the bytes) drawn in black. Configs
-that vary in more than the size become a line style (the key with the most values, up to 4)
-and more panels (the rest). Keys fixed by the others (dispatch's C, batchwise's m) are left out.
-Without a swept size (one config, or configs differing by model family only) it is a bar chart
+providers (`read pass`, `write pass`, `copy_`, `torch.clone`: one pass over the bytes;
+topk_softmax's `forward + write`) drawn in black. Configs that vary in more than the size become a
+line style (the key with the most values, up to 4) and more panels (the rest). Keys fixed by the
+others (dispatch's C, batchwise's m) are left out. Without a swept size (one config, or configs
+differing by model family only) it is a bar chart
 (linear time axis from zero: bars on a log axis mislead).
 The CSV is appended to by every run: a plot uses the last row of each (provider, mode, config).
 
@@ -28,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 RESULTS = Path(os.environ.get("MOE_KERNELS_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
-LIMIT_PROVIDERS = ("read pass", "write pass", "copy_", "torch.clone")
+LIMIT_PROVIDERS = ("read pass", "write pass", "copy_", "torch.clone", "forward + write")
 SIZE_KEYS = ("T", "B", "n", "E", "d")  # candidates for the x axis, preferred in this order on ties
 LINE_STYLES = ("-", "--", ":", "-.")
 
