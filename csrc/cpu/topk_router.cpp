@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <type_traits>
@@ -134,6 +135,47 @@ void all_scores(const acc_t* x, int64_t E, int scoring, acc_t* p) {
 // vec_math::exp_full (inlined, vectorised in flat loops; torch's tails), float64 by std::exp.
 MK_VEC_INLINE float term_exp(float d) { return vec_math::exp_full(d); }
 inline double term_exp(double d) { return std::exp(d); }
+
+// The G group scores of one row's choice values [G * size] into out [G], float32: group_score's
+// values (topk_router.h), each group's two largest kept per lane of 8 without a branch per element
+// (Top2::push's data-dependent branches were most of the grouped router's time), the lanes then
+// merged as Top2::merged merges, the tail pushed as Top2::push does. Only the two values matter,
+// not which of two equal experts they came from.
+MK_VECTORISE MK_ROW_CLONES void group_scores_f32(const float* __restrict choice, int64_t G, int64_t size,
+                                                 int group_scoring, float* __restrict out) {
+  typedef float lanes_f32 __attribute__((vector_size(32)));
+  typedef int32_t lanes_i32 __attribute__((vector_size(32)));
+  for (int64_t g = 0; g < G; ++g) {
+    const float* v = choice + g * size;
+    lanes_f32 first = lanes_f32{} - INFINITY, second = first;
+    lanes_i32 nan = {};
+    int64_t i = 0;
+    for (; i + 8 <= size; i += 8) {
+      lanes_f32 x;
+      std::memcpy(&x, v + i, sizeof x);
+      nan |= x != x;
+      const lanes_i32 above1 = x > first, above2 = x > second;
+      second = above1 ? first : (above2 ? x : second);
+      first = above1 ? x : first;
+    }
+    float f = -INFINITY, s = -INFINITY;
+    bool any_nan = false;
+    for (int l = 0; l < 8; ++l) {
+      const float low = f > first[l] ? first[l] : f;
+      f = f > first[l] ? f : first[l];
+      const float next = s > second[l] ? s : second[l];
+      s = low > next ? low : next;
+      any_nan |= nan[l] != 0;
+    }
+    for (; i < size; ++i) {
+      const float x = v[i];
+      any_nan |= x != x;
+      s = x > f ? f : (x > s ? x : s);
+      f = x > f ? x : f;
+    }
+    out[g] = any_nan ? NAN : (group_scoring == topk_router::kMax ? f : f + s);
+  }
+}
 
 // The selected slots' scores (value, vmax [n * k], selected_slots) into w [n * k] for the
 // sigmoid and the renormalised softmax: one flat loop, compiled per instruction set (in
@@ -258,8 +300,12 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
       // The topk_groups best groups (rank order over group scores, lower group first on ties),
       // then their experts gathered in ascending index order so that the selection's "lower
       // position first" is still "lower expert first".
-      for (int64_t g = 0; g < G; ++g)
-        buf.group_scores[g] = topk_router::group_score(choice + g * size, size, a.group_scoring);
+      if constexpr (std::is_same_v<acc_t, float>) {
+        group_scores_f32(choice, G, size, a.group_scoring, buf.group_scores.data());
+      } else {
+        for (int64_t g = 0; g < G; ++g)
+          buf.group_scores[g] = topk_router::group_score(choice + g * size, size, a.group_scoring);
+      }
       int64_t* order = buf.group_order.data();
       std::iota(order, order + G, 0);
       const acc_t* gs = buf.group_scores.data();
