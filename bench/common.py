@@ -113,10 +113,10 @@ def compile_notes(notes: list[str]) -> str:
     return head + "| provider | config | compile s |\n|---|---|---|\n" + "\n".join(notes)
 
 
-# glibc's mallopt parameters (malloc.h) and DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the largest mmap
-# threshold glibc's own dynamic adjustment reaches.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20
+# glibc's mallopt parameters (malloc.h) and their defaults: M_MMAP_MAX, how many mappings malloc may
+# hold at once (0: never map, always the heap).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+GLIBC_MMAP_MAX = 65536
 
 
 def _glibc():
@@ -133,17 +133,20 @@ _LIBC = _glibc() if DEVICE == "cpu" else None
 
 
 def steady_malloc() -> None:
-    """Time large CPU tensors as a long-running process allocates them (run when this module is
-    imported, so every benchmark times alike). glibc starts with a 128 KiB mmap threshold: each
-    larger tensor is a fresh mapping whose pages fault on first touch (~2.3 us per 4 KiB here, as
-    much as the kernels themselves). After the first large free it raises the threshold (up to 32
-    MiB) and, once the heap has grown to a loop's needs (a few calls), recycles the heap with no
-    faults. This fixes that end state (mmap threshold 32 MiB, trim threshold twice it), so every
-    provider's outputs cost what they cost in a training loop, whatever ran before (timeit's
-    warm-up calls grow the heap). peak_memory_mb switches to small thresholds for its one call."""
+    """Time large CPU tensors as a warm allocator serves them (run when this module is imported, so
+    every benchmark times alike): every allocation from glibc's heap (no mmap), freed memory kept
+    (trim threshold 1 GiB), so once timeit's warm-up calls have grown the heap, a call's tensors
+    are memory already touched. glibc's defaults instead map each tensor above its mmap threshold
+    (128 KiB at first, raised after large frees up to 32 MiB) afresh, and every page of a fresh
+    mapping faults on first touch (~2.3 us per 4 KiB here, as much as the kernels themselves):
+    then whether a 64 MB output faults depends on what the process freed before (glibc serves it
+    from the heap's top when that is large enough), and timings of the same call differed 5x
+    between configurations. Page faults cost every provider alike and say nothing of a kernel;
+    caching allocators (PyTorch's on the GPU, jemalloc or tcmalloc on the CPU) avoid them too.
+    peak_memory_mb switches to small thresholds and mappings for its one call."""
     if _LIBC is not None:
-        _LIBC.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
-        _LIBC.mallopt(M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_THRESHOLD_MAX)
+        _LIBC.mallopt(M_MMAP_MAX, 0)
+        _LIBC.mallopt(M_TRIM_THRESHOLD, 2**30)
 
 
 def peak_memory_mb(fn: Callable[[], object]) -> float:
@@ -151,9 +154,9 @@ def peak_memory_mb(fn: Callable[[], object]) -> float:
     torch.cuda.max_memory_allocated (the caching allocator's tensors). On CPU, torch 2.13 keeps no
     allocator statistics, so this is the process's peak resident memory (Linux VmHWM, reset through
     /proc/self/clear_refs) minus VmRSS before the call: tensors plus any other memory fn touches.
-    For the call, glibc's thresholds drop to 128 KiB and malloc_trim returns the free heap pages, so
-    every large tensor fn allocates is memory the kernel sees being touched (recycled heap memory
-    would hide it); steady_malloc's thresholds are restored after. NaN where /proc does not allow
+    For the call, glibc maps every tensor above 128 KiB afresh and malloc_trim returns the free heap
+    pages, so every large tensor fn allocates is memory the kernel sees being touched (recycled heap
+    memory would hide it); steady_malloc's settings are restored after. NaN where /proc does not allow
     the reset or the C library is not glibc."""
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -168,6 +171,7 @@ def peak_memory_mb(fn: Callable[[], object]) -> float:
 
     if _LIBC is None:
         return float("nan")
+    _LIBC.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX)
     _LIBC.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
     _LIBC.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
     _LIBC.malloc_trim(0)
