@@ -7,7 +7,7 @@
 
 #include "moe_kernels/batchwise_mask.h"
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 

@@ -131,7 +131,7 @@ MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_RO
 // (scalar exps; the zero fill as SSE2 stores), backward op alone, T=65536 E=64: k=2 1.90 ->
 // 1.6 ms, k=8 4.56 -> 3.6 ms; k=1 was 10% slower, so it keeps that loop.
 template <typename scalar_t, typename grad_t>
-void renormalized_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
+MK_VECTORISE void renormalized_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
                                 const grad_t* grad_w,    // [T, k] contiguous
                                 const int64_t* experts,  // [T, k] contiguous
                                 int64_t begin, int64_t end, int64_t E, int64_t k,
