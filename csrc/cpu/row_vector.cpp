@@ -553,16 +553,18 @@ MK_VEC_INLINE float rank_value(int64_t pair) {
   return __builtin_bit_cast(float, key < 0 ? key ^ 0x7fffffff : key);
 }
 
-// selected_slots for a fixed k (the compiler vectorises across rows).
+// selected_slots with k fixed at compile time (K > 0: the compiler vectorises across rows) or any
+// k (K = 0).
 template <int K>
-MK_VEC_INLINE void slots_k(const int64_t* __restrict best, int64_t n, int64_t* __restrict experts,
+MK_VEC_INLINE void slots_k(const int64_t* __restrict best, int64_t n, int64_t k_any, int64_t* __restrict experts,
                            float* __restrict value, float* __restrict vmax) {
+  const int64_t k = K > 0 ? K : k_any;
   for (int64_t i = 0; i < n; ++i) {
-    const float m = rank_value(best[i * K]);
-    for (int s = 0; s < K; ++s) {
-      experts[i * K + s] = pair_index(best[i * K + s]);
-      value[i * K + s] = rank_value(best[i * K + s]);
-      vmax[i * K + s] = m;
+    const float m = rank_value(best[i * k]);
+    for (int64_t s = 0; s < k; ++s) {
+      experts[i * k + s] = pair_index(best[i * k + s]);
+      value[i * k + s] = rank_value(best[i * k + s]);
+      vmax[i * k + s] = m;
     }
   }
 }
@@ -572,19 +574,11 @@ MK_VECTORISE MK_ROW_CLONES
 void selected_slots(const int64_t* __restrict best, int64_t n, int64_t k, int64_t* __restrict experts,
                     float* __restrict value, float* __restrict vmax) {
   switch (k) {
-    case 1: return slots_k<1>(best, n, experts, value, vmax);
-    case 2: return slots_k<2>(best, n, experts, value, vmax);
-    case 4: return slots_k<4>(best, n, experts, value, vmax);
-    case 8: return slots_k<8>(best, n, experts, value, vmax);
-    default:
-      for (int64_t i = 0; i < n; ++i) {
-        const float m = rank_value(best[i * k]);
-        for (int64_t s = 0; s < k; ++s) {
-          experts[i * k + s] = pair_index(best[i * k + s]);
-          value[i * k + s] = rank_value(best[i * k + s]);
-          vmax[i * k + s] = m;
-        }
-      }
+    case 1: return slots_k<1>(best, n, k, experts, value, vmax);
+    case 2: return slots_k<2>(best, n, k, experts, value, vmax);
+    case 4: return slots_k<4>(best, n, k, experts, value, vmax);
+    case 8: return slots_k<8>(best, n, k, experts, value, vmax);
+    default: return slots_k<0>(best, n, k, experts, value, vmax);
   }
 }
 
