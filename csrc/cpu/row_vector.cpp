@@ -246,7 +246,7 @@ MK_ROW_BODY void merge_top2(lanes_i64 pair1, lanes_i64 pair2, const float* row, 
 // value always outranks them; a -inf element never enters a second slot (strict >), which matters
 // only if the row has fewer than two elements above -inf, and then the first chunk's lanes hold the
 // lowest-index -inf elements already.
-MK_ROW_BODY bool top2_row_float(const float* row, int64_t E, int64_t* best) {
+MK_ROW_BODY bool top2_lanes_float(const float* row, int64_t E, lanes_i64* pair1, lanes_i64* pair2) {
   lanes_f32 value1 = load(row), sum = value1;
   lanes_f32 value2 = lanes_f32{} - INFINITY;
   lanes_i32 index1 = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -260,12 +260,19 @@ MK_ROW_BODY bool top2_row_float(const float* row, int64_t E, int64_t* best) {
     index += kLanes;
   }
   if (any_nan(sum)) return false;
-  merge_top2(lane_pairs(rank_keys(value1), index1), lane_pairs(rank_keys(value2), index2), row, e, E, best);
+  *pair1 = lane_pairs(rank_keys(value1), index1);
+  *pair2 = lane_pairs(rank_keys(value2), index2);
   return true;
 }
 
-MK_ROW_BODY void top2_row(const float* row, int64_t E, int64_t* best) {
-  if (E >= kLanes && top2_row_float(row, E, best)) return;
+MK_ROW_BODY bool top2_row_float(const float* row, int64_t E, int64_t* best) {
+  lanes_i64 pair1, pair2;
+  if (!top2_lanes_float(row, E, &pair1, &pair2)) return false;
+  merge_top2(pair1, pair2, row, E / kLanes * kLanes, E, best);
+  return true;
+}
+
+MK_ROW_BODY void top2_row_keys(const float* row, int64_t E, int64_t* best) {
   // The same on rank keys. Unfilled slots hold INT_MIN, below every rank_key (even -inf's): their
   // pairs lose to every real one, so with E >= 2 both results are real even when every element is
   // in the tail (E < 8).
@@ -279,6 +286,38 @@ MK_ROW_BODY void top2_row(const float* row, int64_t E, int64_t* best) {
     index += kLanes;
   }
   merge_top2(lane_pairs(key1, index1), lane_pairs(key2, index2), row, e, E, best);
+}
+
+MK_ROW_BODY void top2_row(const float* row, int64_t E, int64_t* best) {
+  if (E >= kLanes && top2_row_float(row, E, best)) return;
+  top2_row_keys(row, E, best);
+}
+
+// top2_row for rows [0, n) of x, a block at a time in two phases: every row's lane pass, then
+// every row's merge. A merge is a chain of dependent reductions that costs more than the lane pass
+// at E = 64; back to back, the merges of independent rows overlap in the core, where each after its
+// own row's pass did not.
+constexpr int64_t kTop2Block = 16;
+MK_ROW_BODY void top2_rows(const float* x, int64_t stride, int64_t n, int64_t E, int64_t* best) {
+  if (E < kLanes) {
+    for (int64_t i = 0; i < n; ++i) top2_row_keys(x + i * stride, E, best + 2 * i);
+    return;
+  }
+  const int64_t full = E / kLanes * kLanes;
+  alignas(64) lanes_i64 pair1[kTop2Block], pair2[kTop2Block];
+  bool no_nan[kTop2Block];
+  for (int64_t i0 = 0; i0 < n; i0 += kTop2Block) {
+    const int64_t m = std::min(kTop2Block, n - i0);
+    for (int64_t j = 0; j < m; ++j) no_nan[j] = top2_lanes_float(x + (i0 + j) * stride, E, pair1 + j, pair2 + j);
+    for (int64_t j = 0; j < m; ++j) {
+      const float* row = x + (i0 + j) * stride;
+      if (no_nan[j]) {
+        merge_top2(pair1[j], pair2[j], row, full, E, best + 2 * (i0 + j));
+      } else {
+        top2_row_keys(row, E, best + 2 * (i0 + j));
+      }
+    }
+  }
 }
 
 // The largest lane of x in every lane (a butterfly: the result feeds the next round's knockout
@@ -525,7 +564,7 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
       best[i] = rank_pair(row[e], e);
     }
   } else if (k == 2) {
-    for (int64_t i = 0; i < n; ++i) top2_row(x + i * stride, E, best + 2 * i);
+    top2_rows(x, stride, n, E, best);
   } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
     int64_t i = 0;
     if (k > kLanes) {

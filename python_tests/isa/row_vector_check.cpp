@@ -82,7 +82,8 @@ int main() {
   std::vector<int64_t> widths;
   for (int64_t E = 1; E <= 70; ++E) widths.push_back(E);
   for (int64_t E : {127, 128, 256, 512, 600}) widths.push_back(E);
-  constexpr int64_t kRows = 6;
+  // More rows than one block of rows_top_pairs_f32 (16 for k = 2), every kind in each block.
+  constexpr int64_t kRows = 19;
   long checked = 0;
   for (int64_t E : widths) {
     for (int64_t k : {1, 2, 3, 4, 5, 7, 8, 9, 17}) {
