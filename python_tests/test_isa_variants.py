@@ -1,7 +1,8 @@
 """The CPU code compiled once per x86-64 instruction set, built for each one this machine can run
-and checked against a scalar specification: the row selections (csrc/cpu/row_vector.cpp, checked by
-python_tests/isa/row_vector_check.cpp) and batchwise_mask's sampled-threshold select
-(csrc/cpu/batchwise_filter.cpp, checked by python_tests/isa/batchwise_filter_check.cpp).
+and checked against a scalar specification: the row selections (csrc/cpu/row_vector.cpp and the
+candidate filter of row_candidates.cpp, checked by python_tests/isa/row_vector_check.cpp) and
+batchwise_mask's sampled-threshold select (csrc/cpu/batchwise_filter.cpp, checked by
+python_tests/isa/batchwise_filter_check.cpp).
 
 The extension compiles them for AVX-512, AVX2 and SSE2 and runs only the variant the CPU supports,
 so without this test the others (what an AVX2-only user runs) would never execute here. Each build
@@ -15,10 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# (driver, the source it checks, the least count of rows or columns a run must report checked)
+# (driver, the sources it checks, the least count of rows or columns a run must report checked)
 CHECKS = [
-    ("row_vector_check.cpp", "row_vector.cpp", 10000),
-    ("batchwise_filter_check.cpp", "batchwise_filter.cpp", 2000),
+    ("row_vector_check.cpp", ("row_vector.cpp", "row_candidates.cpp"), 10000),
+    ("batchwise_filter_check.cpp", ("batchwise_filter.cpp",), 2000),
 ]
 
 # (name, g++ flags, the /proc/cpuinfo flags the CPU needs to run it)
@@ -41,15 +42,15 @@ def cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the clones are x86-64 only")
-@pytest.mark.parametrize("driver,source,least", CHECKS, ids=[c[1].split(".")[0] for c in CHECKS])
+@pytest.mark.parametrize("driver,sources,least", CHECKS, ids=[c[1][0].split(".")[0] for c in CHECKS])
 @pytest.mark.parametrize("name,flags,needs", VARIANTS, ids=[v[0] for v in VARIANTS])
-def test_per_instruction_set(name, flags, needs, driver, source, least, tmp_path):
+def test_per_instruction_set(name, flags, needs, driver, sources, least, tmp_path):
     gxx = shutil.which("g++")
     assert gxx, "g++ not found (the extension build needs it too)"
     missing = [f for f in needs if f not in cpu_flags()]
     if missing:
         pytest.skip(f"this CPU lacks {missing}")
-    exe = tmp_path / f"{source.split('.')[0]}_{name}"
+    exe = tmp_path / f"{sources[0].split('.')[0]}_{name}"
     cmd = [
         gxx,
         "-O3",
@@ -59,7 +60,7 @@ def test_per_instruction_set(name, flags, needs, driver, source, least, tmp_path
         f"-I{ROOT / 'csrc' / 'include'}",
         f"-I{ROOT / 'csrc' / 'cpu'}",
         str(ROOT / "python_tests" / "isa" / driver),
-        str(ROOT / "csrc" / "cpu" / source),
+        *(str(ROOT / "csrc" / "cpu" / source) for source in sources),
         "-o",
         str(exe),
     ]

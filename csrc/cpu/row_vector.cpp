@@ -13,6 +13,7 @@
 
 #include "moe_kernels/common.h"
 #include "moe_kernels/topk_softmax.h"
+#include "row_candidates.h"
 #include "vec_math.h"
 
 // The lane helpers below pass 256-bit vectors by value; GCC warns that the default (non-AVX) clone
@@ -393,78 +394,24 @@ MK_ROW_BODY lanes_i64 sort8(lanes_i64 x) {
 // lane-wise larger of a descending and an ascending run is a bitonic sequence holding the eight
 // largest of both, which three steps sort. About 40 vector operations per vector of pairs, with no
 // data-dependent branch and a short dependence chain, where k knockout rounds cost k reductions.
+MK_ROW_BODY lanes_i64 merge_into_top8(lanes_i64 top, lanes_i64 more) {
+  top = max_pairs(top, sort8<false>(more));
+  top = bitonic_step<8, 4, true>(top);
+  top = bitonic_step<8, 2, true>(top);
+  return bitonic_step<8, 1, true>(top);
+}
+
 MK_ROW_BODY lanes_i64 top8_pairs(const int64_t* pairs, int64_t n) {
   lanes_i64 top = sort8<true>(load_pairs(pairs));
-  for (int64_t c = kLanes; c < n; c += kLanes) {
-    top = max_pairs(top, sort8<false>(load_pairs(pairs + c)));
-    top = bitonic_step<8, 4, true>(top);
-    top = bitonic_step<8, 2, true>(top);
-    top = bitonic_step<8, 1, true>(top);
-  }
+  for (int64_t c = kLanes; c < n; c += kLanes) top = merge_into_top8(top, load_pairs(pairs + c));
   return top;
 }
 
-// For each 8-bit lane mask: its set lanes in ascending order (then zeros), and how many there are.
-struct CompressTable {
-  int32_t lanes[256][kLanes];
-  int32_t count[256];
-  constexpr CompressTable() : lanes(), count() {
-    for (int m = 0; m < 256; ++m) {
-      for (int l = 0; l < kLanes; ++l) {
-        if (m >> l & 1) lanes[m][count[m]++] = l;
-      }
-    }
-  }
-};
-alignas(64) constexpr CompressTable kCompress{};
-
-// rounds_on_pairs on the row's candidates only, for a row without NaN and k <= kLanes <= E:
-// lane l's maximum over the elements l, l + 8, ... of the full chunks is >= the floor (the smallest
-// lane maximum) for all 8 lanes, so at least k elements are >= floor and no element below it can
-// be in the top k. The elements >= floor (float compares, as argmax_row_float) and the tail are
-// compressed into a candidate list, a chunk at a time by a table permutation; on random rows
-// about a fifth of a 64-wide row is left. Writes the candidates' pairs, padded with kNoPair to a
-// multiple of kLanes, and returns their padded count; 0 for a row whose lane sums are NaN.
-MK_ROW_BODY int64_t filtered_candidates(const float* row, int64_t E, int64_t* pairs) {
-  const int64_t full = E / kLanes * kLanes;
-  lanes_f32 lane_max = load(row), sum = lane_max;
-  for (int64_t e = kLanes; e < full; e += kLanes) {
-    const lanes_f32 v = load(row + e);
-    lane_max = v > lane_max ? v : lane_max;
-    sum += v;
-  }
-  if (any_nan(sum)) return 0;
-  const float floor = min_lane(lane_max);
-  alignas(64) int32_t index[kRoundsMaxE + kLanes];
-  alignas(64) float value[kRoundsMaxE + kLanes];
-  const lanes_i32 bit = {1, 2, 4, 8, 16, 32, 64, 128};
-  lanes_i32 lane_index = {0, 1, 2, 3, 4, 5, 6, 7};
-  int64_t n = 0;
-  for (int64_t e = 0; e < full; e += kLanes) {
-    const lanes_f32 v = load(row + e);
-    lanes_i32 m = (v >= floor) & bit;
-    m |= __builtin_shuffle(m, (lanes_i32){4, 5, 6, 7, 0, 1, 2, 3});
-    m |= __builtin_shuffle(m, (lanes_i32){2, 3, 0, 1, 6, 7, 4, 5});
-    const int32_t mask = m[0] | m[1];
-    lanes_i32 order;
-    std::memcpy(&order, kCompress.lanes[mask], sizeof order);
-    lanes_i32 bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    const lanes_i32 kept_index = __builtin_shuffle(lane_index, order);
-    const lanes_i32 kept_bits = __builtin_shuffle(bits, order);
-    std::memcpy(index + n, &kept_index, sizeof kept_index);
-    std::memcpy(value + n, &kept_bits, sizeof kept_bits);
-    n += kCompress.count[mask];
-    lane_index += kLanes;
-  }
-  for (int64_t e = full; e < E; ++e, ++n) {  // the tail: always candidates (NaN included)
-    index[n] = (int32_t)e;
-    value[n] = row[e];
-  }
-  // The padding lanes become kNoPair below; zeroing them first keeps every lane read defined.
-  const lanes_i32 zero = {};
-  std::memcpy(index + n, &zero, sizeof zero);
-  std::memcpy(value + n, &zero, sizeof zero);
+// The pairs of the candidates index[0 .. n), value[0 .. n) (row_candidates_f32) into pairs, padded
+// with kNoPair to a multiple of kLanes; returns the padded count.
+// (row_candidates_f32 wrote zeros past the candidates: the padding lanes read defined values, and
+// without a store just before these loads, which they could not take their data from.)
+MK_ROW_BODY int64_t candidate_pairs(const int32_t* index, const float* value, int64_t n, int64_t* pairs) {
   const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
   const lanes_i64 none = lanes_i64{} + kNoPair;
   const lanes_i64 slot = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -478,14 +425,9 @@ MK_ROW_BODY int64_t filtered_candidates(const float* row, int64_t E, int64_t* pa
   return padded;
 }
 
-// The candidates of rounds_on_pairs for the k largest of a row (E <= kRoundsMaxE) into pairs
-// [kRoundsMaxE + kLanes]: filtered_candidates where it applies, else every pair of the row.
-// Returns their count, padded with kNoPair to a multiple of kLanes.
-MK_ROW_BODY int64_t round_candidates(const float* row, int64_t E, int k, int64_t* pairs) {
-  if (k <= kLanes && E >= kLanes) {
-    const int64_t n = filtered_candidates(row, E, pairs);
-    if (n > 0) return n;
-  }
+// Every rank pair of row[0 .. E) into pairs, padded with kNoPair to a multiple of kLanes; returns
+// the padded count.
+MK_ROW_BODY int64_t row_pairs(const float* row, int64_t E, int64_t* pairs) {
   int64_t e = 0;
   for (; e + kLanes <= E; e += kLanes) {
     const lanes_i64 p = rank_pairs(load(row + e), e);
@@ -495,6 +437,19 @@ MK_ROW_BODY int64_t round_candidates(const float* row, int64_t E, int k, int64_t
   const int64_t n = (E + kLanes - 1) / kLanes * kLanes;
   for (; e < n; ++e) pairs[e] = kNoPair;
   return n;
+}
+
+// The candidates of rounds_on_pairs for the k largest of a row (E <= kRoundsMaxE) into pairs
+// [kRoundsMaxE + kLanes]: row_candidates_f32 where it applies, else every pair of the row.
+// Returns their count, padded with kNoPair to a multiple of kLanes.
+MK_ROW_BODY int64_t round_candidates(const float* row, int64_t E, int k, int64_t* pairs) {
+  if (k <= kLanes && E >= kLanes) {
+    alignas(64) int32_t index[kRoundsMaxE + kCandidatePad];
+    alignas(64) float value[kRoundsMaxE + kCandidatePad];
+    const int64_t n = row_candidates_f32(row, E, index, value);
+    if (n >= 0) return candidate_pairs(index, value, n, pairs);
+  }
+  return row_pairs(row, E, pairs);
 }
 
 MK_ROW_BODY void rounds_row(const float* row, int64_t E, int k, int64_t* best) {
@@ -508,10 +463,47 @@ MK_ROW_BODY void rounds_row(const float* row, int64_t E, int k, int64_t* best) {
   }
 }
 
+constexpr int kRoundRows = 4;
+
+// rounds_row for four rows at once and k <= kLanes: the four rows' candidates, then their pairs,
+// then top8_pairs on their first three vectors of pairs (kNoPair where a row has fewer) with the
+// four rows' network steps interleaved, then any further vectors row by row. One row's sort is a
+// single chain of dependent steps; four side by side keep the core busy. A 64-wide random row
+// has 18 candidates on average, at most 24 in 86% of rows (row_candidates.h).
+MK_ROW_BODY void top8_rows4(const float* x, int64_t stride, int64_t E, int k, int64_t* best) {
+  alignas(64) int32_t index[kRoundRows][kRoundsMaxE + kCandidatePad];
+  alignas(64) float value[kRoundRows][kRoundsMaxE + kCandidatePad];
+  alignas(64) int64_t pairs[kRoundRows][kRoundsMaxE + kLanes];
+  int64_t n[kRoundRows];
+  for (int j = 0; j < kRoundRows; ++j) n[j] = row_candidates_f32(x + j * stride, E, index[j], value[j]);
+  for (int j = 0; j < kRoundRows; ++j) {
+    n[j] = n[j] >= 0 ? candidate_pairs(index[j], value[j], n[j], pairs[j]) : row_pairs(x + j * stride, E, pairs[j]);
+  }
+  // The first three vectors of pairs (kNoPair where a row has fewer), as top8_pairs merges them.
+  const lanes_i64 none = lanes_i64{} + kNoPair;
+  lanes_i64 top[kRoundRows], third[kRoundRows];
+  for (int j = 0; j < kRoundRows; ++j) {
+    const lanes_i64 second = n[j] > kLanes ? load_pairs(pairs[j] + kLanes) : none;
+    third[j] = sort8<false>(n[j] > 2 * kLanes ? load_pairs(pairs[j] + 2 * kLanes) : none);
+    top[j] = max_pairs(sort8<true>(load_pairs(pairs[j])), sort8<false>(second));
+  }
+  for (int j = 0; j < kRoundRows; ++j) top[j] = bitonic_step<8, 4, true>(top[j]);
+  for (int j = 0; j < kRoundRows; ++j) top[j] = bitonic_step<8, 2, true>(top[j]);
+  for (int j = 0; j < kRoundRows; ++j) top[j] = max_pairs(bitonic_step<8, 1, true>(top[j]), third[j]);
+  for (int j = 0; j < kRoundRows; ++j) top[j] = bitonic_step<8, 4, true>(top[j]);
+  for (int j = 0; j < kRoundRows; ++j) top[j] = bitonic_step<8, 2, true>(top[j]);
+  for (int j = 0; j < kRoundRows; ++j) top[j] = bitonic_step<8, 1, true>(top[j]);
+  for (int j = 0; j < kRoundRows; ++j) {
+    for (int64_t c = 3 * kLanes; c < n[j]; c += kLanes) top[j] = merge_into_top8(top[j], load_pairs(pairs[j] + c));
+  }
+  for (int j = 0; j < kRoundRows; ++j) {
+    for (int s = 0; s < k; ++s) best[j * k + s] = top[j][s];
+  }
+}
+
 // rounds_row for four rows at once, their rounds interleaved: one row's rounds are a chain (each
 // knocks out the previous winner), and four independent chains keep the core busy while each
 // round's reduction completes.
-constexpr int kRoundRows = 4;
 MK_ROW_BODY void rounds_rows4(const float* x, int64_t stride, int64_t E, int k, int64_t* best) {
   alignas(64) int64_t pairs[kRoundRows][kRoundsMaxE + kLanes];
   int64_t n[kRoundRows];
@@ -569,6 +561,8 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
     int64_t i = 0;
     if (k > kLanes) {
       for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, (int)k, best + k * i);
+    } else if (E >= kLanes) {
+      for (; i + kRoundRows <= n; i += kRoundRows) top8_rows4(x + i * stride, stride, E, (int)k, best + k * i);
     }
     for (; i < n; ++i) rounds_row(x + i * stride, E, (int)k, best + k * i);
   } else if (k <= kRowInsertionMaxK) {

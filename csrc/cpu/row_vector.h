@@ -82,8 +82,8 @@ void row_top2_f32(const float* row, int64_t E, int64_t* best);
 // data-dependent branches. For k <= 8 the pairs, eight to a vector, are sorted by a bitonic network
 // and merged into a running top eight; for larger k, k rounds of a vectorised max knock out each
 // round's winner. For k <= 8 on a row holding no NaN only candidates are sorted: the elements at
-// or above the smallest of the 8 lane maxima (at least k elements are, and no element below it can
-// be in the top k), compressed a chunk at a time.
+// or above the smallest of 8 group maxima (row_candidates.h: at least k elements are, and no
+// element below it can be in the top k).
 constexpr int64_t kRoundsMaxE = 512;
 constexpr int64_t kRoundsMaxWork = 8 * 512;
 void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moe_kernels/common.h"
+#include "row_candidates.h"
 #include "row_vector.h"
 #include "xorshift.h"
 
@@ -76,6 +77,66 @@ bool check_slots(const float* x, int64_t stride, int64_t rows, int64_t k, const 
   return true;
 }
 
+// row_candidates_f32 on a row (E >= 8): -1 only when the row's elements sum to NaN in some order
+// (a NaN, or both infinities); else ascending indices with their values, the 8 largest rank pairs
+// among them, every element at or above the least of them, and 8 zeros after them.
+bool check_candidates(const float* x, int64_t E) {
+  std::vector<int32_t> index(E + kCandidatePad, -7);
+  std::vector<float> value(E + kCandidatePad, -7.0f);
+  const int64_t n = row_candidates_f32(x, E, index.data(), value.data());
+  bool nan = false, pos_inf = false, neg_inf = false;
+  for (int64_t e = 0; e < E; ++e) {
+    nan |= std::isnan(x[e]);
+    pos_inf |= x[e] == INFINITY;
+    neg_inf |= x[e] == -INFINITY;
+  }
+  if (n < 0) {
+    if (nan || (pos_inf && neg_inf)) return true;
+    bool overflow = false;  // partial sums of huge values may meet as +inf and -inf
+    for (int64_t e = 0; e < E; ++e) overflow |= std::fabs(x[e]) > 1e37f;
+    if (overflow) return true;
+    std::printf("row_candidates_f32 E=%lld: -1 for a row without NaN or infinities\n", (long long)E);
+    return false;
+  }
+  if (nan) {
+    std::printf("row_candidates_f32 E=%lld: %lld candidates for a row holding a NaN\n", (long long)E, (long long)n);
+    return false;
+  }
+  std::vector<int64_t> all(E);
+  for (int64_t e = 0; e < E; ++e) all[e] = rank_pair(x[e], (int32_t)e);
+  std::sort(all.begin(), all.end(), std::greater<int64_t>());
+  std::vector<bool> kept(E, false);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t e = index[i];
+    if (e < 0 || e >= E || (i > 0 && e <= index[i - 1]) || __builtin_bit_cast(uint32_t, value[i]) != __builtin_bit_cast(uint32_t, x[e])) {
+      std::printf("row_candidates_f32 E=%lld: candidate %lld is index %d value %g\n", (long long)E, (long long)i, e, value[i]);
+      return false;
+    }
+    kept[e] = true;
+  }
+  for (int64_t s = 0; s < std::min<int64_t>(8, E); ++s) {
+    if (!kept[pair_index(all[s])]) {
+      std::printf("row_candidates_f32 E=%lld: the %lld-th largest (expert %d) is missing\n", (long long)E, (long long)s, pair_index(all[s]));
+      return false;
+    }
+  }
+  // Exactly the elements at or above some floor: every element left out is below every one kept.
+  const float least = *std::min_element(value.begin(), value.begin() + n);
+  for (int64_t e = 0; e < E; ++e) {
+    if (!kept[e] && x[e] >= least) {
+      std::printf("row_candidates_f32 E=%lld: expert %d (%g) left out, %g kept\n", (long long)E, (int)e, x[e], least);
+      return false;
+    }
+  }
+  for (int64_t i = n; i < n + 8; ++i) {
+    if (index[i] != 0 || value[i] != 0.0f) {
+      std::printf("row_candidates_f32 E=%lld: no zero at %lld after %lld candidates\n", (long long)E, (long long)i, (long long)n);
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main() {
@@ -98,6 +159,7 @@ int main() {
           row_top_pairs(row, E, k, one.data());
           if (!check("row_top_pairs", row, E, k, one.data())) return 1;
           if (!check("rows_top_pairs_f32", row, E, k, block.data() + i * k)) return 1;
+          if (k == 1 && E >= 8 && !check_candidates(row, E)) return 1;
           if (k == 1) {
             const int64_t pair = rank_pair(row[row_argmax_f32(row, E)], row_argmax_f32(row, E));
             if (!check("row_argmax_f32", row, E, 1, &pair)) return 1;
