@@ -45,6 +45,27 @@ def test_matches_reference(backend, return_selectors):
             assert_close(out, ref)
 
 
+@pytest.mark.parametrize("n", [16, 64, 65])
+def test_many_rows(backend, n):
+    """More rows than the CPU kernel's block of 64 rows in vector lanes (two blocks and part of a
+    third), n up to the largest it takes that way and just past it (the per-row path); a NaN and
+    an all -inf alpha row inside a block, low-precision inputs too."""
+    if backend == "triton":
+        pytest.skip("the interpreter is slow at this size; SMALL_DSELECT_SHAPES cover its paths")
+    alpha, z = inputs(150, 3, n, seed=n)
+    alpha[70, 1] = float("nan")
+    alpha[100] = float("-inf")
+    gates, sel = run(backend, alpha, z, n, 1.0, return_selectors=True)
+    ref_gates, ref_sel = reference.dselect_k(alpha, z, n, 1.0, True)
+    assert_close(gates, ref_gates)
+    assert_close(sel, ref_sel)
+    assert torch.isnan(gates[70]).all() and torch.isnan(gates[100]).all()
+    for dtype in (torch.float16, torch.bfloat16):
+        a, zz = alpha.to(dtype), z.to(dtype)
+        ref32 = reference.dselect_k(a.float(), zz.float(), n, 1.0)
+        assert_close(run(backend, a, zz, n, 1.0).float(), ref32, dtype=dtype)
+
+
 def test_static_shapes(backend):
     alpha, z = inputs(1, 3, 6, static=True)
     gates, sel = run(backend, alpha, z, 6, 1.0, return_selectors=True)

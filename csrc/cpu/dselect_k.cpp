@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moe_kernels/dselect_k.h"
+#include "vec_math.h"
 
 namespace moe_kernels {
 namespace {
@@ -34,14 +35,96 @@ void check_inputs(const at::Tensor& alpha, const at::Tensor& z, int64_t n, doubl
   TORCH_CHECK(gamma > 0 && std::isfinite(gamma), op, ": gamma must be positive and finite, got ", gamma);
 }
 
-// softmax(alpha_b) [k] in float32, max-shifted (an all -inf row gives NaN, as torch.softmax).
+// softmax(alpha_b) [k] in float32, max-shifted (an all -inf row gives NaN, as torch.softmax). The
+// exp is vec_math's, so that softmax_lanes computes the same values.
 template <typename scalar_t>
 void softmax_row(const scalar_t* a, int64_t k, float* p) {
   float vmax = -INFINITY;
   for (int64_t i = 0; i < k; ++i) vmax = std::max(vmax, (float)a[i]);
   float denom = 0.0f;
-  for (int64_t i = 0; i < k; ++i) denom += (p[i] = std::exp((float)a[i] - vmax));
+  for (int64_t i = 0; i < k; ++i) denom += (p[i] = vec_math::exp_full((float)a[i] - vmax));
   for (int64_t i = 0; i < k; ++i) p[i] /= denom;
+}
+
+// The forward for a block of rows with the rows in vector lanes (at most kLaneRows, 2^m at most
+// kLaneMaxL): with few experts a row's own loops are a few elements long, and the per-row work
+// around them (about 34 ns a selector at n = 16) cost more than the arithmetic. Every array is
+// [what, lane] with R lanes; each value is computed by the same operations in the same order as
+// the row path (softmax_row, smooth_step, selector) and the backward's recomputation.
+constexpr int64_t kLaneRows = 64;
+constexpr int64_t kLaneMaxL = 64;
+
+MK_VECTORISE MK_ROW_CLONES void softmax_lanes(const float* __restrict a, int64_t k, int64_t R, float* __restrict p) {
+  float vmax[kLaneRows], denom[kLaneRows];
+  for (int64_t r = 0; r < R; ++r) vmax[r] = -INFINITY;
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t r = 0; r < R; ++r) vmax[r] = vmax[r] < a[i * R + r] ? a[i * R + r] : vmax[r];  // std::max's NaN rule
+  }
+  for (int64_t r = 0; r < R; ++r) denom[r] = 0.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t r = 0; r < R; ++r) denom[r] += (p[i * R + r] = vec_math::exp_full(a[i * R + r] - vmax[r]));
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t r = 0; r < R; ++r) p[i * R + r] /= denom[r];
+  }
+}
+
+// One selector of every lane: s = S(z) [m, R] from z [m, R], then r [2^m, R] by doubling, then
+// acc [n, R] += p [R] * r.
+MK_VECTORISE MK_ROW_CLONES void selector_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R, dselect_k::SmoothStep sp,
+                                 const float* __restrict p, float* __restrict s, float* __restrict r,
+                                 float* __restrict acc) {
+  for (int64_t j = 0; j < m; ++j) {
+    for (int64_t l = 0; l < R; ++l) s[j * R + l] = dselect_k::smooth_step(z[j * R + l], sp);
+  }
+  for (int64_t l = 0; l < R; ++l) r[l] = 1.0f;
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t half = int64_t(1) << j;
+    for (int64_t e = 0; e < half; ++e) {
+      for (int64_t l = 0; l < R; ++l) {
+        const float x = r[e * R + l], sj = s[j * R + l];
+        r[(e + half) * R + l] = x * sj;
+        r[e * R + l] = x * (1.0f - sj);
+      }
+    }
+  }
+  for (int64_t e = 0; e < n; ++e) {
+    for (int64_t l = 0; l < R; ++l) acc[e * R + l] += p[l] * r[e * R + l];
+  }
+}
+
+// Rows [b0, b0 + R) of the forward by lanes: alpha [B, k], z [B, k, m] in, gates [B, n] and
+// optionally selectors [B, k, 2^m] out (contiguous).
+template <typename scalar_t>
+void dselect_k_lanes(const scalar_t* a, const scalar_t* zp, int64_t b0, int64_t R, int64_t k, int64_t m, int64_t n,
+                     dselect_k::SmoothStep sp, scalar_t* g, scalar_t* so, std::vector<float>& scratch) {
+  const int64_t L = int64_t(1) << m;
+  scratch.resize((2 * k + 2 * std::max<int64_t>(m, 1) + L + n) * kLaneRows);
+  float* at = scratch.data();
+  float* p = at + k * kLaneRows;
+  float* zt = p + k * kLaneRows;
+  float* s = zt + std::max<int64_t>(m, 1) * kLaneRows;
+  float* r = s + std::max<int64_t>(m, 1) * kLaneRows;
+  float* acc = r + L * kLaneRows;
+  for (int64_t l = 0; l < R; ++l) {
+    for (int64_t i = 0; i < k; ++i) at[i * R + l] = (float)a[(b0 + l) * k + i];
+  }
+  softmax_lanes(at, k, R, p);
+  std::fill(acc, acc + n * R, 0.0f);
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t l = 0; l < R; ++l) {
+      for (int64_t j = 0; j < m; ++j) zt[j * R + l] = (float)zp[((b0 + l) * k + i) * m + j];
+    }
+    selector_lanes(zt, m, n, R, sp, p + i * R, s, r, acc);
+    if (so != nullptr) {
+      for (int64_t l = 0; l < R; ++l) {
+        for (int64_t e = 0; e < L; ++e) so[((b0 + l) * k + i) * L + e] = (scalar_t)r[e * R + l];
+      }
+    }
+  }
+  for (int64_t l = 0; l < R; ++l) {
+    for (int64_t e = 0; e < n; ++e) g[(b0 + l) * n + e] = (scalar_t)acc[e * R + l];
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> dselect_k_cpu(const at::Tensor& alpha_in, const at::Tensor& z_in,
@@ -60,6 +143,15 @@ std::tuple<at::Tensor, at::Tensor> dselect_k_cpu(const at::Tensor& alpha_in, con
     scalar_t* g = gates.mutable_data_ptr<scalar_t>();
     scalar_t* so = return_selectors ? sel.mutable_data_ptr<scalar_t>() : nullptr;
     const int64_t grain = std::max<int64_t>(1, 16384 / (k * L));
+    if (L <= kLaneMaxL) {
+      at::parallel_for(0, B, kLaneRows, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch;
+        for (int64_t b0 = begin; b0 < end; b0 += kLaneRows) {
+          dselect_k_lanes(a, zp, b0, std::min(kLaneRows, end - b0), k, m, n, sp, g, so, scratch);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(k), s(std::max<int64_t>(m, 1)), r(L), acc(n);
       for (int64_t b = begin; b < end; ++b) {

@@ -5,8 +5,13 @@
 
 #if defined(__CUDACC__)
 #define MK_HD __host__ __device__ __forceinline__
+#define MK_HD_ALWAYS __host__ __device__ __forceinline__
 #else
 #define MK_HD inline
+// For host helpers called from loops compiled with their own optimize or target attributes
+// (MK_VECTORISE): GCC does not inline a plain inline function across those, and each element
+// would become a call.
+#define MK_HD_ALWAYS inline __attribute__((always_inline))
 #endif
 
 namespace moe_kernels {

@@ -17,7 +17,7 @@ MK_HD SmoothStep smooth_step_params(double gamma) {
   return SmoothStep{(float)(gamma / 2), (float)(1.5 / gamma), (float)(2.0 / (gamma * gamma * gamma))};
 }
 
-MK_HD float smooth_step(float t, SmoothStep p) {
+MK_HD_ALWAYS float smooth_step(float t, SmoothStep p) {
   if (t <= -p.half) return 0.0f;
   if (t >= p.half) return 1.0f;
   return t * (p.c1 - p.c3 * t * t) + 0.5f;
