@@ -64,6 +64,18 @@ def test_many_rows(backend, n):
         a, zz = alpha.to(dtype), z.to(dtype)
         ref32 = reference.dselect_k(a.float(), zz.float(), n, 1.0)
         assert_close(run(backend, a, zz, n, 1.0).float(), ref32, dtype=dtype)
+    # The backward (by lanes too), through the gates and the selectors.
+    z[..., :1] *= 4  # some entries outside the fractional region: zero gradient there
+    up = torch.randn(150, n, generator=torch.Generator().manual_seed(1))
+    up_s = torch.randn(150, 3, 2 ** num_bits(n), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for fn, use in ((dselect_k, backend), (reference.dselect_k, "torch")):
+        a1, z1 = alpha.clone().requires_grad_(), z.clone().requires_grad_()
+        with moe_kernels.use_backend(use):
+            g, sel = fn(a1, z1, n, 1.0, return_selectors=True)
+        grads.append(torch.autograd.grad((g * up).nansum() + (sel * up_s).nansum(), (a1, z1)))
+    assert_close(grads[0][0], grads[1][0], msg="alpha")
+    assert_close(grads[0][1], grads[1][1], msg="z")
 
 
 def test_static_shapes(backend):

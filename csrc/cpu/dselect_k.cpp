@@ -69,11 +69,9 @@ MK_VECTORISE MK_ROW_CLONES void softmax_lanes(const float* __restrict a, int64_t
   }
 }
 
-// One selector of every lane: s = S(z) [m, R] from z [m, R], then r [2^m, R] by doubling, then
-// acc [n, R] += p [R] * r.
-MK_VECTORISE MK_ROW_CLONES void selector_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R, dselect_k::SmoothStep sp,
-                                 const float* __restrict p, float* __restrict s, float* __restrict r,
-                                 float* __restrict acc) {
+// One selector of every lane: s = S(z) [m, R] from z [m, R], then r [2^m, R] by doubling.
+MK_VEC_INLINE void selector_of_lanes(const float* __restrict z, int64_t m, int64_t R, dselect_k::SmoothStep sp,
+                                     float* __restrict s, float* __restrict r) {
   for (int64_t j = 0; j < m; ++j) {
     for (int64_t l = 0; l < R; ++l) s[j * R + l] = dselect_k::smooth_step(z[j * R + l], sp);
   }
@@ -88,8 +86,51 @@ MK_VECTORISE MK_ROW_CLONES void selector_lanes(const float* __restrict z, int64_
       }
     }
   }
+}
+
+// selector_of_lanes, then acc [n, R] += p [R] * r.
+MK_VECTORISE MK_ROW_CLONES void selector_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R,
+                                               dselect_k::SmoothStep sp, const float* __restrict p,
+                                               float* __restrict s, float* __restrict r, float* __restrict acc) {
+  selector_of_lanes(z, m, R, sp, s, r);
   for (int64_t e = 0; e < n; ++e) {
     for (int64_t l = 0; l < R; ++l) acc[e * R + l] += p[l] * r[e * R + l];
+  }
+}
+
+// The backward of one selector of every lane (the row path's loop body, by lanes): from z [m, R],
+// p_i [R], the upstream gates g [n, R] and selectors gs [2^m, R] (or null): c [R] = <g, r[:n]>,
+// pc [R] += p_i c, and dz [m, R] = S'(z) * selector_grad(u, r) with u = p_i g (0 past n) + gs.
+MK_VECTORISE MK_ROW_CLONES void selector_backward_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R,
+                                                        dselect_k::SmoothStep sp, const float* __restrict p,
+                                                        const float* __restrict g, const float* __restrict gs,
+                                                        float* __restrict s, float* __restrict r,
+                                                        float* __restrict u, float* __restrict c,
+                                                        float* __restrict pc, float* __restrict dz) {
+  const int64_t L = int64_t(1) << m;
+  selector_of_lanes(z, m, R, sp, s, r);
+  for (int64_t l = 0; l < R; ++l) c[l] = 0.0f;
+  for (int64_t e = 0; e < n; ++e) {
+    for (int64_t l = 0; l < R; ++l) c[l] += g[e * R + l] * r[e * R + l];
+  }
+  for (int64_t l = 0; l < R; ++l) pc[l] += p[l] * c[l];
+  for (int64_t e = 0; e < L; ++e) {
+    for (int64_t l = 0; l < R; ++l) {
+      const float from_gates = e < n ? p[l] * g[e * R + l] : 0.0f;
+      u[e * R + l] = gs != nullptr ? from_gates + gs[e * R + l] : from_gates;
+    }
+  }
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t bit = int64_t(1) << j;
+    float* acc = dz + j * R;
+    for (int64_t l = 0; l < R; ++l) acc[l] = 0.0f;
+    for (int64_t e = 0; e < L; ++e) {
+      if (e & bit) continue;
+      for (int64_t l = 0; l < R; ++l) {
+        acc[l] += (u[(e + bit) * R + l] - u[e * R + l]) * (r[e * R + l] + r[(e + bit) * R + l]);
+      }
+    }
+    for (int64_t l = 0; l < R; ++l) acc[l] = dselect_k::smooth_step_chain(acc[l], z[j * R + l], sp);
   }
 }
 
@@ -171,6 +212,49 @@ std::tuple<at::Tensor, at::Tensor> dselect_k_cpu(const at::Tensor& alpha_in, con
   return {gates, sel};
 }
 
+// Rows [b0, b0 + R) of the backward by lanes (dselect_k_lanes' layout): g [B, n] and gsp
+// [B, k, 2^m] (or null) float32 in; grad_alpha [B, k] and grad_z [B, k, m] out.
+template <typename scalar_t>
+void dselect_k_backward_lanes(const scalar_t* a, const scalar_t* zp, const float* g, const float* gsp, int64_t b0,
+                              int64_t R, int64_t k, int64_t m, int64_t n, dselect_k::SmoothStep sp, scalar_t* ga,
+                              scalar_t* gz, std::vector<float>& scratch) {
+  const int64_t L = int64_t(1) << m, mm = std::max<int64_t>(m, 1);
+  scratch.resize((3 * k + 3 * mm + n + 3 * L + 1) * kLaneRows);
+  float* at = scratch.data();
+  float* p = at + k * kLaneRows;
+  float* c = p + k * kLaneRows;
+  float* zt = c + k * kLaneRows;
+  float* s = zt + mm * kLaneRows;
+  float* dz = s + mm * kLaneRows;
+  float* gt = dz + mm * kLaneRows;
+  float* gst = gt + n * kLaneRows;
+  float* r = gst + L * kLaneRows;
+  float* u = r + L * kLaneRows;
+  float* pc = u + L * kLaneRows;
+  for (int64_t l = 0; l < R; ++l) {
+    for (int64_t i = 0; i < k; ++i) at[i * R + l] = (float)a[(b0 + l) * k + i];
+    for (int64_t e = 0; e < n; ++e) gt[e * R + l] = g[(b0 + l) * n + e];
+  }
+  softmax_lanes(at, k, R, p);
+  std::fill(pc, pc + R, 0.0f);
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t l = 0; l < R; ++l) {
+      for (int64_t j = 0; j < m; ++j) zt[j * R + l] = (float)zp[((b0 + l) * k + i) * m + j];
+      if (gsp != nullptr) {
+        for (int64_t e = 0; e < L; ++e) gst[e * R + l] = gsp[((b0 + l) * k + i) * L + e];
+      }
+    }
+    selector_backward_lanes(zt, m, n, R, sp, p + i * R, gt, gsp != nullptr ? gst : nullptr, s, r, u, c + i * R, pc,
+                            dz);
+    for (int64_t l = 0; l < R; ++l) {
+      for (int64_t j = 0; j < m; ++j) gz[((b0 + l) * k + i) * m + j] = (scalar_t)dz[j * R + l];
+    }
+  }
+  for (int64_t l = 0; l < R; ++l) {
+    for (int64_t i = 0; i < k; ++i) ga[(b0 + l) * k + i] = (scalar_t)(p[i * R + l] * (c[i * R + l] - pc[l]));
+  }
+}
+
 // grad_gates [B, n], grad_selectors [B, k, 2^m] or absent/empty. With p = softmax(alpha_b),
 // r_i = r(S(z_bi)), c_i = <grad_gates, r_i[:n]>:
 //   d alpha_i = p_i (c_i - sum_i' p_i' c_i');  d r_il = p_i grad_gates_l [l < n] + grad_sel_il;
@@ -203,6 +287,15 @@ std::tuple<at::Tensor, at::Tensor> dselect_k_backward_cpu(const at::Tensor& grad
     const float* gsp = has_sel ? gs.const_data_ptr<float>() : nullptr;
     scalar_t* ga = grad_alpha.mutable_data_ptr<scalar_t>();
     scalar_t* gz = grad_z.mutable_data_ptr<scalar_t>();
+    if (L <= kLaneMaxL) {
+      at::parallel_for(0, B, kLaneRows, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch;
+        for (int64_t b0 = begin; b0 < end; b0 += kLaneRows) {
+          dselect_k_backward_lanes(a, zp, g, gsp, b0, std::min(kLaneRows, end - b0), k, m, n, sp, ga, gz, scratch);
+        }
+      });
+      return;
+    }
     const int64_t grain = std::max<int64_t>(1, 16384 / (k * L));
     at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(k), c(k), s(std::max<int64_t>(m, 1)), ds(std::max<int64_t>(m, 1)), r(L), u(L);

@@ -24,7 +24,7 @@ MK_HD_ALWAYS float smooth_step(float t, SmoothStep p) {
 }
 
 // S'(t): 3 c3 t^2 subtracted from c1 inside the open interval, exactly 0 outside and on the ends.
-MK_HD float smooth_step_grad(float t, SmoothStep p) {
+MK_HD_ALWAYS float smooth_step_grad(float t, SmoothStep p) {
   if (t <= -p.half || t >= p.half) return 0.0f;
   return p.c1 - 3.0f * p.c3 * t * t;
 }
@@ -32,7 +32,7 @@ MK_HD float smooth_step_grad(float t, SmoothStep p) {
 // g * S'(t), exactly 0 where S is flat (outside the open interval) whatever g is, NaN included:
 // the reference's where() passes no gradient to the discarded branch, so a NaN upstream (another
 // selector bit at NaN) leaves a saturated input's gradient at 0 (docs/reliability.md).
-MK_HD float smooth_step_chain(float g, float t, SmoothStep p) {
+MK_HD_ALWAYS float smooth_step_chain(float g, float t, SmoothStep p) {
   const float slope = smooth_step_grad(t, p);
   return slope == 0.0f ? 0.0f : g * slope;
 }
