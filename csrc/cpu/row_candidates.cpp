@@ -17,7 +17,7 @@ namespace moe_kernels {
 namespace {
 
 // The dispatch build compiles every x86 variant (each under its own target pragma) and picks one at
-// load time; MOE_KERNELS_NO_CLONES (or another compiler / platform) compiles only the widest one
+// the first call; MOE_KERNELS_NO_CLONES (or another compiler / platform) compiles only the widest one
 // the compiler's own flags allow, and the portable loop.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
     !defined(MOE_KERNELS_NO_CLONES)
@@ -167,8 +167,11 @@ using CandidatesFn = int64_t (*)(const float*, int64_t, int32_t*, float*);
 CandidatesFn pick_candidates() {
 #if defined(MK_CANDIDATES_DISPATCH)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return candidates_avx512;
-  if (__builtin_cpu_supports("avx2")) return candidates_avx2;
+  // popcnt: both variants count a mask's bits with it (every CPU with AVX2 has it, but a virtual
+  // machine may hide it).
+  const bool popcnt = __builtin_cpu_supports("popcnt");
+  if (popcnt && __builtin_cpu_supports("avx512f")) return candidates_avx512;
+  if (popcnt && __builtin_cpu_supports("avx2")) return candidates_avx2;
   return candidates_portable;
 #elif defined(MK_CANDIDATES_AVX512)
   return candidates_avx512;
