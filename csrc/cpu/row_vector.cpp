@@ -14,6 +14,7 @@
 #include "moe_kernels/common.h"
 #include "moe_kernels/topk_softmax.h"
 #include "row_candidates.h"
+#include "row_top2.h"
 #include "vec_math.h"
 
 // The lane helpers below pass 256-bit vectors by value; GCC warns that the default (non-AVX) clone
@@ -560,7 +561,17 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
       best[i] = rank_pair(row[e], e);
     }
   } else if (k == 2) {
-    top2_rows(x, stride, n, E, best);
+    // By values first where row_top2.h applies (AVX-512, 16 <= E <= 64), 64 rows a call; the rows
+    // it leaves (a NaN sum) by top2_row.
+    constexpr int64_t kChunk = 64;
+    int64_t redo[kChunk], n_redo;
+    int64_t i = 0;
+    for (; i < n; i += kChunk) {
+      const int64_t m = std::min(kChunk, n - i);
+      if (!rows_top2_values_f32(x + i * stride, stride, m, E, best + 2 * i, redo, &n_redo)) break;
+      for (int64_t r = 0; r < n_redo; ++r) top2_row(x + (i + redo[r]) * stride, E, best + 2 * (i + redo[r]));
+    }
+    if (i < n) top2_rows(x + i * stride, stride, n - i, E, best + 2 * i);
   } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
     int64_t i = 0;
     if (k > kLanes) {
