@@ -10,6 +10,7 @@ TOPK_SHAPES = [
     (64, 64, 8),  # one full Triton tile
     (16, 5, 5),  # k = E
     (130, 256, 1),  # k = 1, multi-tile T, E a power of two
+    (150, 40, 2),  # k = 2 (and k + 1 = 3) over blocks of 16 and 64 rows and a partial last; E not a multiple of 16
     (9, 300, 20),  # E not a power of two, k above the C++ insertion limit (16)
     (6, 512, 8),  # the C++ rounds selection at its largest E (k * E = 4096)
     (5, 600, 8),  # beyond it: the C++ insertion list with its floor prefilter
