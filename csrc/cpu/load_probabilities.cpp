@@ -63,14 +63,19 @@ void load_probabilities_rows(const Strided& clean,   // [T, E]
   const int64_t kept = std::min(k + 1, E);  // pairs needed: k+1, or all E when k = E
   // A block of rows at a time: its selections in one call (rows_top_pairs_f32: consecutive rows'
   // selections overlap in the core), then its P in one call.
-  constexpr int64_t kRows = 64;
-  std::vector<int64_t> best(kRows * kept);
-  std::vector<float> noisy_rows(kRows * E), clean_rows(kRows * E), stddev_rows(kRows * E), ps(kRows * E);
-  std::vector<float> kth(kRows), k1th(kRows);
-  std::vector<const float*> c(kRows), sd(kRows);
-  std::vector<uint8_t> selected(kRows * E);
-  for (int64_t t0 = begin; t0 < end; t0 += kRows) {
-    const int64_t n = std::min(kRows, end - t0);
+  // Rows per block: block_rows, and no more than the task has; the conversion buffers only where
+  // the inputs are not float32 rows.
+  const int64_t rows = std::min(block_rows(E), end - begin);
+  constexpr bool is_float = std::is_same_v<scalar_t, float>;
+  const auto buffer = [&](bool needed) { return std::vector<float>(needed ? rows * E : 0); };
+  std::vector<float> noisy_rows = buffer(!is_float || noisy.stride_e != 1), clean_rows = buffer(!is_float || clean.stride_e != 1),
+                     stddev_rows = buffer(!is_float || stddev.stride_e != 1), ps = buffer(!is_float);
+  std::vector<int64_t> best(rows * kept);
+  std::vector<float> kth(rows), k1th(rows);
+  std::vector<const float*> c(rows), sd(rows);
+  std::vector<uint8_t> selected(rows * E);
+  for (int64_t t0 = begin; t0 < end; t0 += rows) {
+    const int64_t n = std::min(rows, end - t0);
     // The rows as contiguous float32 (themselves when they already are; float_row's conversion is
     // exact and keeps the order, -0 and NaN).
     int64_t stride;
@@ -87,11 +92,11 @@ void load_probabilities_rows(const Strided& clean,   // [T, E]
       k1th[i] = k < E ? x[i * stride + pair_index(pairs[k])] : -INFINITY;
       for (int64_t s = 0; s <= k; ++s) top[t * (k + 1) + s] = s < kept ? pair_index(pairs[s]) : -1;
       for (int64_t s = 0; s < k; ++s) selected[i * E + pair_index(pairs[s])] = 1;
-      c[i] = float_row<scalar_t>(clean, t, E, clean_rows.data() + i * E);
-      sd[i] = float_row<scalar_t>(stddev, t, E, stddev_rows.data() + i * E);
+      c[i] = float_row<scalar_t>(clean, t, E, clean_rows.empty() ? nullptr : clean_rows.data() + i * E);
+      sd[i] = float_row<scalar_t>(stddev, t, E, stddev_rows.empty() ? nullptr : stddev_rows.data() + i * E);
     }
     // Phase 2: an element of the top k takes the (k+1)-th as its threshold, any other the k-th.
-    float* p = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(probs + t0 * E) : ps.data();
+    float* p = is_float ? reinterpret_cast<float*>(probs + t0 * E) : ps.data();
     probabilities_rows(c.data(), sd.data(), selected.data(), kth.data(), k1th.data(), n, E, p);
     if constexpr (!std::is_same_v<scalar_t, float>) {
       for (int64_t j = 0; j < n * E; ++j) probs[t0 * E + j] = (scalar_t)ps[j];

@@ -79,8 +79,8 @@ MK_VECTORISE MK_ROW_CLONES void add_probabilities_rows(const float* const* clean
     const float* __restrict s = stddev + i * E;
     const float* __restrict chosen = selected + i * E;
     const float below = kth[i], above = k1th[i], weight = w[i];
-    // z first, then Phi: two loops vectorise better than one (E = 64: ~6% faster, as in
-    // load_probabilities.cpp).
+    // z first, then Phi: two loops vectorise better than one (here ~6% faster at E = 64; in
+    // load_probabilities.cpp 11% at E = 256).
     for (int64_t e = 0; e < E; ++e) z[e] = vec_math::z_score(c[e], chosen[e] != 0.0f ? above : below, s[e]);
     for (int64_t e = 0; e < E; ++e) load[e] += weight * vec_math::normal_cdf(z[e]);
   }
@@ -104,44 +104,52 @@ void forward_blocks(const Strided& clean, const Strided& raw, const Strided& noi
                     int64_t* top,       // [T, k+1]
                     float* partial) {   // [blocks, E]
   const int64_t kept = std::min(k + 1, E);  // pairs needed: k+1, or all E when k = E
-  // A block of rows at a time: every row's noisy logits, then the block's selections in one call
+  // A step of rows at a time: every row's noisy logits, then the step's selections in one call
   // (rows_top_pairs_f32: consecutive rows' selections overlap in the core), then the weights, then
-  // the block's P summed into its Load.
-  std::vector<float> cbuf(kBlockRows * E), rbuf(E), nbuf(E), stddev(kBlockRows * E), noisy(kBlockRows * E),
-      selected(kBlockRows * E, 0.0f), kth(kBlockRows), k1th(kBlockRows), tw(kBlockRows), h(k), w(k);
-  std::vector<const float*> crow(kBlockRows);
-  std::vector<int64_t> best(kBlockRows * kept);
+  // the step's P summed into its block's Load (row by row, in order: the same sums whatever the
+  // step). A step is a block, or fewer rows for wide rows (block_rows); buffers are sized for the
+  // rows there are, and the clean rows are converted only when they are not float32 already.
+  const int64_t rows_here = std::min(T, block_end * kBlockRows) - block_begin * kBlockRows;
+  const int64_t step = std::min(block_rows(E, kBlockRows), rows_here);
+  const bool convert = !std::is_same_v<scalar_t, float> || clean.stride_e != 1;
+  std::vector<float> cbuf(convert ? step * E : 0), rbuf(E), nbuf(E), stddev(step * E), noisy(step * E),
+      selected(step * E, 0.0f), kth(step), k1th(step), tw(step), h(k), w(k);
+  std::vector<const float*> crow(step);
+  std::vector<int64_t> best(step * kept);
   for (int64_t b = block_begin; b < block_end; ++b) {
     float* load = partial + b * E;
     std::fill_n(load, E, 0.0f);
-    const int64_t t0 = b * kBlockRows, n = std::min(T, t0 + kBlockRows) - t0;
-    for (int64_t i = 0; i < n; ++i) {
-      crow[i] = float_row<scalar_t>(clean, t0 + i, E, cbuf.data() + i * E);
-      noisy_row<scalar_t>(crow[i], float_row<scalar_t>(raw, t0 + i, E, rbuf.data()),
-                          float_row<scalar_t>(noise, t0 + i, E, nbuf.data()), eps, E, stddev.data() + i * E,
-                          noisy.data() + i * E);
-    }
-    rows_top_pairs_f32(noisy.data(), E, n, E, kept, best.data());
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = t0 + i;
-      const float* row = noisy.data() + i * E;
-      int64_t* top_row = top + t * (k + 1);
-      for (int64_t s = 0; s <= k; ++s) top_row[s] = s < kept ? pair_index(best[i * kept + s]) : -1;
-      // The thresholds are read from the row (not decoded from the key: NaN payloads and -0).
-      kth[i] = row[top_row[k - 1]];
-      k1th[i] = k < E ? row[top_row[k]] : -INFINITY;
-      tw[i] = token_weights ? token_weights[t] : 1.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        h[j] = row[top_row[j]];
-        selected[i * E + top_row[j]] = 1.0f;
+    const int64_t block_stop = std::min(T, (b + 1) * kBlockRows);
+    for (int64_t t0 = b * kBlockRows; t0 < block_stop; t0 += step) {
+      const int64_t n = std::min(step, block_stop - t0);
+      for (int64_t i = 0; i < n; ++i) {
+        crow[i] = float_row<scalar_t>(clean, t0 + i, E, convert ? cbuf.data() + i * E : nullptr);
+        noisy_row<scalar_t>(crow[i], float_row<scalar_t>(raw, t0 + i, E, rbuf.data()),
+                            float_row<scalar_t>(noise, t0 + i, E, nbuf.data()), eps, E, stddev.data() + i * E,
+                            noisy.data() + i * E);
       }
-      softmax_top(h.data(), k, w.data());
-      for (int64_t j = 0; j < k; ++j) weights[t * k + j] = (scalar_t)w[j];
-    }
-    add_probabilities_rows(crow.data(), stddev.data(), selected.data(), kth.data(), k1th.data(), tw.data(), n, E,
-                           rbuf.data(), load);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < k; ++j) selected[i * E + top[(t0 + i) * (k + 1) + j]] = 0.0f;
+      rows_top_pairs_f32(noisy.data(), E, n, E, kept, best.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        const float* row = noisy.data() + i * E;
+        int64_t* top_row = top + t * (k + 1);
+        for (int64_t s = 0; s <= k; ++s) top_row[s] = s < kept ? pair_index(best[i * kept + s]) : -1;
+        // The thresholds are read from the row (not decoded from the key: NaN payloads and -0).
+        kth[i] = row[top_row[k - 1]];
+        k1th[i] = k < E ? row[top_row[k]] : -INFINITY;
+        tw[i] = token_weights ? token_weights[t] : 1.0f;
+        for (int64_t j = 0; j < k; ++j) {
+          h[j] = row[top_row[j]];
+          selected[i * E + top_row[j]] = 1.0f;
+        }
+        softmax_top(h.data(), k, w.data());
+        for (int64_t j = 0; j < k; ++j) weights[t * k + j] = (scalar_t)w[j];
+      }
+      add_probabilities_rows(crow.data(), stddev.data(), selected.data(), kth.data(), k1th.data(), tw.data(), n, E,
+                             rbuf.data(), load);
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = 0; j < k; ++j) selected[i * E + top[(t0 + i) * (k + 1) + j]] = 0.0f;
+      }
     }
   }
 }
@@ -204,101 +212,135 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noisy_topk_gate_cpu(const at::Ten
 // clean (d H / d clean = 1), to s (d H / d s = noise) and to noise (d H / d noise = s). Finally
 // d raw = d s * sigmoid(raw).
 
-// stddev[e] = Softplus(raw[e]) + eps exactly as the forward computed it, and sigmoid(raw[e]).
+// stddev = Softplus(raw) + eps exactly as the forward computed it, and sigmoid(raw), for rows i < n
+// of a block (raw row i at raw + i * stride; the results [n, E] contiguous).
 template <typename scalar_t>
-MK_VECTORISE MK_ROW_CLONES void stddev_sigmoid_row(const float* __restrict raw, float eps, int64_t E,
-                                                   float* __restrict stddev, float* __restrict sigmoid) {
-  for (int64_t e = 0; e < E; ++e) {
-    stddev[e] = stddev_of<scalar_t>(raw[e], eps);
-    sigmoid[e] = vec_math::sigmoid(raw[e]);
+MK_VECTORISE MK_ROW_CLONES void stddev_sigmoid_rows(const float* __restrict raw, int64_t stride, int64_t n, float eps,
+                                                    int64_t E, float* __restrict stddev, float* __restrict sigmoid) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t e = 0; e < E; ++e) {
+      stddev[i * E + e] = stddev_of<scalar_t>(raw[i * stride + e], eps);
+      sigmoid[i * E + e] = vec_math::sigmoid(raw[i * stride + e]);
+    }
   }
 }
 
-// gc = d clean and gs = d s of the load term for every element of the row; returns the sums of
-// gc over the unselected (*unselected) and the selected elements (*selected_sum), whose negatives
-// are the gradients of the two threshold noisy logits. The sums are vector reductions (omp simd:
-// the lanes' partial sums are added at the end, an order fixed by the build).
-MK_VECTORISE MK_ROW_CLONES void load_gradient_row(const float* __restrict clean, const float* __restrict stddev,
-                                                  const float* __restrict selected, const float* __restrict grad_load,
-                                                  float w, float kth, float k1th, int64_t E, float* __restrict gc,
-                                                  float* __restrict gs, float* unselected, float* selected_sum) {
+// For rows i < n of a block: gc = d clean and gs = d s of the load term for every element, and
+// the sums of gc over the row's unselected (unselected[i]) and selected elements
+// (selected_sum[i]), whose negatives are the gradients of the two threshold noisy logits. The sums
+// are vector reductions (omp simd: the lanes' partial sums are added at the end, an order fixed
+// by the build).
+MK_VECTORISE MK_ROW_CLONES void load_gradient_rows(const float* const* clean, const float* __restrict stddev,
+                                                   const float* __restrict selected, const float* __restrict grad_load,
+                                                   const float* w, const float* kth, const float* k1th, int64_t n,
+                                                   int64_t E, float* __restrict gc, float* __restrict gs,
+                                                   float* unselected, float* selected_sum) {
   constexpr float kInvSqrt2Pi = 0.3989422804014327f;
-  float out = 0.0f, in = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* __restrict c = clean[i];
+    const float* __restrict sd = stddev + i * E;
+    const float* __restrict chosen = selected + i * E;
+    float* __restrict gc_row = gc + i * E;
+    float* __restrict gs_row = gs + i * E;
+    const float weight = w[i], below = kth[i], above = k1th[i];
+    float out = 0.0f, in = 0.0f;
 #pragma omp simd reduction(+ : out, in)
-  for (int64_t e = 0; e < E; ++e) {
-    const float s = stddev[e];
-    const bool sel = selected[e] != 0.0f;
-    const float z = vec_math::z_score(clean[e], sel ? k1th : kth, s);
-    const float g = grad_load[e] * w * kInvSqrt2Pi * vec_math::exp(-0.5f * z * z) / s;
-    // 0 where z is infinite, by a bit mask: GCC does not vectorise this loop with a select here.
-    const uint32_t finite = 0u - (uint32_t)((z < 0.0f ? -z : z) != INFINITY);
-    const float d = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, g) & finite);
-    gc[e] = d;
-    gs[e] = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, -g * z) & finite);
-    out += sel ? 0.0f : d;
-    in += sel ? d : 0.0f;
+    for (int64_t e = 0; e < E; ++e) {
+      const float s = sd[e];
+      const bool sel = chosen[e] != 0.0f;
+      const float z = vec_math::z_score(c[e], sel ? above : below, s);
+      const float g = grad_load[e] * weight * kInvSqrt2Pi * vec_math::exp(-0.5f * z * z) / s;
+      // 0 where z is infinite, by a bit mask: GCC does not vectorise this loop with a select here.
+      const uint32_t finite = 0u - (uint32_t)((z < 0.0f ? -z : z) != INFINITY);
+      const float d = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, g) & finite);
+      gc_row[e] = d;
+      gs_row[e] = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, -g * z) & finite);
+      out += sel ? 0.0f : d;
+      in += sel ? d : 0.0f;
+    }
+    unselected[i] = out;
+    selected_sum[i] = in;
   }
-  *unselected = out;
-  *selected_sum = in;
 }
 
 template <typename scalar_t>
-MK_VECTORISE MK_ROW_CLONES void write_gradients_row(const float* __restrict gc, const float* __restrict gs,
-                                                    const float* __restrict sigmoid, int64_t E,
-                                                    scalar_t* __restrict g_clean, scalar_t* __restrict g_raw) {
-  for (int64_t e = 0; e < E; ++e) {
-    g_clean[e] = (scalar_t)gc[e];
-    g_raw[e] = (scalar_t)(gs[e] * sigmoid[e]);
+MK_VECTORISE MK_ROW_CLONES void write_gradients(const float* __restrict gc, const float* __restrict gs,
+                                                const float* __restrict sigmoid, int64_t n,
+                                                scalar_t* __restrict g_clean, scalar_t* __restrict g_raw) {
+  for (int64_t j = 0; j < n; ++j) {
+    g_clean[j] = (scalar_t)gc[j];
+    g_raw[j] = (scalar_t)(gs[j] * sigmoid[j]);
   }
 }
 
+// The backward of rows [begin, end), a block of rows at a time (block_rows; the backward has no sum
+// across rows, so any block gives the same values): each step is
+// one call over the block, where a call per row (three through the load-time dispatch) cost as
+// much as a 16-wide row's arithmetic.
 template <typename scalar_t>
 void backward_rows(const float* grad_weights,  // [T, k] float32
                    const float* grad_load,     // [E] float32
                    const float* token_weights, const Strided& clean, const Strided& raw, const Strided& noise,
                    const int64_t* top,  // [T, k+1]
                    float eps, int64_t begin, int64_t end, int64_t E, int64_t k,
-                   scalar_t* g_clean, scalar_t* g_raw,  // [T, E]
+                   scalar_t* g_clean, scalar_t* g_raw,  // [T, E] contiguous
                    float* g_noise_top) {                // [T, k+1]: d noise at top's elements
-  std::vector<float> cbuf(E), rbuf(E), stddev(E), sigmoid(E), selected(E, 0.0f), gc(E), gs(E), h(k + 1), w(k),
-      gh(k + 1);
   const int64_t kept = std::min(k + 1, E);
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t* top_row = top + t * (k + 1);
-    const float* c = float_row<scalar_t>(clean, t, E, cbuf.data());
-    stddev_sigmoid_row<scalar_t>(float_row<scalar_t>(raw, t, E, rbuf.data()), eps, E, stddev.data(), sigmoid.data());
-    // The noisy logits of the kept elements, as the forward computed them.
-    for (int64_t j = 0; j < kept; ++j) {
-      const int64_t i = top_row[j];
-      h[j] = noisy_of<scalar_t>(c[i], at<scalar_t>(noise, t, i), stddev[i]);
-    }
-    const float kth = h[k - 1];
-    const float k1th = k < E ? h[k] : -INFINITY;
-    for (int64_t j = 0; j < k; ++j) selected[top_row[j]] = 1.0f;
-    float unselected = 0.0f, selected_sum = 0.0f;
-    load_gradient_row(c, stddev.data(), selected.data(), grad_load, token_weights ? token_weights[t] : 1.0f, kth, k1th,
-                      E, gc.data(), gs.data(), &unselected, &selected_sum);
-    for (int64_t j = 0; j < k; ++j) selected[top_row[j]] = 0.0f;
-    // d h at the kept elements: the softmax backward w (g - <w, g>), plus the threshold sums.
-    softmax_top(h.data(), k, w.data());
-    const float* gw = grad_weights + t * k;
-    float dot = 0.0f;
-    for (int64_t j = 0; j < k; ++j) dot += w[j] * gw[j];
-    for (int64_t j = 0; j < k; ++j) gh[j] = w[j] * (gw[j] - dot);
-    if (k < E) gh[k] = 0.0f;
-    gh[k - 1] -= unselected;
-    if (k < E) gh[k] -= selected_sum;
-    for (int64_t j = 0; j <= k; ++j) {
-      if (j >= kept) {
-        g_noise_top[t * (k + 1) + j] = 0.0f;
-        continue;
+  const int64_t rows = std::min(block_rows(E), end - begin);
+  const bool convert_clean = !std::is_same_v<scalar_t, float> || clean.stride_e != 1;
+  const bool convert_raw = !std::is_same_v<scalar_t, float> || raw.stride_e != 1;
+  std::vector<float> cbuf(convert_clean ? rows * E : 0), rbuf(convert_raw ? rows * E : 0), stddev(rows * E), sigmoid(rows * E), selected(rows * E, 0.0f),
+      gc(rows * E), gs(rows * E), h(rows * (k + 1)), kth(rows), k1th(rows), tw(rows), unselected(rows),
+      selected_sum(rows), w(k), gh(k + 1);
+  std::vector<const float*> crow(rows);
+  for (int64_t t0 = begin; t0 < end; t0 += rows) {
+    const int64_t n = std::min(rows, end - t0);
+    int64_t raw_stride;
+    const float* r = float_rows(static_cast<const scalar_t*>(raw.data), raw.stride_t, raw.stride_e, t0, n, E,
+                                rbuf.data(), &raw_stride);
+    stddev_sigmoid_rows<scalar_t>(r, raw_stride, n, eps, E, stddev.data(), sigmoid.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      const int64_t* top_row = top + t * (k + 1);
+      crow[i] = float_row<scalar_t>(clean, t, E, convert_clean ? cbuf.data() + i * E : nullptr);
+      // The noisy logits of the kept elements, as the forward computed them.
+      float* hi = h.data() + i * (k + 1);
+      for (int64_t j = 0; j < kept; ++j) {
+        const int64_t e = top_row[j];
+        hi[j] = noisy_of<scalar_t>(crow[i][e], at<scalar_t>(noise, t, e), stddev[i * E + e]);
       }
-      const int64_t i = top_row[j];
-      gc[i] += gh[j];
-      gs[i] += gh[j] * at<scalar_t>(noise, t, i);
-      g_noise_top[t * (k + 1) + j] = gh[j] * stddev[i];
+      kth[i] = hi[k - 1];
+      k1th[i] = k < E ? hi[k] : -INFINITY;
+      tw[i] = token_weights ? token_weights[t] : 1.0f;
+      for (int64_t j = 0; j < k; ++j) selected[i * E + top_row[j]] = 1.0f;
     }
-    write_gradients_row<scalar_t>(gc.data(), gs.data(), sigmoid.data(), E, g_clean + t * E, g_raw + t * E);
+    load_gradient_rows(crow.data(), stddev.data(), selected.data(), grad_load, tw.data(), kth.data(), k1th.data(), n,
+                       E, gc.data(), gs.data(), unselected.data(), selected_sum.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = t0 + i;
+      const int64_t* top_row = top + t * (k + 1);
+      for (int64_t j = 0; j < k; ++j) selected[i * E + top_row[j]] = 0.0f;
+      // d h at the kept elements: the softmax backward w (g - <w, g>), plus the threshold sums.
+      softmax_top(h.data() + i * (k + 1), k, w.data());
+      const float* gw = grad_weights + t * k;
+      float dot = 0.0f;
+      for (int64_t j = 0; j < k; ++j) dot += w[j] * gw[j];
+      for (int64_t j = 0; j < k; ++j) gh[j] = w[j] * (gw[j] - dot);
+      if (k < E) gh[k] = 0.0f;
+      gh[k - 1] -= unselected[i];
+      if (k < E) gh[k] -= selected_sum[i];
+      for (int64_t j = 0; j <= k; ++j) {
+        if (j >= kept) {
+          g_noise_top[t * (k + 1) + j] = 0.0f;
+          continue;
+        }
+        const int64_t e = top_row[j];
+        gc[i * E + e] += gh[j];
+        gs[i * E + e] += gh[j] * at<scalar_t>(noise, t, e);
+        g_noise_top[t * (k + 1) + j] = gh[j] * stddev[i * E + e];
+      }
+    }
+    write_gradients<scalar_t>(gc.data(), gs.data(), sigmoid.data(), n * E, g_clean + t0 * E, g_raw + t0 * E);
   }
 }
 

@@ -2,6 +2,7 @@
 // (topk_softmax). Their scalar loops spend their time on data-dependent branches (the argmax) and
 // libm expf calls (the softmax denominators); these bodies have neither.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -35,6 +36,13 @@ const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* 
 template <typename scalar_t>
 const float* float_row(const Strided& s, int64_t t, int64_t E, float* buffer) {
   return float_row(static_cast<const scalar_t*>(s.data) + t * s.stride_t, s.stride_e, E, buffer);
+}
+
+// Rows per block of the row kernels that take a block of rows at a time (noisy_topk_gate,
+// load_probabilities): up to `most`, fewer for wide rows so that each of a block's [rows, E]
+// float32 buffers stays within 256 KiB.
+inline int64_t block_rows(int64_t E, int64_t most = 64) {
+  return std::clamp<int64_t>(65536 / std::max<int64_t>(E, 1), 1, most);
 }
 
 // Rows [t0, t0 + n) of a [T, E] input as contiguous float32 rows: the input itself when it is
