@@ -29,7 +29,11 @@ VARIANTS = [
     ("avx2", ["-march=x86-64", "-mavx2", "-mfma"], ["avx2", "fma"]),
     ("avx512f", ["-march=x86-64", "-mavx512f"], ["avx512f"]),
     # row_top2.cpp needs AVX-512 BW too (its mask registers joined), and BMI and popcnt
-    ("avx512bw", ["-march=x86-64", "-mavx512f", "-mavx512bw", "-mbmi", "-mpopcnt"], ["avx512f", "avx512bw", "bmi1", "popcnt"]),
+    (
+        "avx512bw",
+        ["-march=x86-64", "-mavx512f", "-mavx512bw", "-mbmi", "-mpopcnt"],
+        ["avx512f", "avx512bw", "bmi1", "popcnt"],
+    ),
 ]
 
 
