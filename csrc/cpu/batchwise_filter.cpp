@@ -1,5 +1,6 @@
 // The sampled-threshold select of batchwise_mask on CPU: batchwise_filter.h says what and why.
 #include "batchwise_filter.h"
+#include "isa_dispatch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -81,8 +82,7 @@ namespace {
 // The dispatch build compiles all three x86 variants (each under its own target pragma) and picks
 // one at load time; MOE_KERNELS_NO_CLONES (or another compiler / platform) compiles only the
 // widest one the compiler's own flags allow, or the scalar loop.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
-    !defined(MOE_KERNELS_NO_CLONES)
+#if defined(MK_ISA_DISPATCH)
 #define MK_FILTER_DISPATCH 1
 #define MK_FILTER_AVX512 1
 #define MK_FILTER_AVX2 1

@@ -5,6 +5,7 @@
 // (kmov, vmovmskps) instead of a shuffle-and-or reduction, which made the generic filter cost
 // four times the pass that reads the row.
 #include "row_candidates.h"
+#include "isa_dispatch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,8 +20,7 @@ namespace {
 // The dispatch build compiles every x86 variant (each under its own target pragma) and picks one at
 // the first call; MOE_KERNELS_NO_CLONES (or another compiler / platform) compiles only the widest one
 // the compiler's own flags allow, and the portable loop.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
-    !defined(MOE_KERNELS_NO_CLONES)
+#if defined(MK_ISA_DISPATCH)
 #define MK_CANDIDATES_DISPATCH 1
 #define MK_CANDIDATES_AVX512 1
 #define MK_CANDIDATES_AVX2 1

@@ -3,6 +3,7 @@
 // dispatch build, or where the compiler's flags allow AVX-512; elsewhere rows_top2_values_f32
 // returns false and the caller's selection runs.
 #include "row_top2.h"
+#include "isa_dispatch.h"
 
 #include <cmath>
 
@@ -15,8 +16,7 @@
 namespace moe_kernels {
 namespace {
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
-    !defined(MOE_KERNELS_NO_CLONES)
+#if defined(MK_ISA_DISPATCH)
 #define MK_TOP2_DISPATCH 1
 #define MK_TOP2_AVX512 1
 #elif defined(__AVX512F__) && defined(__AVX512BW__)

@@ -4,6 +4,7 @@
 // equals the value computed by the same function on one element (IEEE arithmetic, no fast-math),
 // which is what lets a backward recompute the exact noisy logits its forward ranked.
 #pragma once
+#include "isa_dispatch.h"
 #include <cmath>
 #include <cstdint>
 
@@ -27,10 +28,9 @@ namespace vec_math {
 #define MK_VEC_INLINE MK_VECTORISE inline __attribute__((always_inline))
 
 // MOE_KERNELS_NO_CLONES builds one variant for the compiler's own target flags: the tests compile
-// row_vector.cpp that way for each instruction set (python_tests/test_row_vector_isa.py), since a
+// row_vector.cpp that way for each instruction set (python_tests/test_isa_variants.py), since a
 // machine runs only the clone it supports.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
-    !defined(MOE_KERNELS_NO_CLONES)
+#if defined(MK_ISA_DISPATCH)
 #define MK_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MK_ROW_CLONES
