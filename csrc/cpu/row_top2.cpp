@@ -89,7 +89,7 @@ inline void top2_indices_ties(const float* row, int64_t E, const float* t, int64
 }
 
 // The indices of a row's two largest values t: the lowest holding t[0], and the lowest other one
-// holding t[1] (with t[1] == t[0], the second holding t[0]). Where exactly two of the first 64
+// holding t[1] (with t[1] == t[0], the second holding t[0]). Where exactly two of the row's
 // elements are at or above t[1] (most rows), one compare per element finds both and one scalar
 // compare tells which is which; otherwise top2_indices_ties. No branch on where they sit, which is
 // random on most rows.
@@ -129,10 +129,12 @@ void rows_top2_avx512(const float* x, int64_t stride, int64_t n, int64_t E, int6
 #endif
 #endif
 
-bool has_avx512() {
+// Whether this CPU runs the variant: AVX-512 F and BW, BMI (tzcnt) and popcnt.
+bool cpu_supported() {
 #if defined(MK_TOP2_DISPATCH)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi") && __builtin_cpu_supports("popcnt");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi") &&
+         __builtin_cpu_supports("popcnt");
 #elif defined(MK_TOP2_AVX512)
   return true;
 #else
@@ -145,8 +147,8 @@ bool has_avx512() {
 bool rows_top2_values_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t* best, int64_t* redo,
                           int64_t* n_redo) {
   *n_redo = 0;
-  static const bool avx512 = has_avx512();
-  if (!avx512 || E < 16 || E > 64) return false;
+  static const bool supported = cpu_supported();
+  if (!supported || E < 16 || E > 64) return false;
 #if defined(MK_TOP2_AVX512)
   rows_top2_avx512(x, stride, n, E, best, redo, n_redo);
   return true;
