@@ -159,6 +159,28 @@ def test_sampled_threshold_select(dtype, m):
         assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (dtype, m, x.stride())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mask_written_in_row_blocks(threads):
+    """The C++ mask is zeroed and set a block of 256 KiB of rows at a time, each thread from its own
+    first row: a mask of several blocks, split between two threads, over memory that held ones."""
+    if not moe_kernels._extension.has_kernel("batchwise_mask", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    T, E, m = 20000, 40, 700  # blocks of 6553 rows; two threads take 10000 rows each
+    scores = sampled_threshold_scores(T, E, seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with moe_kernels.use_backend("cpu"):
+            for _ in range(2):  # the second call's mask may reuse the first's memory
+                torch.ones(T, E, dtype=torch.bool).fill_(True)
+                mask, tokens = batchwise_mask(scores, m, return_indices=True)
+    finally:
+        torch.set_num_threads(before)
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+    check_layout(mask, tokens, m)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
+
+
 @pytest.mark.parametrize(
     "scores, m, error",
     [

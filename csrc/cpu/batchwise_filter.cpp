@@ -186,14 +186,17 @@ bool select_candidates(const CandidateLists& lists, int64_t j, int64_t m, uint32
   const int64_t n = lists.count[j];
   if (n < m || n > lists.capacity) return false;
   const uint64_t* entries = lists.entries.get() + j * lists.ld;
-  // The keys apart first: the passes below run over 4 bytes a candidate, not 8.
+  // The order keys apart first (the row pass stored the scores' bits: a key there cost the append
+  // loop a branch on NaN; here the loop vectorises), with their range above lo: one radix digit
+  // over that range (not over all 32 bits: the candidates share their top bits, which would put
+  // most of them in one bin).
   s.keys.resize(n);
   uint32_t* keys = s.keys.data();
-  for (int64_t i = 0; i < n; ++i) keys[i] = (uint32_t)(entries[i] >> 32);
-  // One radix digit over the candidates' range above lo (not over all 32 bits: the candidates
-  // share their top bits, which would put most of them in one bin).
   uint32_t top = 0;
-  for (int64_t i = 0; i < n; ++i) top = std::max(top, keys[i] - lo_key);
+  for (int64_t i = 0; i < n; ++i) {
+    keys[i] = order_key_f32(bits_float((uint32_t)(entries[i] >> 32)));
+    top = std::max(top, keys[i] - lo_key);
+  }
   const int width = top ? 32 - __builtin_clz(top) : 0;
   const int shift = width > kCandidateBits ? width - kCandidateBits : 0;
   const int64_t bins = (int64_t)(top >> shift) + 1;
@@ -209,31 +212,43 @@ bool select_candidates(const CandidateLists& lists, int64_t j, int64_t m, uint32
   int64_t above = 0, bin = bins - 1;
   for (; bin > 0 && above + h0[bin] + h1[bin] < m; --bin) above += h0[bin] + h1[bin];
   const int64_t rank = m - above;  // of the m-th largest within its bin, 1-based
-  // The exact threshold among the bin's keys (usually a handful).
-  s.bin.resize(n);
-  int64_t in_bin = 0;
+  // One pass, branch-free (which candidates are kept is unpredictable): every candidate's token is
+  // written to out's next slot, which advances for the bins above the threshold's (fewer than m of
+  // them, so the slot stays inside out; the clamp only guards it), and every candidate to the
+  // threshold bin's next (key, token) slot, which advances for that bin.
+  s.bin_entries.resize(h0[bin] + h1[bin] + 1);
+  uint64_t* bin_entries = s.bin_entries.data();
+  int64_t n_above = 0, in_bin = 0;
   for (i = 0; i < n; ++i) {
-    s.bin[in_bin] = keys[i];
-    in_bin += ((keys[i] - lo_key) >> shift) == (uint32_t)bin;
+    const uint32_t b = (keys[i] - lo_key) >> shift;
+    const uint32_t token = (uint32_t)entries[i];
+    out[n_above < m ? n_above : m - 1] = token;
+    n_above += b > (uint32_t)bin;
+    bin_entries[in_bin] = (uint64_t)keys[i] << 32 | token;
+    in_bin += b == (uint32_t)bin;
   }
-  std::nth_element(s.bin.begin(), s.bin.begin() + (rank - 1), s.bin.begin() + in_bin, std::greater<uint32_t>());
+  // The exact threshold among the bin's keys (usually a handful).
+  s.bin.resize(in_bin);
+  for (i = 0; i < in_bin; ++i) s.bin[i] = (uint32_t)(bin_entries[i] >> 32);
+  std::nth_element(s.bin.begin(), s.bin.begin() + (rank - 1), s.bin.end(), std::greater<uint32_t>());
   const uint32_t threshold = s.bin[rank - 1];
   int64_t greater = 0;
   for (i = 0; i < in_bin; ++i) greater += s.bin[i] > threshold;
   const int64_t ties = rank - greater;  // keys equal to the threshold that are kept: the first ones
-  // Branch-free (which candidates are kept is unpredictable): every candidate is written to the
-  // next slot, which advances when it is kept; the slots after the last kept absorb the rest.
-  s.picked.resize(n + 1);
+  s.picked.resize(in_bin + 1);
   int64_t kept = 0, seen = 0;
-  for (i = 0; i < n; ++i) {
-    const uint32_t key = keys[i];
+  for (i = 0; i < in_bin; ++i) {
+    const uint32_t key = (uint32_t)(bin_entries[i] >> 32);
     const bool equal = key == threshold;
-    s.picked[kept] = (int64_t)(uint32_t)entries[i];
+    s.picked[kept] = (int64_t)(uint32_t)bin_entries[i];
     kept += (key > threshold) | (equal & (seen < ties));
     seen += equal;
   }
-  std::copy(s.picked.begin(), s.picked.begin() + m, out);
-  return kept == m;
+  if (n_above + kept != m) return false;  // cannot happen; the caller would select the column whole
+  // Both lists ascending by token: merged from the back, in place (the picked fill out's tail).
+  int64_t a = n_above - 1, p = kept - 1;
+  for (int64_t d = m - 1; p >= 0; --d) out[d] = (a >= 0 && out[a] > s.picked[p]) ? out[a--] : s.picked[p--];
+  return true;
 }
 
 }  // namespace batchwise_filter

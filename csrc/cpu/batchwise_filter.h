@@ -18,6 +18,13 @@
 namespace moe_kernels {
 namespace batchwise_filter {
 
+// batchwise_mask::order_key without branches (NaN by a select), so that loops of keys vectorise.
+inline __attribute__((always_inline)) uint32_t order_key_f32(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x + 0.0f);  // + 0.0f: -0 becomes +0
+  const uint32_t ordered = (int32_t)u >= 0 ? u : (u ^ 0x7fffffffu);
+  return (x != x ? 0x7fffffffu : ordered) ^ 0x80000000u;
+}
+
 // The sample size and how many candidates a column's list holds, for one (T, m); use == false
 // where the filter would keep too large a fraction of the column to pay off.
 struct Plan {
@@ -36,8 +43,8 @@ inline int64_t sample_row(int64_t i, int64_t S, int64_t T) { return i * T / S; }
 void thresholds(const float* sample, int64_t S, int64_t w, int64_t rank, float* lo, uint32_t* lo_key);
 
 // Candidate lists of w columns: column j's candidates at entries[j * ld + i] for i < count[j],
-// each (order key << 32 | token). Appends past capacity land in the sink slot at index capacity;
-// count keeps counting.
+// each (the score's float32 bits << 32 | token: select_candidates makes the order keys). Appends
+// past capacity land in the sink slot at index capacity; count keeps counting.
 struct CandidateLists {
   int64_t w = 0, capacity = 0, ld = 0, allocated = 0;
   std::unique_ptr<uint64_t[]> entries;  // [w * ld], not initialised: only appended entries are read
@@ -53,7 +60,8 @@ void filter_rows(const float* x, int64_t stride_t, int64_t t0, int64_t rows, con
 struct SelectScratch {
   std::vector<int32_t> hist;
   std::vector<uint32_t> keys, bin;  // the candidates' keys; those in the threshold's bin
-  std::vector<int64_t> picked;
+  std::vector<uint64_t> bin_entries;  // the threshold bin's (key << 32 | token), in token order
+  std::vector<int64_t> picked;        // those of them kept
 };
 
 // The m largest of column j's candidates (1 <= m), written as ascending tokens to out[0..m): keys

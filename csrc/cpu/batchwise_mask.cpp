@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -136,12 +137,7 @@ void select_column(const uint32_t* keys, int64_t T, int64_t m, Scratch& s, int64
   std::merge(above, above + n_above, s.picked.begin(), s.picked.end(), tokens);
 }
 
-// batchwise_mask::order_key without branches (NaN by a select), so that a row of keys vectorises.
-MK_VEC_INLINE uint32_t order_key_f32(float x) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, x + 0.0f);  // + 0.0f: -0 becomes +0
-  const uint32_t ordered = (int32_t)u >= 0 ? u : (u ^ 0x7fffffffu);
-  return (x != x ? 0x7fffffffu : ordered) ^ 0x80000000u;
-}
+using batchwise_filter::order_key_f32;
 
 // The common case of gather_keys (float32, contiguous rows, a full group of 16 experts): 16 rows
 // at a time, their keys computed a row (one vector) at a time into a 16 x 16 tile, then written
@@ -257,6 +253,29 @@ void batchwise_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_
   }
 }
 
+// Rows [begin, end) of the mask [T, E] from the experts' ascending token lists tokens [E, m], a
+// block of rows (256 KiB) at a time: the block zeroed, then each expert's entries in it set, the
+// expert's place in its list carried from block to block (the first found by binary search).
+// Setting the bytes over the whole mask after a zero fill of it missed the cache on most of them:
+// T = 65536, E = 64, m = 2048 took 0.2 ms longer, E = 256 0.3 ms. Blocks much smaller cost as much
+// again at E = 256 (an expert's loop exits once per block).
+void write_mask_rows(const int64_t* tokens, int64_t E, int64_t m, int64_t begin, int64_t end, bool* mask) {
+  constexpr int64_t kBlockBytes = 256 << 10;
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / E);
+  std::vector<const int64_t*> next(E);
+  for (int64_t e = 0; e < E; ++e) next[e] = std::lower_bound(tokens + e * m, tokens + (e + 1) * m, begin);
+  for (int64_t b0 = begin; b0 < end; b0 += block) {
+    const int64_t b1 = std::min(end, b0 + block);
+    std::memset(mask + b0 * E, 0, (b1 - b0) * E);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t* p = next[e];
+      const int64_t* last = tokens + (e + 1) * m;
+      for (; p != last && *p < b1; ++p) mask[*p * E + e] = true;
+      next[e] = p;
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> batchwise_mask_cpu(const at::Tensor& scores, int64_t m) {
   TORCH_CHECK(scores.dim() == 2, "batchwise_mask: scores must be [T, E], got ", scores.sizes());
   const int64_t T = scores.size(0), E = scores.size(1);
@@ -265,9 +284,9 @@ std::tuple<at::Tensor, at::Tensor> batchwise_mask_cpu(const at::Tensor& scores, 
   TORCH_CHECK(scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kHalf ||
                   scores.scalar_type() == at::kBFloat16,
               "batchwise_mask: scores must be float32, float16 or bfloat16, got ", scores.scalar_type());
-  auto mask = at::zeros({T, E}, scores.options().dtype(at::kBool));
   auto tokens = at::empty({E, m}, scores.options().dtype(at::kLong));
-  if (m == 0 || E == 0) return {mask, tokens};
+  if (m == 0 || E == 0) return {at::zeros({T, E}, scores.options().dtype(at::kBool)), tokens};
+  auto mask = at::empty({T, E}, scores.options().dtype(at::kBool));  // every byte written below
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "batchwise_mask", [&] {
     const scalar_t* x = scores.const_data_ptr<scalar_t>();
     int64_t* tk = tokens.mutable_data_ptr<int64_t>();
@@ -286,17 +305,11 @@ std::tuple<at::Tensor, at::Tensor> batchwise_mask_cpu(const at::Tensor& scores, 
     });
   });
   // The mask from the token lists, parallel over token ranges: threads writing different
-  // experts' bytes of the same mask rows would fight over cache lines. Each list is ascending, so
-  // a range's entries start at a binary-searched position.
+  // experts' bytes of the same mask rows would fight over cache lines.
   bool* mk = mask.mutable_data_ptr<bool>();
   const int64_t* tk = tokens.const_data_ptr<int64_t>();
-  at::parallel_for(0, T, std::max<int64_t>(1, kMinTaskElements / E), [&](int64_t begin, int64_t end) {
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t* list = tk + e * m;
-      for (const int64_t* p = std::lower_bound(list, list + m, begin); p != list + m && *p < end; ++p)
-        mk[*p * E + e] = true;
-    }
-  });
+  at::parallel_for(0, T, std::max<int64_t>(1, kMinTaskElements / E),
+                   [&](int64_t begin, int64_t end) { write_mask_rows(tk, E, m, begin, end, mk); });
   return {mask, tokens};
 }
 

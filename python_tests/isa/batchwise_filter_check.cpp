@@ -67,11 +67,11 @@ int main() {
         std::vector<int64_t> out(m);
         for (int64_t j = 0; j < w; ++j) {
           // The row pass: every score that is not below lo (NaN included; every score when lo is
-          // NaN), in token order, with its key.
+          // NaN), in token order, with its float32 bits.
           std::vector<uint64_t> candidates;
           for (int64_t t = 0; t < T; ++t) {
             const float v = x[t * stride + j];
-            if (!(v < lo[j])) candidates.push_back((uint64_t)batchwise_mask::order_key(v) << 32 | (uint64_t)t);
+            if (!(v < lo[j])) candidates.push_back((uint64_t)float_bits(v) << 32 | (uint64_t)t);
           }
           const int64_t n = lists.count[j];
           const uint64_t* list = lists.entries.get() + j * lists.ld;
