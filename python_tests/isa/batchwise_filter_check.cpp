@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,15 @@ int main() {
         for (int64_t i = 0; i < S; ++i)
           for (int64_t j = 0; j < w; ++j) sample[i * w + j] = x[batchwise_filter::sample_row(i, S, T) * stride + j];
         batchwise_filter::thresholds(sample.data(), S, w, plan.rank, lo.data(), lo_key.data());
+        for (int64_t j = 0; j < w; ++j) {  // each column's rank-th largest sampled key, exactly
+          std::vector<uint32_t> column(S);
+          for (int64_t i = 0; i < S; ++i) column[i] = batchwise_mask::order_key(sample[i * w + j]);
+          std::sort(column.begin(), column.end(), std::greater<uint32_t>());
+          if (lo_key[j] != column[plan.rank - 1] || batchwise_mask::order_key(lo[j]) != lo_key[j]) {
+            std::printf("threshold differs: T=%ld w=%ld kind=%d column %ld\n", (long)T, (long)w, kind, (long)j);
+            return 1;
+          }
+        }
         batchwise_filter::CandidateLists lists;
         lists.reset(w, plan.capacity);
         // In two calls, as the extension does for blocks of converted rows.
