@@ -633,9 +633,9 @@ void selected_slots(const int64_t* __restrict best, int64_t n, int64_t k, int64_
 namespace {
 // The terms first (a loop with no reduction vectorises), then the sum in 8 lanes (a float sum in
 // one accumulator would not: the compiler may not reorder it).
-template <bool kFull>
-MK_VEC_INLINE float exp_sum_terms(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
-  for (int64_t e = 0; e < E; ++e) exps[e] = kFull ? vec_math::exp_full(row[e] - vmax) : vec_math::exp(row[e] - vmax);
+enum class Terms { kExp, kExpFull, kNonPositive };
+
+MK_VEC_INLINE float lane_sum(const float* __restrict exps, int64_t E) {
   lanes_f32 sum = {};
   int64_t e = 0;
   for (; e + kLanes <= E; e += kLanes) sum += load(exps + e);
@@ -644,16 +644,45 @@ MK_VEC_INLINE float exp_sum_terms(const float* __restrict row, int64_t E, float 
   for (; e < E; ++e) total += exps[e];
   return total;
 }
+
+template <Terms kTerms>
+MK_VEC_INLINE float exp_sum_terms(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
+  for (int64_t e = 0; e < E; ++e) {
+    const float d = row[e] - vmax;
+    exps[e] = kTerms == Terms::kExpFull ? vec_math::exp_full(d)
+              : kTerms == Terms::kExp   ? vec_math::exp(d)
+                                        : vec_math::exp_nonpositive(d);
+  }
+  return lane_sum(exps, E);
+}
 }  // namespace
 
 MK_VECTORISE MK_ROW_CLONES
 float row_exp_sum_f32(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
-  return exp_sum_terms<false>(row, E, vmax, exps);
+  return exp_sum_terms<Terms::kExp>(row, E, vmax, exps);
+}
+
+MK_VECTORISE MK_ROW_CLONES
+void rows_softmax_sums_f32(const float* __restrict x, int64_t stride, int64_t n, int64_t E, const float* vmax,
+                           int64_t vmax_stride, float* __restrict exps, float* __restrict sums) {
+  // A block of rows in one call, the terms first and then the sums: the rows' exp chains
+  // overlap in the core (a call per row measured ~10% slower at E = 64).
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = vmax[i * vmax_stride];
+    const float* row = x + i * stride;
+    float* out = exps + i * E;
+    if (m - m == 0.0f) {  // finite: no term is NaN or above 0
+      for (int64_t e = 0; e < E; ++e) out[e] = vec_math::exp_nonpositive(row[e] - m);
+    } else {
+      for (int64_t e = 0; e < E; ++e) out[e] = vec_math::exp(row[e] - m);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) sums[i] = lane_sum(exps + i * E, E);
 }
 
 MK_VECTORISE MK_ROW_CLONES
 float row_exp_sum_full_f32(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
-  return exp_sum_terms<true>(row, E, vmax, exps);
+  return exp_sum_terms<Terms::kExpFull>(row, E, vmax, exps);
 }
 
 }  // namespace moe_kernels

@@ -116,6 +116,14 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
 // sum). vec_math::exp: terms below e^-80 (including those of -inf logits) are 0; a few ulp each.
 float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps);
 
+// row_exp_sum_f32 for a block of n rows x[i * stride ..] (a forward's softmax): the terms of row i
+// relative to vmax[i * vmax_stride], its largest value as its selection found it, to exps
+// [i * E .. i * E + E), their sum (in row_exp_sum_f32's order and with its values) to sums[i]. A
+// finite vmax (every term in [-inf, 0]) takes vec_math::exp_nonpositive, a third fewer vector
+// operations than exp; a row with an infinite or NaN vmax takes exp.
+void rows_softmax_sums_f32(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
+                           int64_t vmax_stride, float* exps, float* sums);
+
 // The same with vec_math::exp_full: the terms keep torch's tails (denormals below e^-87.3) where
 // they are compared rather than only summed (topk_router ranks softmax scores when it has a bias
 // or groups, and a flushed 0 would tie with an expert torch ranks above it).

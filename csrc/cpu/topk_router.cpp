@@ -220,7 +220,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
   const float scaling = (float)a.scaling;
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
   const int64_t block = std::clamp<int64_t>(16384 / E, 1, 64);
-  std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : E);
+  std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
   std::vector<float> value(block * k), vmax(block * k);
   for (int64_t t0 = begin; t0 < end; t0 += block) {
@@ -231,17 +231,15 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
-    if (a.scoring == kSigmoid || a.renormalize) {
-      slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
-    } else {
+    slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
+    if (a.scoring == kSoftmax && !a.renormalize) {
+      // Full softmax: the slots' exp_full terms over the row sums. The sums by flushed terms
+      // (exp_full's values above e^-80, and a sum is >= 1: a tail could not change it).
+      rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());
       for (int64_t i = 0; i < n; ++i) {
-        const float m = vmax[i * k];
-        if (m == -INFINITY) {
-          std::fill_n(w + i * k, k, 0.0f);
-          continue;
-        }
-        const float inv = 1.0f / exp_sum(x + i * stride, E, m, exps.data());
-        for (int64_t s = 0; s < k; ++s) w[i * k + s] = exps[pair_index(best[i * k + s])] * inv;
+        if (vmax[i * k] == -INFINITY) continue;  // a fully masked row: slot_scores' zeros (its sum is NaN)
+        const float inv = 1.0f / sums[i];
+        for (int64_t s = 0; s < k; ++s) w[i * k + s] *= inv;
       }
     }
     finish_block(w, n, k, a.renormalize, scaling);

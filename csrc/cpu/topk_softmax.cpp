@@ -69,7 +69,7 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
                                     int64_t* experts) {      // [T, k] contiguous
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
   const int64_t block = std::clamp<int64_t>(16384 / E, 1, 64);
-  std::vector<float> rows(direct ? 0 : block * E), exps(renormalize ? 0 : E);
+  std::vector<float> rows(direct ? 0 : block * E), exps(renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
   std::vector<float> value(block * k), vmax(block * k), term(block * k);
   for (int64_t t0 = begin; t0 < end; t0 += block) {
@@ -86,16 +86,13 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
         for (int64_t j = 0; j < slots; ++j) weights[t0 * k + j] = (scalar_t)w[j];
       }
     } else {
-      // The full softmax reuses the sum's own terms (the backward recomputes those exactly).
+      // The full softmax reuses the sums' own terms (the backward recomputes those exactly).
+      rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());
       for (int64_t i = 0; i < n; ++i) {
         const float m = vmax[i * k];
-        if (m == -INFINITY) {
-          for (int64_t s = 0; s < k; ++s) weights[(t0 + i) * k + s] = (scalar_t)0.0f;
-          continue;
-        }
-        const float denom = row_exp_sum_f32(x + i * stride, E, m, exps.data());
         for (int64_t s = 0; s < k; ++s) {
-          weights[(t0 + i) * k + s] = (scalar_t)(exps[pair_index(best[i * k + s])] / denom);
+          const float p = exps[i * E + pair_index(best[i * k + s])] / sums[i];
+          weights[(t0 + i) * k + s] = (scalar_t)(m == -INFINITY ? 0.0f : p);
         }
       }
     }
