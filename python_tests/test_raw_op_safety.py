@@ -16,7 +16,7 @@ from moe_kernels import reference
 ops = torch.ops.moe_kernels
 T, E, k = 4, 8, 2
 x = torch.randn(T, E)
-_, experts = reference.topk_softmax(x, k)
+w_x, experts = reference.topk_softmax(x, k)
 clean, noise, raw = torch.randn(T, E), torch.randn(T, E), torch.randn(T, E)
 noisy, stddev, g_w, g_p, g_load = clean + noise, torch.ones(T, E), torch.randn(T, k), torch.randn(T, E), torch.randn(E)
 _, top = ops.load_probabilities(clean, noisy, stddev, k)
@@ -27,6 +27,7 @@ _, top_gate, _ = ops.noisy_topk_gate(clean, raw, noise, k, 1e-2, None)
 CASES = [
     ("experts", "1, 1", "ops.topk_softmax_backward(g_w, x, i, True)"),
     ("experts", "0, 0", "ops.topk_softmax_backward(g_w, x, i, False)"),
+    ("experts", "3, 1", "ops.topk_softmax_backward_from_weights(g_w, w_x, i, E)"),
     ("experts", "2, 1", "ops.topk_router_backward(g_w, x, i, 'softmax', True, 1.0)"),
     ("experts", "2, 0", "ops.topk_router_backward(g_w, x, i, 'sigmoid', False, 1.0)"),
     ("top", "1, 1", "ops.load_probabilities_backward(g_p, clean, noisy, stddev, i, k)"),

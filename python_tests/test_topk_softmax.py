@@ -309,6 +309,95 @@ def test_backward_kernel_opcheck():
             torch.library.opcheck(op, (torch.randn(T, k), logits, experts, renormalize))
 
 
+def _from_weights_kernel():
+    if not moe_kernels._extension.has_kernel("topk_softmax_backward_from_weights", "CPU"):
+        pytest.skip("no C++ from-weights backward in this build")
+    return torch.ops.moe_kernels.topk_softmax_backward_from_weights
+
+
+@pytest.mark.parametrize("kind", [*ADVERSARIAL_KINDS, "nan"])
+@pytest.mark.parametrize("E, k", [(8, 1), (8, 2), (64, 2), (64, 8), (67, 5), (4, 4)])
+def test_backward_from_weights_is_the_logits_backward(kind, E, k):
+    """The float32 renormalised backward autograd takes (from a copy of the forward's weights) gives
+    the bits of the C++ backward that recomputes the weights from the logits, masked and NaN rows
+    included."""
+    _from_weights_kernel()
+    if kind == "nan":
+        logits = torch.randn(33, E, generator=torch.Generator().manual_seed(E))
+        logits[3, E // 2] = float("nan")
+        logits[7] = float("nan")
+    else:
+        logits = adversarial_logits(kind, 33, E, seed=E + k)
+    g = torch.randn(33, k, generator=torch.Generator().manual_seed(k))
+    x = logits.clone().requires_grad_()
+    with moe_kernels.use_backend("cpu"):
+        w, experts = topk_softmax(x, k)
+    w.backward(g)
+    recomputed = torch.ops.moe_kernels.topk_softmax_backward(g, logits, experts, True)
+    assert torch.equal(x.grad.isnan(), recomputed.isnan()), kind
+    assert torch.equal(x.grad.nan_to_num(), recomputed.nan_to_num()), kind
+
+
+def test_backward_from_weights_survives_in_place_edits():
+    """The returned weights edited in place after the forward (as routing code does, e.g.
+    `weights *= scaling`) neither break nor change the backward: autograd saved a copy."""
+    _from_weights_kernel()
+    logits = torch.randn(20, 16)
+    g = torch.randn(20, 4)
+    x = logits.clone().requires_grad_()
+    with moe_kernels.use_backend("cpu"):
+        w, _ = topk_softmax(x, 4)
+    w.mul_(2.5)
+    w.backward(g)
+    x_ref = logits.clone().requires_grad_()
+    w_ref, _ = reference.topk_softmax(x_ref, 4)
+    (w_ref * 2.5).backward(g)
+    assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize(
+    "renormalize, dtype, held",
+    [(True, torch.float32, False), (False, torch.float32, True), (True, torch.bfloat16, True)],
+)
+def test_graph_holds_logits_only_when_its_backward_reads_them(renormalize, dtype, held):
+    """Renormalised float32 routing saves [T, k] weights, so a graph does not keep the [T, E]
+    logits alive once the caller drops them; the full softmax and half precision read the logits."""
+    import weakref
+
+    _from_weights_kernel()
+    x = torch.randn(64, 32, dtype=dtype, requires_grad=True)
+    logits = x * 2.0  # an intermediate (MulBackward keeps the scalar, not its output)
+    ref = weakref.ref(logits)
+    with moe_kernels.use_backend("cpu"):
+        w, _ = topk_softmax(logits, 2, renormalize)
+    del logits
+    assert (ref() is not None) == held
+    w.float().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_backward_from_weights_opcheck():
+    op = _from_weights_kernel()
+    for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5), (4, 40, 20)]:
+        w, experts = reference.topk_softmax(torch.randn(T, E), k)
+        torch.library.opcheck(op, (torch.randn(T, k), w, experts, E))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((torch.randn(4, 2), torch.rand(4, 2).double(), torch.zeros(4, 2, dtype=torch.long), 8), "float32"),
+        ((torch.randn(4, 3), torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.long), 8), "shape"),
+        ((torch.randn(4, 2), torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.long), 1), "k <= num_experts"),
+        ((torch.randn(4, 2), torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.int32), 8), "int64"),
+    ],
+)
+def test_backward_from_weights_bad_arguments(args, match):
+    op = _from_weights_kernel()
+    with pytest.raises(RuntimeError, match=match):
+        op(*args)
+
+
 def test_torch_compile_fullgraph(kernel_backend):
     def route(x):
         w, e = topk_softmax(x, 2)

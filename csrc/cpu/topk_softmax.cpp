@@ -100,19 +100,20 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
 }
 
 // The renormalised backward's writes for n float32 rows (out [n, E] contiguous): each row zeroed,
-// then grad_j = w_j (g_j - sum_s g_s w_s) at its k experts (w, g [n * k] float32); a row whose
-// vmax is -inf stays zero. Compiled per instruction set: the zero fill runs as wide stores
-// inline, just before the row's k writes, which then hit the cache.
+// then grad_j = w_j (g_j - sum_s g_s w_s) at its k experts (w, g [n * k] float32). A row whose
+// first weight is 0 stays zero: that is a fully masked row (largest logit -inf, weights 0), since
+// a row's first weight, its largest logit's, is 1 / (a sum of k terms in (0, 1]) otherwise.
+// Compiled per instruction set: the zero fill runs as wide stores inline, just before the row's k
+// writes, which then hit the cache.
 // (no-tree-loop-distribute-patterns: GCC would turn the zero loop into a memset call per row,
 // which cost as much as the rest of the backward.)
 MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ROW_CLONES void renormalized_grad_rows_f32(const float* __restrict w, const float* __restrict g,
-                                                           const float* __restrict vmax,
                                                            const int64_t* __restrict experts, int64_t n, int64_t k,
                                                            int64_t E, float* __restrict out) {
   for (int64_t i = 0; i < n; ++i) {
     float* row = out + i * E;
     for (int64_t e = 0; e < E; ++e) row[e] = 0.0f;
-    if (vmax[i * k] == -INFINITY) continue;  // a fully masked token: weights 0, gradient 0
+    if (w[i * k] == 0.0f) continue;  // a fully masked token: weights 0, gradient 0
     float dot = 0.0f;
     for (int64_t s = 0; s < k; ++s) dot += g[i * k + s] * w[i * k + s];
     for (int64_t s = 0; s < k; ++s) row[experts[i * k + s]] = w[i * k + s] * (g[i * k + s] - dot);
@@ -154,7 +155,7 @@ MK_VECTORISE void renormalized_backward_rows(const scalar_t* logits, int64_t str
     }
     renormalized_weights(value.data(), vmax.data(), n, k, w.data());
     if constexpr (std::is_same_v<scalar_t, float>) {
-      renormalized_grad_rows_f32(w.data(), gf.data(), vmax.data(), experts + t0 * k, n, k, E, grad + t0 * E);
+      renormalized_grad_rows_f32(w.data(), gf.data(), experts + t0 * k, n, k, E, grad + t0 * E);
       continue;
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -290,16 +291,50 @@ at::Tensor topk_softmax_backward_cpu(const at::Tensor& grad_weights, const at::T
   return grad;
 }
 
+// The renormalised backward from the forward's own float32 weights (autograd saves a copy of them
+// instead of the logits, ops/topk_softmax.py): the same values renormalized_backward_rows would
+// recompute from the logits (renormalized_weights, bit for bit), without the gather of the k
+// selected logits (scattered loads, most of what that backward spent beside its writes) or the
+// exps; and the graph keeps [T, k] weights alive rather than the [T, E] logits.
+at::Tensor topk_softmax_backward_from_weights_cpu(const at::Tensor& grad_weights, const at::Tensor& weights,
+                                                  const at::Tensor& experts, int64_t num_experts) {
+  const char* op = "topk_softmax_backward_from_weights";
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat, op, ": weights must be a float32 [T, k] tensor");
+  TORCH_CHECK(grad_weights.sizes() == weights.sizes() && experts.sizes() == weights.sizes(), op,
+              ": grad_weights and experts must have the weights' shape ", weights.sizes());
+  const int64_t T = weights.size(0), k = weights.size(1), E = num_experts;
+  TORCH_CHECK(k >= 1 && k <= E, op, ": need 1 <= k <= num_experts, got k=", k, ", num_experts=", E);
+  auto grad = at::empty({T, E}, weights.options());
+  if (T == 0) return grad;
+  const auto w = weights.contiguous();
+  const auto g = grad_weights.to(at::kFloat).contiguous();
+  const auto ex = experts.contiguous();
+  check_routing_ids(ex, E, k, op, "experts");
+  const float* wp = w.const_data_ptr<float>();
+  const float* gp = g.const_data_ptr<float>();
+  const int64_t* ep = ex.const_data_ptr<int64_t>();
+  float* out = grad.mutable_data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / E);
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    renormalized_grad_rows_f32(wp + begin * k, gp + begin * k, ep + begin * k, end - begin, k, E, out + begin * E);
+  });
+  return grad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
   m.def("topk_softmax(Tensor logits, int k, bool renormalize) -> (Tensor weights, Tensor experts)");
   m.def("topk_softmax_backward(Tensor grad_weights, Tensor logits, Tensor experts, bool renormalize) -> Tensor");
+  m.def(
+      "topk_softmax_backward_from_weights(Tensor grad_weights, Tensor weights, Tensor experts, int num_experts) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("topk_softmax", &topk_softmax_cpu);
   m.impl("topk_softmax_backward", &topk_softmax_backward_cpu);
+  m.impl("topk_softmax_backward_from_weights", &topk_softmax_backward_from_weights_cpu);
 }
 
 }  // namespace moe_kernels

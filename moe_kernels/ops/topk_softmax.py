@@ -38,8 +38,29 @@ def _backward_from_logits(
 
 def _setup_context(ctx, inputs, output):
     logits, k, renormalize = inputs
+    ctx.set_materialize_grads(False)  # no zero gradient made for the int64 experts
     ctx.save_for_backward(logits, output[1])
     ctx.renormalize = renormalize
+    ctx.from_weights = False
+
+
+def _setup_context_kernel(ctx, inputs, output):
+    """The extension op's: float32 renormalised weights are exactly what its backward would
+    recompute from the logits, so where the device has the kernel that takes them, a copy of the
+    [T, k] weights is saved instead of the [T, E] logits (a copy: a caller may edit the returned
+    weights in place). The backward then reads no logits and computes no exps, and the graph
+    does not keep the logits alive."""
+    logits, k, renormalize = inputs
+    from_weights = (
+        renormalize
+        and logits.dtype == torch.float32
+        and backends.extension_kernel("topk_softmax_backward_from_weights", logits) is not None
+    )
+    if not from_weights:
+        return _setup_context(ctx, inputs, output)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[0].clone(), output[1])
+    ctx.renormalize, ctx.from_weights, ctx.num_experts = renormalize, True, logits.shape[1]
 
 
 def _backward(ctx, grad_weights, grad_experts):
@@ -51,9 +72,13 @@ def _backward(ctx, grad_weights, grad_experts):
 
 def _backward_kernel(ctx, grad_weights, grad_experts):
     """Backward of the extension op: its fused backward kernel where the device has one."""
-    logits, experts = ctx.saved_tensors
     if grad_weights is None:
         return None, None, None
+    if ctx.from_weights:
+        weights, experts = ctx.saved_tensors
+        op = torch.ops.moe_kernels.topk_softmax_backward_from_weights
+        return op(grad_weights, weights, experts, ctx.num_experts), None, None
+    logits, experts = ctx.saved_tensors
     kernel = backends.extension_kernel("topk_softmax_backward", logits)
     if kernel is None:
         return _backward(ctx, grad_weights, grad_experts)
@@ -73,7 +98,13 @@ if backends._extension.defines("topk_softmax"):
     def _fake_backward(grad_weights, logits, experts, renormalize):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
-    torch.library.register_autograd("moe_kernels::topk_softmax", _backward_kernel, setup_context=_setup_context)
+    if backends._extension.defines("topk_softmax_backward_from_weights"):
+
+        @torch.library.register_fake("moe_kernels::topk_softmax_backward_from_weights")
+        def _fake_backward_from_weights(grad_weights, weights, experts, num_experts):
+            return weights.new_empty((weights.shape[0], num_experts))
+
+    torch.library.register_autograd("moe_kernels::topk_softmax", _backward_kernel, setup_context=_setup_context_kernel)
 
 _triton = None
 if backends.triton_importable():
