@@ -28,6 +28,7 @@ CASES = [
     ("experts", "1, 1", "ops.topk_softmax_backward(g_w, x, i, True)"),
     ("experts", "0, 0", "ops.topk_softmax_backward(g_w, x, i, False)"),
     ("experts", "3, 1", "ops.topk_softmax_backward_from_weights(g_w, w_x, i, E)"),
+    ("experts", "1, 0", "ops.topk_router_backward_from_weights(g_w, w_x, i, E, 1.0, torch.bfloat16)"),
     ("experts", "2, 1", "ops.topk_router_backward(g_w, x, i, 'softmax', True, 1.0)"),
     ("experts", "2, 0", "ops.topk_router_backward(g_w, x, i, 'sigmoid', False, 1.0)"),
     ("top", "1, 1", "ops.load_probabilities_backward(g_p, clean, noisy, stddev, i, k)"),

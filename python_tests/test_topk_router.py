@@ -192,6 +192,113 @@ def test_backward_rejects_out_of_range_experts(bad):
         torch.ops.moe_kernels.topk_router_backward(torch.randn(2, 2), torch.randn(2, 8), experts, "softmax", True, 1.0)
 
 
+def _from_weights_kernel():
+    if not moe_kernels._extension.has_kernel("topk_router_backward_from_weights", "CPU"):
+        pytest.skip("no C++ from-weights backward in this build")
+    return torch.ops.moe_kernels.topk_router_backward_from_weights
+
+
+# The routers whose backward autograd takes from their weights: softmax scores, renormalised.
+FROM_WEIGHTS = [r for r in ROUTERS if r[3].get("scoring", "softmax") == "softmax" and r[3].get("renormalize")]
+
+
+@pytest.mark.parametrize("router", FROM_WEIGHTS, ids=[r[0] for r in FROM_WEIGHTS])
+@pytest.mark.parametrize("kind", ADVERSARIAL_KINDS + ["nan", "pos_inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_from_weights_is_the_logits_backward(router, kind, dtype):
+    """The backward autograd takes for a renormalised softmax router (from a copy of its float32
+    weights) against the C++ backward that reads the logits: the same gradient, masked rows (0),
+    rows holding NaN or +inf (NaN everywhere) and ties included."""
+    _from_weights_kernel()
+    _, E, k, kw = router
+    if kind in ("nan", "pos_inf"):
+        logits = adversarial_logits("random", 11, E, seed=E)
+        logits[torch.rand(11, E, generator=torch.Generator().manual_seed(E)) < 0.1] = float(kind[-3:])
+    else:
+        logits = adversarial_logits(kind, 11, E, seed=E)
+    logits = logits.to(dtype)
+    kwargs = kwargs_for(E, kw)
+    g = torch.randn(11, k, generator=torch.Generator().manual_seed(k))
+    x = logits.clone().requires_grad_()
+    w, experts = run("cpu", x, k, **kwargs)
+    w.backward(g)
+    scaling = kwargs.get("scaling_factor", 1.0)
+    from_logits = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, scaling)
+    assert x.grad.dtype == dtype
+    assert torch.equal(x.grad.isnan(), from_logits.isnan()), kind
+    assert torch.equal(x.grad == 0, from_logits == 0), kind
+    assert_close(x.grad.nan_to_num().double(), from_logits.nan_to_num().double(), dtype=dtype)
+
+
+def test_backward_from_weights_survives_in_place_edits():
+    _from_weights_kernel()
+    logits = torch.randn(20, 16)
+    g = torch.randn(20, 4)
+    x = logits.clone().requires_grad_()
+    w, _ = run("cpu", x, 4, renormalize=True, scaling_factor=2.0)
+    w.mul_(3.0)  # e.g. a caller's own scaling, in place
+    w.backward(g)
+    x_ref = logits.clone().requires_grad_()
+    w_ref, _ = reference.topk_router(x_ref, 4, renormalize=True, scaling_factor=2.0)
+    (w_ref * 3.0).backward(g)
+    assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, held",
+    [
+        (dict(renormalize=True), False),
+        (dict(renormalize=True, scaling_factor=0.0), True),
+        (dict(renormalize=False), True),
+        (dict(scoring="sigmoid", renormalize=True), True),
+    ],
+)
+def test_graph_holds_logits_only_when_its_backward_reads_them(kwargs, held):
+    import weakref
+
+    _from_weights_kernel()
+    x = torch.randn(64, 32, requires_grad=True)
+    logits = x * 2.0  # an intermediate (MulBackward keeps the scalar, not its output)
+    ref = weakref.ref(logits)
+    w, _ = run("cpu", logits, 2, **kwargs)
+    del logits
+    assert (ref() is not None) == held
+    w.sum().backward()
+    assert x.grad is not None
+
+
+def test_backward_from_weights_opcheck():
+    op = _from_weights_kernel()
+    for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            w, experts = reference.topk_router(torch.randn(T, E), k, renormalize=True, scaling_factor=1.5)
+            torch.library.opcheck(op, (torch.randn(T, k), w, experts, E, 1.5, dtype))
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        (
+            (torch.randn(2, 2), torch.rand(2, 2).double(), torch.zeros(2, 2, dtype=torch.long), 8, 1.0),
+            RuntimeError,
+            "float32",
+        ),
+        ((torch.randn(2, 2), torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.long), 8, 0.0), RuntimeError, "scaling"),
+        (
+            (torch.randn(2, 2), torch.rand(2, 2), torch.zeros(2, 2, dtype=torch.long), 1, 1.0),
+            RuntimeError,
+            "num_experts",
+        ),
+        ((torch.randn(2, 2), torch.rand(2, 2), torch.tensor([[0, 1], [2, 8]]), 8, 1.0), IndexError, "experts"),
+        ((torch.randn(2, 2), torch.rand(2, 2), torch.tensor([[0, -1], [2, 3]]), 8, 1.0), IndexError, "experts"),
+    ],
+)
+def test_backward_from_weights_bad_arguments(args, error, match):
+    op = _from_weights_kernel()
+    with pytest.raises(error, match=match):
+        op(*args, torch.float32)
+
+
 def test_torch_compile_fullgraph(kernel_backend):
     bias = 0.1 * torch.randn(16)
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "moe_kernels/topk_router.h"
+#include "index_check.h"
 #include "row_vector.h"
 #include "vec_math.h"
 
@@ -405,6 +406,52 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
   }
 }
 
+// The softmax renormalised backward from the forward's float32 weights w = scaling * r (r the
+// selected scores over their sum; autograd saves a copy of them instead of the logits,
+// ops/topk_router.py): grad_s = w_s (g_s - sum_j g_j w_j / scaling) at the selected s, 0 elsewhere,
+// router_backward_rows' gradient without reading the logits. The rows router_backward_rows treats
+// apart are told by their first weight: 0 for a fully masked row (a finite row's first weight is
+// scaling over a sum of terms in (0, 1], and scaling != 0 here) or for one whose selected scores
+// all underflow (its gradient is 0 there too); NaN for a row holding NaN or +inf (NaN ranks first;
+// +inf makes its own term inf - inf), whose every gradient is NaN.
+template <typename out_t>
+MK_VEC_INLINE void router_grad_from_weights_body(const float* __restrict w, const float* __restrict g,
+                                                 const int64_t* __restrict experts, int64_t n, int64_t k, int64_t E,
+                                                 float scaling, out_t* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) {
+    out_t* row = out + i * E;
+    const float first = w[i * k];
+    const out_t fill = first != first ? (out_t)NAN : (out_t)0.0f;
+    for (int64_t e = 0; e < E; ++e) row[e] = fill;
+    if (first == 0.0f || first != first) continue;
+    // The selected scores over their sum as w / scaling: exactly 1 for a weight of exactly
+    // scaling (a row whose other terms underflow), whose gradient is then exactly 0.
+    float dot = 0.0f;
+    for (int64_t s = 0; s < k; ++s) dot += g[i * k + s] * (w[i * k + s] / scaling);
+    for (int64_t s = 0; s < k; ++s) row[experts[i * k + s]] = (out_t)(w[i * k + s] * (g[i * k + s] - dot));
+  }
+}
+
+// float32 rows compiled per instruction set, the zero fill as wide stores inline (GCC's rewrite of
+// that loop into a memset call per row is turned off: topk_softmax.cpp measured it costing as much
+// as the rest).
+MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ROW_CLONES void
+router_grad_from_weights_f32(const float* __restrict w, const float* __restrict g, const int64_t* __restrict experts,
+                             int64_t n, int64_t k, int64_t E, float scaling, float* __restrict out) {
+  router_grad_from_weights_body(w, g, experts, n, k, E, scaling, out);
+}
+
+template <typename out_t>
+void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,
+                              float scaling, out_t* out) {
+  router_grad_from_weights_body(w, g, experts, n, k, E, scaling, out);
+}
+
+void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,
+                              float scaling, float* out) {
+  router_grad_from_weights_f32(w, g, experts, n, k, E, scaling, out);
+}
+
 void check_logits(const at::Tensor& logits, const char* op) {
   TORCH_CHECK(logits.dim() == 2, op, ": logits must be [T, E], got ", logits.sizes());
   TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) <= INT32_MAX, op, ": need 1 <= E <= 2^31 - 1, got E = ",
@@ -505,6 +552,39 @@ at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Te
   return grad;
 }
 
+at::Tensor topk_router_backward_from_weights_cpu(const at::Tensor& grad_weights, const at::Tensor& weights,
+                                                 const at::Tensor& experts, int64_t num_experts, double scaling_factor,
+                                                 at::ScalarType dtype) {
+  const char* op = "topk_router_backward_from_weights";
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat, op, ": weights must be a float32 [T, k] tensor");
+  TORCH_CHECK(grad_weights.sizes() == weights.sizes() && experts.sizes() == weights.sizes(), op,
+              ": grad_weights and experts must have the weights' shape ", weights.sizes());
+  TORCH_CHECK(at::isFloatingType(grad_weights.scalar_type()), op, ": grad_weights must be floating");
+  const int64_t T = weights.size(0), k = weights.size(1), E = num_experts;
+  TORCH_CHECK(k >= 1 && k <= E, op, ": need 1 <= k <= num_experts, got k=", k, ", num_experts=", E);
+  TORCH_CHECK(scaling_factor != 0.0, op, ": scaling_factor must not be 0 (the weights then say nothing of the scores)");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  auto grad = at::empty({T, E}, weights.options().dtype(dtype));
+  if (T == 0) return grad;
+  const auto w = weights.contiguous();
+  const auto g = grad_weights.to(at::kFloat).contiguous();
+  const auto ex = experts.contiguous();
+  check_routing_ids(ex, E, k, op, "experts");
+  const float* wp = w.const_data_ptr<float>();
+  const float* gp = g.const_data_ptr<float>();
+  const int64_t* ep = ex.const_data_ptr<int64_t>();
+  const float scaling = (float)scaling_factor;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "topk_router_backward_from_weights", [&] {
+    scalar_t* out = grad.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
+      router_grad_from_weights(wp + begin * k, gp + begin * k, ep + begin * k, end - begin, k, E, scaling,
+                               out + begin * E);
+    });
+  });
+  return grad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
@@ -514,11 +594,15 @@ TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
   m.def(
       "topk_router_backward(Tensor grad_weights, Tensor logits, Tensor experts, str scoring, bool renormalize, "
       "float scaling_factor) -> Tensor");
+  m.def(
+      "topk_router_backward_from_weights(Tensor grad_weights, Tensor weights, Tensor experts, int num_experts, "
+      "float scaling_factor, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_kernels, CPU, m) {
   m.impl("topk_router", &topk_router_cpu);
   m.impl("topk_router_backward", &topk_router_backward_cpu);
+  m.impl("topk_router_backward_from_weights", &topk_router_backward_from_weights_cpu);
 }
 
 }  // namespace moe_kernels

@@ -67,11 +67,43 @@ def _backward_torch(ctx, grad_weights, grad_experts):
 
 def _setup_context(ctx, inputs, output):
     logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor = inputs
+    ctx.set_materialize_grads(False)  # no zero gradient made for the int64 experts
     ctx.save_for_backward(logits, output[1])
     ctx.scoring, ctx.renormalize, ctx.scaling_factor = scoring, renormalize, scaling_factor
+    ctx.from_weights = False
+
+
+def _setup_context_kernel(ctx, inputs, output):
+    """The extension op's: a renormalised softmax router's float32 weights (scaling * the selected
+    scores over their sum) determine its gradient, so where the device has the kernel that takes
+    them, a copy of the [T, k] weights is saved instead of the [T, E] logits (a copy: a caller may
+    edit the returned weights in place). The backward then reads no logits, and the graph does not
+    keep them alive."""
+    logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor = inputs
+    from_weights = (
+        scoring == "softmax"
+        and renormalize
+        and scaling_factor != 0
+        and output[0].dtype == torch.float32
+        and backends.extension_kernel("topk_router_backward_from_weights", logits) is not None
+    )
+    if not from_weights:
+        return _setup_context(ctx, inputs, output)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[0].clone(), output[1])
+    ctx.scaling_factor, ctx.from_weights = scaling_factor, True
+    ctx.num_experts, ctx.dtype = logits.shape[1], logits.dtype
 
 
 def _backward(ctx, grad_weights, grad_experts):
+    if ctx.from_weights:
+        grad = None
+        if grad_weights is not None and ctx.needs_input_grad[0]:
+            weights, experts = ctx.saved_tensors
+            grad = torch.ops.moe_kernels.topk_router_backward_from_weights(
+                grad_weights, weights, experts, ctx.num_experts, ctx.scaling_factor, ctx.dtype
+            )
+        return grad, None, None, None, None, None, None, None, None
     logits, experts = ctx.saved_tensors
     grad = None
     if grad_weights is not None and ctx.needs_input_grad[0]:
@@ -95,7 +127,13 @@ if backends._extension.has_kernel("topk_router", "CPU"):
     def _fake_backward(grad_weights, logits, experts, scoring, renormalize, scaling_factor):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
-    torch.library.register_autograd("moe_kernels::topk_router", _backward, setup_context=_setup_context)
+    if backends._extension.defines("topk_router_backward_from_weights"):
+
+        @torch.library.register_fake("moe_kernels::topk_router_backward_from_weights")
+        def _fake_backward_from_weights(grad_weights, weights, experts, num_experts, scaling_factor, dtype):
+            return weights.new_empty((weights.shape[0], num_experts), dtype=dtype)
+
+    torch.library.register_autograd("moe_kernels::topk_router", _backward, setup_context=_setup_context_kernel)
 
 _triton = None
 if backends.triton_importable():
