@@ -84,7 +84,7 @@ void thresholds(const float* sample, int64_t S, int64_t w, int64_t rank, float* 
 void CandidateLists::reset(int64_t w_, int64_t capacity_) {
   w = w_;
   capacity = capacity_;
-  // + the sink slot; then padded so that consecutive lists start one cache line apart modulo 4 KiB:
+  // + one slot; then padded so that consecutive lists start one cache line apart modulo 4 KiB:
   // the rows' appends go to w lists at once, and lists a multiple of 4 KiB apart would all fall
   // in the same few L1 sets.
   ld = (capacity + 1 + 511) / 512 * 512 + 8;
@@ -93,6 +93,19 @@ void CandidateLists::reset(int64_t w_, int64_t capacity_) {
     allocated = w * ld;
   }
   count.assign(w, 0);
+}
+
+void CandidateLists::begin_appends() {
+  cursor.resize(w);
+  overflow.resize(w);
+  for (int64_t j = 0; j < w; ++j) {
+    cursor[j] = entries.get() + j * ld + std::min(count[j], capacity);
+    overflow[j] = std::max<int64_t>(0, count[j] - capacity);
+  }
+}
+
+void CandidateLists::end_appends() {
+  for (int64_t j = 0; j < w; ++j) count[j] = (cursor[j] - (entries.get() + j * ld)) + overflow[j];
 }
 
 // filter_rows, once per instruction set. Each chunk_mask is !(x < lo) lane-wise (true for NaN:

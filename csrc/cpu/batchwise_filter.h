@@ -44,12 +44,18 @@ void thresholds(const float* sample, int64_t S, int64_t w, int64_t rank, float* 
 
 // Candidate lists of w columns: column j's candidates at entries[j * ld + i] for i < count[j],
 // each (the score's float32 bits << 32 | token: select_candidates makes the order keys). Appends
-// past capacity land in the sink slot at index capacity; count keeps counting.
+// past capacity are not stored; count keeps counting.
 struct CandidateLists {
   int64_t w = 0, capacity = 0, ld = 0, allocated = 0;
   std::unique_ptr<uint64_t[]> entries;  // [w * ld], not initialised: only appended entries are read
   std::vector<int64_t> count;
+  // filter_rows' state between begin_appends and end_appends: column j's next entry, and its
+  // appends that found the list full.
+  std::vector<uint64_t*> cursor;
+  std::vector<int64_t> overflow;
   void reset(int64_t w_, int64_t capacity_);
+  void begin_appends();
+  void end_appends();
 };
 
 // Append the candidates of rows t0 .. t0 + rows (row r at x + r * stride_t, w float32 columns)
