@@ -188,6 +188,82 @@ inline uint32_t chunk_mask(const float*, const float*) { return 0; }
 }  // namespace scalar
 #endif
 
+// select_candidates' split of n candidates (entries, their keys) by bin (key - lo_key) >> shift:
+// tokens of the bins above `bin` into out[0 ..) (returns their count), the bin's entries (key << 32
+// | token) into bin_entries[0 .. *in_bin), both in candidate order. The portable loop writes every
+// token to out's next slot and advances for those above (branch-free: which they are is
+// unpredictable; fewer than m of them, so the slot stays inside out); the bin's few entries take
+// a branch.
+int64_t split_portable(const uint64_t* entries, const uint32_t* keys, int64_t n, uint32_t lo_key, int shift,
+                       uint32_t bin, int64_t* out, uint64_t* bin_entries, int64_t* in_bin) {
+  int64_t n_above = 0, k = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = (keys[i] - lo_key) >> shift;
+    const uint32_t token = (uint32_t)entries[i];
+    out[n_above] = token;
+    n_above += b > bin;
+    if (b == bin) bin_entries[k++] = (uint64_t)keys[i] << 32 | token;
+  }
+  *in_bin = k;
+  return n_above;
+}
+
+#if defined(MK_FILTER_AVX512)
+#if defined(MK_FILTER_DISPATCH)
+#pragma GCC push_options
+#pragma GCC target("avx512f,popcnt")
+#endif
+// 16 candidates a step: their bins by one subtract and shift, the tokens above compressed in
+// registers (8 int64 lanes at a time) and stored under a mask of their count (the compress-to-
+// memory form is microcoded on some cores; a full store could write past out's m slots).
+int64_t split_avx512(const uint64_t* entries, const uint32_t* keys, int64_t n, uint32_t lo_key, int shift,
+                     uint32_t bin, int64_t* out, uint64_t* bin_entries, int64_t* in_bin) {
+  const __m512i lo = _mm512_set1_epi32((int)lo_key), bins = _mm512_set1_epi32((int)bin);
+  const __m128i count = _mm_cvtsi32_si128(shift);
+  const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
+  int64_t n_above = 0, k = 0, i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i b = _mm512_srl_epi32(_mm512_sub_epi32(_mm512_loadu_si512(keys + i), lo), count);
+    const __mmask16 above = _mm512_cmpgt_epu32_mask(b, bins);
+    __mmask16 in = _mm512_cmpeq_epi32_mask(b, bins);
+    for (int h = 0; h < 2; ++h) {
+      const __mmask8 take = (__mmask8)(above >> (8 * h));
+      const __m512i tokens = _mm512_and_si512(_mm512_loadu_si512(entries + i + 8 * h), low32);
+      const int c = __builtin_popcount(take);
+      _mm512_mask_storeu_epi64(out + n_above, (__mmask8)((1u << c) - 1), _mm512_maskz_compress_epi64(take, tokens));
+      n_above += c;
+    }
+    while (in) {
+      const int64_t l = i + __builtin_ctz(in);
+      in &= in - 1;
+      bin_entries[k++] = (uint64_t)keys[l] << 32 | (uint32_t)entries[l];
+    }
+  }
+  int64_t tail_in = 0;
+  n_above += split_portable(entries + i, keys + i, n - i, lo_key, shift, bin, out + n_above, bin_entries + k, &tail_in);
+  *in_bin = k + tail_in;
+  return n_above;
+}
+#if defined(MK_FILTER_DISPATCH)
+#pragma GCC pop_options
+#endif
+#endif
+
+using SplitFn = int64_t (*)(const uint64_t*, const uint32_t*, int64_t, uint32_t, int, uint32_t, int64_t*, uint64_t*,
+                            int64_t*);
+
+SplitFn pick_split() {
+#if defined(MK_FILTER_DISPATCH)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt")) return split_avx512;
+  return split_portable;
+#elif defined(MK_FILTER_AVX512)
+  return split_avx512;
+#else
+  return split_portable;
+#endif
+}
+
 using RowsFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, CandidateLists&);
 
 RowsFn pick_filter_rows() {
@@ -245,20 +321,13 @@ bool select_candidates(const CandidateLists& lists, int64_t j, int64_t m, uint32
   int64_t above = 0, bin = bins - 1;
   for (; bin > 0 && above + h0[bin] + h1[bin] < m; --bin) above += h0[bin] + h1[bin];
   const int64_t rank = m - above;  // of the m-th largest within its bin, 1-based
-  // One pass: every candidate's token is written to out's next slot, which advances for the bins
-  // above the threshold's (branch-free: which candidates those are is unpredictable; `above` < m of
-  // them, so the slot stays inside out), and the threshold bin's entries (key, token) apart (a
-  // branch: a handful of candidates in thousands).
+  // One pass: the tokens of the bins above the threshold's into out (`above` < m of them), the
+  // threshold bin's entries (key, token) apart (a handful of candidates in thousands).
   s.bin_entries.resize(h0[bin] + h1[bin]);
   uint64_t* bin_entries = s.bin_entries.data();
-  int64_t n_above = 0, in_bin = 0;
-  for (i = 0; i < n; ++i) {
-    const uint32_t b = (keys[i] - lo_key) >> shift;
-    const uint32_t token = (uint32_t)entries[i];
-    out[n_above] = token;
-    n_above += b > (uint32_t)bin;
-    if (b == (uint32_t)bin) bin_entries[in_bin++] = (uint64_t)keys[i] << 32 | token;
-  }
+  static const SplitFn split = pick_split();
+  int64_t in_bin = 0;
+  const int64_t n_above = split(entries, keys, n, lo_key, shift, (uint32_t)bin, out, bin_entries, &in_bin);
   // The exact threshold among the bin's keys (usually a handful).
   s.bin.resize(in_bin);
   for (i = 0; i < in_bin; ++i) s.bin[i] = (uint32_t)(bin_entries[i] >> 32);
