@@ -318,12 +318,12 @@ bool select_candidates(const CandidateLists& lists, int64_t j, int64_t m, uint32
     ++h1[(keys[i + 1] - lo_key) >> shift];
   }
   for (; i < n; ++i) ++h0[(keys[i] - lo_key) >> shift];
-  int64_t above = 0, bin = bins - 1;
-  for (; bin > 0 && above + h0[bin] + h1[bin] < m; --bin) above += h0[bin] + h1[bin];
-  const int64_t rank = m - above;  // of the m-th largest within its bin, 1-based
+  for (int64_t b = 0; b < bins; ++b) h0[b] += h1[b];
+  int64_t rank = m;  // becomes the m-th largest's rank within its bin, 1-based
+  const int64_t bin = batchwise_mask::select_bin(h0, (int)bins, &rank);
   // One pass: the tokens of the bins above the threshold's into out (`above` < m of them), the
   // threshold bin's entries (key, token) apart (a handful of candidates in thousands).
-  s.bin_entries.resize(h0[bin] + h1[bin]);
+  s.bin_entries.resize(h0[bin]);
   uint64_t* bin_entries = s.bin_entries.data();
   static const SplitFn split = pick_split();
   int64_t in_bin = 0;

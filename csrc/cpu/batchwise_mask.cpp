@@ -55,22 +55,7 @@ inline uint32_t cpu_digit(uint32_t key, int pass) {
   return (key >> kDigitShift[pass]) & ((1u << kDigitBits[pass]) - 1);
 }
 
-// The digit of the `*remaining`-th largest candidate given their digit histogram over `bins`;
-// *remaining becomes its rank among the candidates with that digit (batchwise_mask::select_digit
-// for any width).
-template <typename count_t>
-uint32_t select_bin(const count_t* hist, int bins, int64_t* remaining) {
-  int64_t above = 0;
-  for (int d = bins - 1; d > 0; --d) {
-    if (above + hist[d] >= *remaining) {
-      *remaining -= above;
-      return (uint32_t)d;
-    }
-    above += hist[d];
-  }
-  *remaining -= above;
-  return 0;
-}
+using batchwise_mask::select_bin;
 
 // Select the m largest keys of one column (1 <= m <= T) and write its token list (ascending).
 // Pass 0 (the first digit) runs over all T keys: a histogram, then a split into tokens certainly

@@ -21,13 +21,16 @@ MK_HD uint32_t digit(uint32_t key, int pass) {
   return (key >> (32 - kRadixBits * (pass + 1))) & (kRadixBins - 1);
 }
 
-// Given the histogram of the current candidates' digits, the digit of the `*remaining`-th largest
-// candidate (1-based). On return *remaining is its rank among the candidates with that digit.
-// After the last pass the threshold key is known and *remaining is how many keys equal to it are
-// kept (the lowest token indices: ties go to the lower index).
-MK_HD uint32_t select_digit(const int64_t* hist, int64_t* remaining) {
+// Given the histogram hist[0 .. bins) of the current candidates' digits, the digit of the
+// `*remaining`-th largest candidate (1-based). On return *remaining is its rank among the
+// candidates with that digit. After the last pass the threshold key is known and *remaining is
+// how many keys equal to it are kept (the lowest token indices: ties go to the lower index).
+// Every radix select of the project walks its histogram here (CPU digits of 5-11 bits, the
+// sampled select's candidate bins, CUDA's 8-bit digits).
+template <typename count_t>
+MK_HD uint32_t select_bin(const count_t* hist, int bins, int64_t* remaining) {
   int64_t above = 0;
-  for (int d = kRadixBins - 1; d > 0; --d) {
+  for (int d = bins - 1; d > 0; --d) {
     if (above + hist[d] >= *remaining) {
       *remaining -= above;
       return (uint32_t)d;
@@ -37,6 +40,8 @@ MK_HD uint32_t select_digit(const int64_t* hist, int64_t* remaining) {
   *remaining -= above;
   return 0;
 }
+
+MK_HD uint32_t select_digit(const int64_t* hist, int64_t* remaining) { return select_bin(hist, kRadixBins, remaining); }
 
 }  // namespace batchwise_mask
 }  // namespace moe_kernels
