@@ -99,6 +99,17 @@ def test_positions_priority_ties_by_hand(backend):
     assert positions.tolist() == [[1, 0], [-1, 1], [0, -1]]
 
 
+def test_positions_float64_priority_compares_as_float32(backend):
+    # 1 + 1e-12 rounds to 1.0 in float32: the two first choices tie and keep the default order
+    # (token 0 first) on every backend and in the reference, though float64 tells them apart.
+    experts = torch.tensor([[0], [0]])
+    priority = torch.tensor([[1.0], [1.0 + 1e-12]], dtype=torch.float64)
+    with use(backend):
+        positions, _ = capacity_positions(experts, 1, 1, priority=priority)
+    assert positions.tolist() == [[0], [-1]]
+    assert torch.equal(positions, reference.capacity_positions(experts, 1, 1, priority=priority)[0])
+
+
 def test_positions_large_parallel_path(backend):
     # More choices than one chunk of the C++ kernel (65536) / several scan blocks of the Triton one.
     T, E, k = (40000, 64, 2) if backend != "triton" else (2500, 4, 2)

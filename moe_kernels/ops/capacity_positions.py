@@ -64,7 +64,10 @@ def capacity_positions(experts: torch.Tensor, num_experts: int, capacity: int, *
       priority: optional [T, k] float. Default order (GShard / Switch): every token's first
         choice before any second choice, by token index within a choice. With priority: by
         descending priority, ties in the default order (Megatron's "probs" policy; batch
-        prioritised routing of V-MoE is priority = max_gate[t] - 2 * s).
+        prioritised routing of V-MoE is priority = max_gate[t] - 2 * s). Priorities are
+        compared as float32 on every backend and in the reference: float64 priorities that
+        round to the same float32 tie (the fill order's key is a float32 rank key and a
+        32-bit index in one int64).
 
     Returns:
       positions: [T, k] int64 slot in [0, C), -1 if the choice is empty or overflowed.

@@ -25,7 +25,7 @@ def _fill_order(experts: torch.Tensor, priority: torch.Tensor | None) -> torch.T
     default = torch.arange(T * k, device=experts.device).view(T, k).t().reshape(-1)  # s-major
     if priority is None:
         return default
-    p = priority.t().reshape(-1).float()
+    p = priority.t().reshape(-1).float()  # float32 comparisons, as every kernel makes them
     return default[torch.sort(-p, stable=True).indices]
 
 
