@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "moe_kernels/topk_router.h"
-#include "index_check.h"
+#include "saved_weights.h"
 #include "row_vector.h"
 #include "vec_math.h"
 
@@ -556,28 +556,19 @@ at::Tensor topk_router_backward_from_weights_cpu(const at::Tensor& grad_weights,
                                                  const at::Tensor& experts, int64_t num_experts, double scaling_factor,
                                                  at::ScalarType dtype) {
   const char* op = "topk_router_backward_from_weights";
-  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat, op, ": weights must be a float32 [T, k] tensor");
-  TORCH_CHECK(grad_weights.sizes() == weights.sizes() && experts.sizes() == weights.sizes(), op,
-              ": grad_weights and experts must have the weights' shape ", weights.sizes());
-  TORCH_CHECK(at::isFloatingType(grad_weights.scalar_type()), op, ": grad_weights must be floating");
-  const int64_t T = weights.size(0), k = weights.size(1), E = num_experts;
-  TORCH_CHECK(k >= 1 && k <= E, op, ": need 1 <= k <= num_experts, got k=", k, ", num_experts=", E);
+  const SavedWeights in = saved_weights(grad_weights, weights, experts, num_experts, op);
+  const int64_t k = in.k, E = in.E;
   TORCH_CHECK(scaling_factor != 0.0, op, ": scaling_factor must not be 0 (the weights then say nothing of the scores)");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": dtype must be float32, float16 or bfloat16, got ", dtype);
-  auto grad = at::empty({T, E}, weights.options().dtype(dtype));
-  if (T == 0) return grad;
-  const auto w = weights.contiguous();
-  const auto g = grad_weights.to(at::kFloat).contiguous();
-  const auto ex = experts.contiguous();
-  check_routing_ids(ex, E, k, op, "experts");
-  const float* wp = w.const_data_ptr<float>();
-  const float* gp = g.const_data_ptr<float>();
-  const int64_t* ep = ex.const_data_ptr<int64_t>();
+  auto grad = at::empty({in.T, E}, weights.options().dtype(dtype));
+  const float* wp = in.w.const_data_ptr<float>();
+  const float* gp = in.g.const_data_ptr<float>();
+  const int64_t* ep = in.ex.const_data_ptr<int64_t>();
   const float scaling = (float)scaling_factor;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "topk_router_backward_from_weights", [&] {
     scalar_t* out = grad.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, in.T, row_grain(E), [&](int64_t begin, int64_t end) {
       router_grad_from_weights(wp + begin * k, gp + begin * k, ep + begin * k, end - begin, k, E, scaling,
                                out + begin * E);
     });

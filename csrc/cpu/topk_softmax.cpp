@@ -17,6 +17,7 @@
 
 #include "moe_kernels/topk_softmax.h"
 #include "index_check.h"
+#include "saved_weights.h"
 #include "row_vector.h"
 #include "vec_math.h"
 
@@ -298,24 +299,16 @@ at::Tensor topk_softmax_backward_cpu(const at::Tensor& grad_weights, const at::T
 // exps; and the graph keeps [T, k] weights alive rather than the [T, E] logits.
 at::Tensor topk_softmax_backward_from_weights_cpu(const at::Tensor& grad_weights, const at::Tensor& weights,
                                                   const at::Tensor& experts, int64_t num_experts) {
-  const char* op = "topk_softmax_backward_from_weights";
-  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat, op, ": weights must be a float32 [T, k] tensor");
-  TORCH_CHECK(grad_weights.sizes() == weights.sizes() && experts.sizes() == weights.sizes(), op,
-              ": grad_weights and experts must have the weights' shape ", weights.sizes());
-  const int64_t T = weights.size(0), k = weights.size(1), E = num_experts;
-  TORCH_CHECK(k >= 1 && k <= E, op, ": need 1 <= k <= num_experts, got k=", k, ", num_experts=", E);
-  auto grad = at::empty({T, E}, weights.options());
-  if (T == 0) return grad;
-  const auto w = weights.contiguous();
-  const auto g = grad_weights.to(at::kFloat).contiguous();
-  const auto ex = experts.contiguous();
-  check_routing_ids(ex, E, k, op, "experts");
-  const float* wp = w.const_data_ptr<float>();
-  const float* gp = g.const_data_ptr<float>();
-  const int64_t* ep = ex.const_data_ptr<int64_t>();
+  const SavedWeights in =
+      saved_weights(grad_weights, weights, experts, num_experts, "topk_softmax_backward_from_weights");
+  const int64_t k = in.k, E = in.E;
+  auto grad = at::empty({in.T, E}, weights.options());
+  const float* wp = in.w.const_data_ptr<float>();
+  const float* gp = in.g.const_data_ptr<float>();
+  const int64_t* ep = in.ex.const_data_ptr<int64_t>();
   float* out = grad.mutable_data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 32768 / E);
-  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, in.T, grain, [&](int64_t begin, int64_t end) {
     renormalized_grad_rows_f32(wp + begin * k, gp + begin * k, ep + begin * k, end - begin, k, E, out + begin * E);
   });
   return grad;
