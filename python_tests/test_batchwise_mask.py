@@ -159,6 +159,28 @@ def test_sampled_threshold_select(dtype, m):
         assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (dtype, m, x.stride())
 
 
+@pytest.mark.parametrize("E, threads", [(64, 1), (128, 2), (200, 1), (65, 2)])
+def test_sampled_threshold_select_row_words(E, threads):
+    """The row pass's word shapes: one 64-column word per row (its own instance; E = 128 split
+    between two threads is 64 per task), several words per row with a short last one (words of one
+    row, and of consecutive rows, share an append loop), and 65 (a word of one column)."""
+    if not moe_kernels._extension.has_kernel("batchwise_mask", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    T = 8192
+    m = 2 * T // E
+    scores = sampled_threshold_scores(T, E, seed=E)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with moe_kernels.use_backend("cpu"):
+            mask, tokens = batchwise_mask(scores, m, return_indices=True)
+    finally:
+        torch.set_num_threads(before)
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+    check_layout(mask, tokens, m)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_mask_written_in_row_blocks(threads):
     """The C++ mask is zeroed and set a block of 256 KiB of rows at a time, each thread from its own

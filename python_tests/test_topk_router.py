@@ -230,6 +230,44 @@ def test_backward_from_weights_is_the_logits_backward(router, kind, dtype):
     assert_close(x.grad.nan_to_num().double(), from_logits.nan_to_num().double(), dtype=dtype)
 
 
+@pytest.mark.parametrize("zero_score", [float("-inf"), -200.0])
+def test_backward_from_weights_bias_ranks_a_zero_score_first(zero_score):
+    """A bias can rank first an expert whose score is 0 (a masked or an underflowing logit): its
+    weight is 0 while the row's others are not, and they keep their gradient."""
+    _from_weights_kernel()
+    logits = torch.tensor([[0.0, zero_score, 1.0, 0.5]])
+    bias = torch.tensor([0.0, 5.0, 0.0, 0.0])
+    g = torch.tensor([[1.0, 2.0, -1.0]])
+    x = logits.clone().requires_grad_()
+    w, e = run("cpu", x, 3, bias=bias, renormalize=True)
+    assert e[0, 0] == 1 and w[0, 0] == 0 and w[0, 1] > 0
+    w.backward(g)
+    x_ref = logits.clone().requires_grad_()
+    w_ref, _ = reference.topk_router(x_ref, 3, bias=bias, renormalize=True)
+    w_ref.backward(g)
+    assert x.grad.abs().sum() > 0
+    assert_close(x.grad, x_ref.grad)
+
+
+def test_backward_from_weights_masked_experts_with_bias():
+    """Many masked experts and a bias, at a real router width: every row against the logits
+    backward (rows whose first-ranked expert is masked included)."""
+    _from_weights_kernel()
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(256, 64, generator=gen)
+    logits[torch.rand(256, 64, generator=gen) < 0.4] = float("-inf")
+    logits[7] = float("-inf")  # a fully masked row
+    bias = 0.05 * torch.randn(64, generator=gen)
+    g = torch.randn(256, 8, generator=gen)
+    x = logits.clone().requires_grad_()
+    w, experts = run("cpu", x, 8, bias=bias, renormalize=True, scaling_factor=2.0)
+    assert (w[:, 0] == 0).sum() > 1  # rows whose first-ranked expert is masked
+    w.backward(g)
+    from_logits = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, 2.0)
+    assert torch.equal(x.grad[7], torch.zeros(64))
+    assert_close(x.grad, from_logits)
+
+
 def test_backward_from_weights_survives_in_place_edits():
     _from_weights_kernel()
     logits = torch.randn(20, 16)

@@ -410,10 +410,11 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
 // selected scores over their sum; autograd saves a copy of them instead of the logits,
 // ops/topk_router.py): grad_s = w_s (g_s - sum_j g_j w_j / scaling) at the selected s, 0 elsewhere,
 // router_backward_rows' gradient without reading the logits. The rows router_backward_rows treats
-// apart are told by their first weight: 0 for a fully masked row (a finite row's first weight is
-// scaling over a sum of terms in (0, 1], and scaling != 0 here) or for one whose selected scores
-// all underflow (its gradient is 0 there too); NaN for a row holding NaN or +inf (NaN ranks first;
-// +inf makes its own term inf - inf), whose every gradient is NaN.
+// apart are told by their weights: all 0 for a fully masked row, or one whose selected scores all
+// underflow (its gradient is 0 there too, even for a non-finite g); a NaN first weight for a row
+// holding NaN or +inf (NaN ranks first; +inf makes its own term inf - inf, and then every weight
+// is NaN), whose every gradient is NaN. Not the first weight alone for 0: a bias can rank first an
+// expert whose score is 0 (a masked or underflowing logit) while the others' are not.
 template <typename out_t>
 MK_VEC_INLINE void router_grad_from_weights_body(const float* __restrict w, const float* __restrict g,
                                                  const int64_t* __restrict experts, int64_t n, int64_t k, int64_t E,
@@ -423,7 +424,9 @@ MK_VEC_INLINE void router_grad_from_weights_body(const float* __restrict w, cons
     const float first = w[i * k];
     const out_t fill = first != first ? (out_t)NAN : (out_t)0.0f;
     for (int64_t e = 0; e < E; ++e) row[e] = fill;
-    if (first == 0.0f || first != first) continue;
+    bool any = false;
+    for (int64_t s = 0; s < k; ++s) any |= w[i * k + s] != 0.0f;
+    if (!any || first != first) continue;
     // The selected scores over their sum as w / scaling: exactly 1 for a weight of exactly
     // scaling (a row whose other terms underflow), whose gradient is then exactly 0.
     float dot = 0.0f;
