@@ -1,6 +1,8 @@
 """batchwise_mask (eq 18) and threshold_mask (eq 19): every backend against the reference, exactly
 m tokens per expert on adversarial input, the expert-choice layout, and bad arguments."""
 
+import contextlib
+
 import pytest
 import torch
 from shapes import ADVERSARIAL_KINDS, BATCHWISE_SHAPES, DTYPES, SMALL_BATCHWISE_SHAPES, adversarial_logits
@@ -159,6 +161,17 @@ def test_sampled_threshold_select(dtype, m):
         assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (dtype, m, x.stride())
 
 
+@contextlib.contextmanager
+def torch_threads(threads):
+    """torch's intra-op threads set for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("E, threads", [(64, 1), (128, 2), (200, 1), (65, 2)])
 def test_sampled_threshold_select_row_words(E, threads):
     """The row pass's word shapes: one 64-column word per row (its own instance; E = 128 split
@@ -169,13 +182,8 @@ def test_sampled_threshold_select_row_words(E, threads):
     T = 8192
     m = 2 * T // E
     scores = sampled_threshold_scores(T, E, seed=E)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with moe_kernels.use_backend("cpu"):
-            mask, tokens = batchwise_mask(scores, m, return_indices=True)
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads), moe_kernels.use_backend("cpu"):
+        mask, tokens = batchwise_mask(scores, m, return_indices=True)
     ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
     check_layout(mask, tokens, m)
     assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
@@ -189,15 +197,10 @@ def test_mask_written_in_row_blocks(threads):
         pytest.skip("no C++ kernel in this build")
     T, E, m = 20000, 40, 700  # blocks of 6553 rows; two threads take 10000 rows each
     scores = sampled_threshold_scores(T, E, seed=3)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with moe_kernels.use_backend("cpu"):
-            for _ in range(2):  # the second call's mask may reuse the first's memory
-                torch.ones(T, E, dtype=torch.bool).fill_(True)
-                mask, tokens = batchwise_mask(scores, m, return_indices=True)
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads), moe_kernels.use_backend("cpu"):
+        for _ in range(2):  # the second call's mask may reuse the first's memory
+            torch.ones(T, E, dtype=torch.bool).fill_(True)
+            mask, tokens = batchwise_mask(scores, m, return_indices=True)
     ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
     check_layout(mask, tokens, m)
     assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
