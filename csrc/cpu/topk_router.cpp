@@ -406,48 +406,23 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
   }
 }
 
-// The softmax renormalised backward from the forward's float32 weights w = scaling * r (r the
-// selected scores over their sum; autograd saves a copy of them instead of the logits,
-// ops/topk_router.py): grad_s = w_s (g_s - sum_j g_j w_j / scaling) at the selected s, 0 elsewhere,
-// router_backward_rows' gradient without reading the logits. The rows router_backward_rows treats
-// apart are told by their weights: all 0 for a fully masked row, or one whose selected scores all
-// underflow (its gradient is 0 there too, even for a non-finite g); a NaN first weight for a row
-// holding NaN or +inf (NaN ranks first; +inf makes its own term inf - inf, and then every weight
-// is NaN), whose every gradient is NaN. Not the first weight alone for 0: a bias can rank first an
-// expert whose score is 0 (a masked or underflowing logit) while the others' are not.
-template <typename out_t>
-MK_VEC_INLINE void router_grad_from_weights_body(const float* __restrict w, const float* __restrict g,
-                                                 const int64_t* __restrict experts, int64_t n, int64_t k, int64_t E,
-                                                 float scaling, out_t* __restrict out) {
-  for (int64_t i = 0; i < n; ++i) {
-    out_t* row = out + i * E;
-    const float first = w[i * k];
-    const out_t fill = first != first ? (out_t)NAN : (out_t)0.0f;
-    for (int64_t e = 0; e < E; ++e) row[e] = fill;
-    bool any = false;
-    for (int64_t s = 0; s < k; ++s) any |= w[i * k + s] != 0.0f;
-    if (!any || first != first) continue;
-    // The selected scores over their sum as w / scaling: exactly 1 for a weight of exactly
-    // scaling (a row whose other terms underflow), whose gradient is then exactly 0.
-    float dot = 0.0f;
-    for (int64_t s = 0; s < k; ++s) dot += g[i * k + s] * (w[i * k + s] / scaling);
-    for (int64_t s = 0; s < k; ++s) row[experts[i * k + s]] = (out_t)(w[i * k + s] * (g[i * k + s] - dot));
-  }
-}
-
-// float32 rows compiled per instruction set, the zero fill as wide stores inline (GCC's rewrite of
-// that loop into a memset call per row is turned off: topk_softmax.cpp measured it costing as much
-// as the rest).
+// The softmax renormalised backward from the forward's float32 weights w = scaling * r (autograd
+// saves a copy of them instead of the logits, ops/topk_router.py): saved_weights.h's
+// renormalized_grad_rows, router_backward_rows' gradient without reading the logits, its rows
+// apart told by the weights (all 0: gradient 0; a NaN first weight: NaN everywhere). All k weights
+// are tested for 0, not the first alone: a bias can rank first an expert whose score is 0 (a
+// masked or underflowing logit) while the others' are not. float32 rows compiled per instruction
+// set, the fill loop kept inline.
 MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ROW_CLONES void
 router_grad_from_weights_f32(const float* __restrict w, const float* __restrict g, const int64_t* __restrict experts,
                              int64_t n, int64_t k, int64_t E, float scaling, float* __restrict out) {
-  router_grad_from_weights_body(w, g, experts, n, k, E, scaling, out);
+  renormalized_grad_rows<true>(w, g, experts, n, k, E, scaling, out);
 }
 
 template <typename out_t>
 void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,
                               float scaling, out_t* out) {
-  router_grad_from_weights_body(w, g, experts, n, k, E, scaling, out);
+  renormalized_grad_rows<true>(w, g, experts, n, k, E, scaling, out);
 }
 
 void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,

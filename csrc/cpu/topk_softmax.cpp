@@ -100,25 +100,15 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
   }
 }
 
-// The renormalised backward's writes for n float32 rows (out [n, E] contiguous): each row zeroed,
-// then grad_j = w_j (g_j - sum_s g_s w_s) at its k experts (w, g [n * k] float32). A row whose
-// first weight is 0 stays zero: that is a fully masked row (largest logit -inf, weights 0), since
-// a row's first weight, its largest logit's, is 1 / (a sum of k terms in (0, 1]) otherwise.
-// Compiled per instruction set: the zero fill runs as wide stores inline, just before the row's k
-// writes, which then hit the cache.
-// (no-tree-loop-distribute-patterns: GCC would turn the zero loop into a memset call per row,
-// which cost as much as the rest of the backward.)
-MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ROW_CLONES void renormalized_grad_rows_f32(const float* __restrict w, const float* __restrict g,
-                                                           const int64_t* __restrict experts, int64_t n, int64_t k,
-                                                           int64_t E, float* __restrict out) {
-  for (int64_t i = 0; i < n; ++i) {
-    float* row = out + i * E;
-    for (int64_t e = 0; e < E; ++e) row[e] = 0.0f;
-    if (w[i * k] == 0.0f) continue;  // a fully masked token: weights 0, gradient 0
-    float dot = 0.0f;
-    for (int64_t s = 0; s < k; ++s) dot += g[i * k + s] * w[i * k + s];
-    for (int64_t s = 0; s < k; ++s) row[experts[i * k + s]] = w[i * k + s] * (g[i * k + s] - dot);
-  }
+// The renormalised backward's writes for n float32 rows (saved_weights.h's renormalized_grad_rows
+// with scaling 1, NaN only at the selected experts), compiled per instruction set: the zero fill
+// runs as wide stores inline, just before the row's k writes, which then hit the cache. A row's
+// weights are all 0 only for a fully masked row (its first weight, its largest logit's, is
+// 1 / a sum of k terms in (0, 1] otherwise).
+MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ROW_CLONES void
+renormalized_grad_rows_f32(const float* __restrict w, const float* __restrict g, const int64_t* __restrict experts,
+                           int64_t n, int64_t k, int64_t E, float* __restrict out) {
+  renormalized_grad_rows<false>(w, g, experts, n, k, E, 1.0f, out);
 }
 
 // The renormalised backward of rows [begin, end), a block of rows at a time: the selected logits
