@@ -1,6 +1,7 @@
 """The CPU code compiled once per x86-64 instruction set, built for each one this machine can run
 and checked against a scalar specification: the row selections (csrc/cpu/row_vector.cpp, the
-candidate filter of row_candidates.cpp and the top-2 by values of row_top2.cpp, checked by
+candidate filter of row_candidates.cpp, the top-2 by values of row_top2.cpp and the top eight in
+registers of row_top8.cpp, checked by
 python_tests/isa/row_vector_check.cpp) and
 batchwise_mask's sampled-threshold select (csrc/cpu/batchwise_filter.cpp, checked by
 python_tests/isa/batchwise_filter_check.cpp).
@@ -19,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # (driver, the sources it checks, the least count of rows or columns a run must report checked)
 CHECKS = [
-    ("row_vector_check.cpp", ("row_vector.cpp", "row_candidates.cpp", "row_top2.cpp"), 10000),
+    ("row_vector_check.cpp", ("row_vector.cpp", "row_candidates.cpp", "row_top2.cpp", "row_top8.cpp"), 10000),
     ("batchwise_filter_check.cpp", ("batchwise_filter.cpp",), 2000),
 ]
 
@@ -33,6 +34,12 @@ VARIANTS = [
         "avx512bw",
         ["-march=x86-64", "-mavx512f", "-mavx512bw", "-mbmi", "-mpopcnt"],
         ["avx512f", "avx512bw", "bmi1", "popcnt"],
+    ),
+    # row_top8.cpp needs VBMI2 too (its byte compress)
+    (
+        "avx512vbmi2",
+        ["-march=x86-64", "-mavx512f", "-mavx512bw", "-mavx512vbmi2", "-mbmi", "-mpopcnt"],
+        ["avx512f", "avx512bw", "avx512_vbmi2", "bmi1", "popcnt"],
     ),
 ]
 

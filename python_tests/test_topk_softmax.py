@@ -82,6 +82,37 @@ def test_every_width(backend, kind, k):
             assert_close(w, w_ref)
 
 
+def near_tie_rows(T: int, E: int, seed: int) -> torch.Tensor:
+    """Rows whose largest values agree in all but their last bits, or exactly, among random ones."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, E, generator=g)
+    ulp = torch.randint(0, 24, (T, E), generator=g).float() * 1.1920929e-7
+    near = 1.0 + ulp  # 24 values a few ulp apart: many equal, the others differ in the last 5 bits
+    x[0::3] = near[0::3]
+    x[1::3, :12] = -near[1::3, :12]  # negative near-ties among random rows
+    x[2::6, E // 2] = 3.0  # an exact tie at the top, far apart in the row
+    x[2::6, E - 1] = 3.0
+    x[5::6, 7] = -0.0  # signed zeros tied at the top
+    x[5::6, 9] = 0.0
+    x[5::6, 10:] = -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("k", [3, 5, 8])
+def test_near_ties_in_wide_rows(backend, k):
+    # The C++ kernel's register path (csrc/cpu/row_top8.h: AVX-512, 16 <= E <= 64) sorts its
+    # candidates by rank keys cut to 28 bits and leaves rows whose nine largest share a cut key to
+    # the full pairs; its blocks are four rows, and 203 rows end with a partial block.
+    widths = (16, 40) if backend == "triton" else (16, 17, 33, 40, 63, 64)
+    for E in widths:
+        logits = near_tie_rows(203, E, seed=E + k)
+        for renormalize in (True, False):
+            w, e = run(backend, logits, k, renormalize)
+            w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
+            assert torch.equal(e, e_ref), (E, (e != e_ref).any(1).nonzero())
+            assert_close(w, w_ref)
+
+
 def float_compare_edge_rows(E: int) -> torch.Tensor:
     """Rows that probe the C++ float-compare selection (k = 1, 2) and its rank-key fallback."""
     rows = []

@@ -14,7 +14,9 @@
 #include "moe_kernels/common.h"
 #include "moe_kernels/topk_softmax.h"
 #include "row_candidates.h"
+#include "bitonic.h"
 #include "row_top2.h"
+#include "row_top8.h"
 #include "vec_math.h"
 
 // The lane helpers below pass 256-bit vectors by value; GCC warns that the default (non-AVX) clone
@@ -358,47 +360,9 @@ MK_ROW_BODY void rounds_on_pairs(int64_t* pairs, int64_t n, int k, int64_t* best
   }
 }
 
-// Whether lane l keeps the larger pair of itself and its partner l ^ j, in the step of a bitonic
-// sorting network whose sorted blocks of size `block` alternate direction, the first descending
-// (the last step, block = kLanes, sorts the whole vector descending).
-constexpr int64_t keeps_larger(int l, int block, int j) { return ((l < (l ^ j)) == ((l & block) == 0)) ? -1 : 0; }
-
-// One compare-exchange step of that network over the eight lanes, or of its mirror image (every
-// exchange reversed: the network then sorts ascending).
-template <int block, int j, bool descending>
-MK_ROW_BODY lanes_i64 bitonic_step(lanes_i64 x) {
-  constexpr lanes_i64 partner = {0 ^ j, 1 ^ j, 2 ^ j, 3 ^ j, 4 ^ j, 5 ^ j, 6 ^ j, 7 ^ j};
-  constexpr lanes_i64 keep = {keeps_larger(0, block, j), keeps_larger(1, block, j), keeps_larger(2, block, j),
-                              keeps_larger(3, block, j), keeps_larger(4, block, j), keeps_larger(5, block, j),
-                              keeps_larger(6, block, j), keeps_larger(7, block, j)};
-  constexpr lanes_i64 take = descending ? keep : ~keep;
-  const lanes_i64 y = __builtin_shuffle(x, partner);
-  // The larger and the smaller, blended by a constant mask: one max, one min, one masked move (a
-  // select on the compare instead leaves GCC with scalar code).
-  const lanes_i64 larger = x > y ? x : y, smaller = x > y ? y : x;
-  return take ? larger : smaller;
-}
-
-// Eight rank pairs sorted, descending or ascending: six compare-exchange steps, no branch.
-template <bool descending>
-MK_ROW_BODY lanes_i64 sort8(lanes_i64 x) {
-  x = bitonic_step<2, 1, descending>(x);
-  x = bitonic_step<4, 2, descending>(x);
-  x = bitonic_step<4, 1, descending>(x);
-  x = bitonic_step<8, 4, descending>(x);
-  x = bitonic_step<8, 2, descending>(x);
-  return bitonic_step<8, 1, descending>(x);
-}
-
-// A running top eight (descending) merged with eight more pairs: `more` sorted ascending; the
-// lane-wise larger of a descending and an ascending run is a bitonic sequence holding the eight
-// largest of both, which three steps sort.
-MK_ROW_BODY lanes_i64 merge_into_top8(lanes_i64 top, lanes_i64 more) {
-  top = max_pairs(top, sort8<false>(more));
-  top = bitonic_step<8, 4, true>(top);
-  top = bitonic_step<8, 2, true>(top);
-  return bitonic_step<8, 1, true>(top);
-}
+using bitonic::bitonic_step;
+using bitonic::merge_into_top8;
+using bitonic::sort8;
 
 // The eight largest of pairs[0 .. n) (n a positive multiple of kLanes, padded with kNoPair),
 // descending: the first vector sorted, each further one merged in (merge_into_top8). About 40
@@ -577,6 +541,15 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
     if (k > kLanes) {
       for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, (int)k, best + k * i);
     } else if (E >= kLanes) {
+      // In registers where row_top8.h applies (AVX-512, 16 <= E <= 256), 64 rows a call; the rows
+      // it leaves (a NaN sum, over 16 candidates) by rounds_row.
+      constexpr int64_t kChunk = 64;
+      int64_t redo[kChunk], n_redo;
+      for (; i < n; i += kChunk) {
+        const int64_t m = std::min(kChunk, n - i);
+        if (!rows_top8_pairs_f32(x + i * stride, stride, m, E, (int)k, best + k * i, redo, &n_redo)) break;
+        for (int64_t r = 0; r < n_redo; ++r) rounds_row(x + (i + redo[r]) * stride, E, (int)k, best + k * (i + redo[r]));
+      }
       for (; i + kRoundRows <= n; i += kRoundRows) top8_rows4(x + i * stride, stride, E, (int)k, best + k * i);
     }
     for (; i < n; ++i) rounds_row(x + i * stride, E, (int)k, best + k * i);

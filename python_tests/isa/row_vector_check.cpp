@@ -14,6 +14,7 @@
 
 #include "moe_kernels/common.h"
 #include "row_candidates.h"
+#include "row_top8.h"
 #include "row_vector.h"
 #include "xorshift.h"
 
@@ -139,6 +140,51 @@ bool check_candidates(const float* x, int64_t E) {
   return true;
 }
 
+// rows_top8_pairs_f32 called directly where the variant runs (16 <= E <= 64): every row it
+// finishes exact, the ones it leaves for its caller few on random rows (its floor leaves more than
+// 16 candidates in well under 1% of them; near-equal values cost a few more) and all of those it
+// must leave (a NaN sum, equal values among the 9 largest). Counts the rows it finished.
+bool check_top8_direct(long* finished) {
+  constexpr int64_t kRows = 203;  // 50 blocks of four, and three rows left
+  for (int64_t E = 16; E <= 64; ++E) {
+    for (int k = 3; k <= 8; ++k) {
+      for (int kind = 0; kind < 3; ++kind) {
+        std::vector<float> x(kRows * E);
+        for (int64_t i = 0; i < kRows * E; ++i) {
+          const float u = uniform();
+          // random; random with every 7th row holding a tie or a NaN; near-equal values
+          x[i] = kind == 2 ? 1.0f + (float)(next() % 64) * 1.1920929e-7f : 4.0f * u - 2.0f;
+        }
+        if (kind == 1) {
+          for (int64_t i = 0; i < kRows; i += 7) x[i * E + next() % (E - 1)] = i % 14 ? NAN : 2.5f, x[i * E + E - 1] = 2.5f;
+        }
+        std::vector<int64_t> best(kRows * k, -1), redo(kRows);
+        int64_t n_redo = -1;
+        if (!rows_top8_pairs_f32(x.data(), E, kRows, E, k, best.data(), redo.data(), &n_redo)) return true;
+        std::vector<bool> left(kRows, false);
+        for (int64_t r = 0; r < n_redo; ++r) left[redo[r]] = true;
+        if (kind == 0 && n_redo > kRows / 20) {
+          std::printf("rows_top8_pairs_f32 E=%lld k=%d: %lld of %lld random rows left\n", (long long)E, k,
+                      (long long)n_redo, (long long)kRows);
+          return false;
+        }
+        for (int64_t i = 0; i < kRows; ++i) {
+          const float* row = x.data() + i * E;
+          if (kind == 1 && i % 7 == 0 && !left[i]) {
+            std::printf("rows_top8_pairs_f32 E=%lld k=%d: row %lld (a tie at 2.5 or a NaN) not left\n", (long long)E,
+                        k, (long long)i);
+            return false;
+          }
+          if (left[i]) continue;
+          if (!check("rows_top8_pairs_f32", row, E, k, best.data() + i * k)) return false;
+          ++*finished;
+        }
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 // Every selection on every width, k and row kind; false at the first mismatch.
@@ -178,6 +224,7 @@ bool check_all(long* checked) {
 int main() {
   long checked = 0;
   if (!check_all(&checked)) return 1;
+  if (!check_top8_direct(&checked)) return 1;
   // Again with denormals read as zero and results flushed (torch.set_flush_denormal(True)): the
   // float compares and rank_key (whose x + 0.0f then turns a denormal into 0) must still agree.
   _mm_setcsr(_mm_getcsr() | 0x8040);
