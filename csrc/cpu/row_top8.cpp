@@ -134,8 +134,9 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
   }
   // 4. The candidates sorted as one vector of int32: each key's top 28 bits above 15 - its lane
   // (its candidate number: lanes are in index order, so of two equal prefixes the lower index
-  // ranks first), lanes past the count INT_MIN. Exact unless two of the 9 largest share a prefix
-  // (equal or nearly equal values; the caller redoes those rows).
+  // ranks first), lanes past the count INT_MIN. Exact unless two different keys share a prefix
+  // (values a few ulp apart; the caller redoes those rows). Equal keys are exact ties, ranked
+  // by index as rank pairs rank them.
   const __m512i lane_code = _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   i32x16 packed[R];
   for (int j = 0; j < R; ++j) {
@@ -147,14 +148,20 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
   const __mmask8 slots = (__mmask8)((1u << k) - 1);
   for (int j = 0; j < R; ++j) {
     const __m512i sorted = (__m512i)packed[j];
-    const __m512i prefix = _mm512_srai_epi32(sorted, 4);
-    const bool tie = _mm512_mask_cmpeq_epi32_mask(0x00ff, prefix, _mm512_alignr_epi32(prefix, prefix, 1)) != 0;
-    const bool fine = !_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) && __builtin_popcountll(bits[j]) <= 16;
-    failed |= (uint32_t)(tie || !fine) << j;
-    // The top eight's candidate numbers, then their rank pairs (key << 32 | 0xffffffff - index).
+    // The candidates' full keys in sorted order. Equal keys share a prefix and come in index
+    // order, as rank pairs rank them; two different keys with one prefix may be misordered, and
+    // if any are, two such neighbours are (a run of one prefix is contiguous once sorted).
     const __m512i number = _mm512_sub_epi32(_mm512_set1_epi32(15), _mm512_and_si512(sorted, _mm512_set1_epi32(15)));
+    const __m512i sorted_key = _mm512_permutexvar_epi32(number, key[j]);
+    const __m512i prefix = _mm512_srai_epi32(sorted, 4);
+    const __mmask16 same_prefix = _mm512_mask_cmpeq_epi32_mask(0x7fff, prefix, _mm512_alignr_epi32(prefix, prefix, 1));
+    const bool misordered =
+        _mm512_mask_cmpneq_epi32_mask(same_prefix, sorted_key, _mm512_alignr_epi32(sorted_key, sorted_key, 1)) != 0;
+    const bool fine = !_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) && __builtin_popcountll(bits[j]) <= 16;
+    failed |= (uint32_t)(misordered || !fine) << j;
+    // The top eight's rank pairs (key << 32 | 0xffffffff - index).
     const __m256i top_index = _mm512_castsi512_si256(_mm512_permutexvar_epi32(number, index[j]));
-    const __m256i top_key = _mm512_castsi512_si256(_mm512_permutexvar_epi32(number, key[j]));
+    const __m256i top_key = _mm512_castsi512_si256(sorted_key);
     const __m512i pairs = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepi32_epi64(top_key), 32),
                                           _mm512_cvtepu32_epi64(_mm256_xor_si256(top_index, _mm256_set1_epi32(-1))));
     _mm512_mask_storeu_epi64(best + k * j, slots, pairs);

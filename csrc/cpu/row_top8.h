@@ -14,9 +14,9 @@
 //     row's four vectors;
 //  4. the candidates sorted as one vector of int32: the rank key's top 28 bits above 15 - the
 //     candidate's number (candidates are in index order, so a lower index ranks first among equal
-//     prefixes). That is the rank-pair order unless two of the 9 largest share a prefix (equal or
-//     nearly equal values: checked after the sort), and those rows are left to the caller, which
-//     ranks them by full pairs.
+//     prefixes). That is the rank-pair order (exact ties included) unless two different keys
+//     share a prefix (values a few ulp apart: checked after the sort, on neighbouring lanes), and
+//     those rows are left to the caller, which ranks them by full pairs.
 #pragma once
 #include <cstdint>
 
@@ -26,7 +26,7 @@ namespace moe_kernels {
 // [16, 64] elements), descending, into best[k * i .. k * i + k). Returns false (nothing written)
 // when the CPU lacks AVX-512 F, BW or VBMI2 or popcnt, or E or k is out of range. A row the
 // variant does not finish (its lane-wise float sums hold a NaN, more than 16 elements are at or
-// above its floor, or two of its 9 largest rank keys agree but for their last 4 bits) is left for
+// above its floor, or two different candidates' rank keys agree but for their last 4 bits) is left for
 // the caller: its index goes into redo [n], counted by *n_redo (its slots hold garbage).
 bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best,
                          int64_t* redo, int64_t* n_redo);
