@@ -12,6 +12,7 @@
 
 // The helpers pass 512-bit vectors by value; GCC warns that a caller without AVX-512 would pass
 // them differently. They are always inlined, so no such call exists.
+#pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace moe_kernels {
@@ -123,3 +124,5 @@ MK_BITONIC_INLINE void sort16_each(V* x) {
 
 }  // namespace bitonic
 }  // namespace moe_kernels
+
+#pragma GCC diagnostic pop

@@ -23,8 +23,8 @@
 namespace moe_kernels {
 
 // The k largest rank pairs (1 <= k <= 8) of rows [0, n) of x (row i at x + i * stride, E in
-// [16, 64] elements), descending, into best[k * i .. k * i + k). Returns false (nothing written)
-// when the CPU lacks AVX-512 F, BW or VBMI2 or popcnt, or E or k is out of range. A row the
+// [16, 64] elements), descending, into best[k * i .. k * i + k). Returns false (nothing written
+// but *n_redo = 0) when the CPU lacks AVX-512 F, BW or VBMI2 or popcnt, or E or k is out of range. A row the
 // variant does not finish (its lane-wise float sums hold a NaN, more than 16 elements are at or
 // above its floor, or two different candidates' rank keys agree but for their last 4 bits) is left for
 // the caller: its index goes into redo [n], counted by *n_redo (its slots hold garbage).
