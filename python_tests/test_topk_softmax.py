@@ -100,11 +100,11 @@ def near_tie_rows(T: int, E: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("k", [3, 5, 8])
 def test_near_ties_in_wide_rows(backend, k):
-    # The C++ kernel's register path (csrc/cpu/row_top8.h: AVX-512, 16 <= E <= 64) sorts its
+    # The C++ kernel's register path (csrc/cpu/row_top8.h: AVX-512, 16 <= E <= 256) sorts its
     # candidates by rank keys cut to 28 bits (exact ties ranked by index below the cut) and leaves
     # rows where two different keys share a cut key to the full pairs; its blocks are four rows,
     # and 203 rows end with a partial block. Also rows cut from a wider tensor (row stride > E).
-    widths = (16, 40) if backend == "triton" else (16, 17, 33, 40, 63, 64)
+    widths = (16, 40) if backend == "triton" else (16, 17, 33, 40, 63, 64, 100, 128, 200, 256)
     for E in widths:
         rows = near_tie_rows(203, E, seed=E + k)
         wider = torch.full((203, E + 13), 9.0)

@@ -73,28 +73,35 @@ inline __mmask16 inside(int64_t E, int64_t c) {
   return E - c >= 16 ? (__mmask16)0xffff : E - c <= 0 ? (__mmask16)0 : (__mmask16)((1u << (E - c)) - 1);
 }
 
-// R rows at once (E <= 64; kFull: E = 64, every mask known at compile time), every operation for
+// R rows at once (E <= 64 W; kFull: E = 64 W, every mask known at compile time), every operation for
 // all R before the next: one row is a chain of ~170 cycles of dependent vector operations, and R
 // chains overlap only when interleaved instruction by instruction (bitonic.h's *_each; written
 // row after row, four rows took as long as one row four times). Writes each row's k pairs (garbage
 // for the rows it does not finish) and returns the rows it does not finish as bits.
-template <int R, bool kFull>
+template <int W, int R, bool kFull>
 inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, int64_t* best) {
-  const int64_t E = kFull ? 64 : E_any;
+  constexpr int V = 4 * W;  // vectors of 16 a row
+  const int64_t E = kFull ? 64 * W : E_any;
+  // A 64-wide row stays in registers (its values are looked up there); wider rows are read again.
   __m512 v[R][4];
-  for (int q = 0; q < 4; ++q) {
-    for (int j = 0; j < R; ++j) v[j][q] = _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q);
+  auto load = [&](int j, int q) { return _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q); };
+  if constexpr (W == 1) {
+    for (int q = 0; q < 4; ++q) {
+      for (int j = 0; j < R; ++j) v[j][q] = load(j, q);
+    }
   }
+  auto row_vector = [&](int j, int q) { return W == 1 ? v[j][q] : load(j, q); };
   // 1. The 16 lane maxima (E >= 16 puts an element in every lane; the zeros past the row are
   // masked out) and the NaN check.
   f32x16 m[R];
   __m512 sum[R];
-  for (int j = 0; j < R; ++j) m[j] = (f32x16)v[j][0], sum[j] = v[j][0];
-  for (int q = 1; q < 4; ++q) {
+  for (int j = 0; j < R; ++j) m[j] = (f32x16)row_vector(j, 0), sum[j] = (__m512)m[j];
+  for (int q = 1; q < V; ++q) {
     const __mmask16 in = inside(E, 16 * q);
     for (int j = 0; j < R; ++j) {
-      m[j] = (f32x16)_mm512_mask_max_ps((__m512)m[j], in, (__m512)m[j], v[j][q]);
-      sum[j] = _mm512_mask_add_ps(sum[j], in, sum[j], v[j][q]);
+      const __m512 x_q = row_vector(j, q);
+      m[j] = (f32x16)_mm512_mask_max_ps((__m512)m[j], in, (__m512)m[j], x_q);
+      sum[j] = _mm512_mask_add_ps(sum[j], in, sum[j], x_q);
     }
   }
   // 2. The floor: the 8th largest lane maximum. Sorted by blocks of 8 (lanes 0-7 descending,
@@ -106,28 +113,48 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
   for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps(floor[j], _mm512_permute_ps(floor[j], 0x4e));
   for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps(floor[j], _mm512_permute_ps(floor[j], 0xb1));
   for (int j = 0; j < R; ++j) floor[j] = _mm512_broadcastss_ps(_mm512_castps512_ps128(floor[j]));
-  // 3. The candidates: bit e for element e >= floor; their indices ascending (a byte compress of
-  // the mask, widened; lanes past the count 0) and values (two-source permutes of the row).
+  // 3. The candidates: bit e of 64-element word w for element 64 w + e >= floor; their indices
+  // ascending (bytes: E <= 256) by a byte compress of each word's mask, the words after the first
+  // placed after the ones before by a byte expand, widened; lanes past the count 0. Their values
+  // by two-source permutes of a 64-wide row's four vectors, or gathered from a wider one.
   const __m512i byte_lane = _mm512_set_epi64(0x3f3e3d3c3b3a3938, 0x3736353433323130, 0x2f2e2d2c2b2a2928,
                                              0x2726252423222120, 0x1f1e1d1c1b1a1918, 0x1716151413121110,
                                              0x0f0e0d0c0b0a0908, 0x0706050403020100);
-  uint64_t bits[R];
+  int count[R];
   __mmask16 used[R];
   __m512i index[R], key[R];
   for (int j = 0; j < R; ++j) {
-    __mmask16 c[4];
-    for (int q = 0; q < 4; ++q) c[q] = _mm512_mask_cmp_ps_mask(inside(E, 16 * q), v[j][q], floor[j], _CMP_GE_OQ);
-    bits[j] = _cvtmask64_u64(_mm512_kunpackd(_mm512_kunpackw(c[3], c[2]), _mm512_kunpackw(c[1], c[0])));
-    const int count = __builtin_popcountll(bits[j]);
-    used[j] = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+    __m512i bytes = _mm512_setzero_si512();
+    count[j] = 0;
+    for (int w = 0; w < W; ++w) {
+      __mmask16 c[4];
+      for (int q = 0; q < 4; ++q) {
+        c[q] = _mm512_mask_cmp_ps_mask(inside(E, 64 * w + 16 * q), row_vector(j, 4 * w + q), floor[j], _CMP_GE_OQ);
+      }
+      const __mmask64 bits = _mm512_kunpackd(_mm512_kunpackw(c[3], c[2]), _mm512_kunpackw(c[1], c[0]));
+      const int kept = __builtin_popcountll(_cvtmask64_u64(bits));
+      if (w == 0) {
+        bytes = _mm512_maskz_compress_epi8(bits, byte_lane);
+      } else {
+        // Lanes count .. count + kept take this word's; a row past 16 candidates is left anyway.
+        const uint64_t place = count[j] >= 16 ? 0 : (kept >= 64 ? ~0ull : (1ull << kept) - 1) << count[j];
+        const __m512i lanes = _mm512_add_epi8(byte_lane, _mm512_set1_epi8((char)(64 * w)));
+        bytes = _mm512_mask_expand_epi8(bytes, place, _mm512_maskz_compress_epi8(bits, lanes));
+      }
+      count[j] += kept;
+    }
+    used[j] = count[j] >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count[j]) - 1);
+    index[j] = _mm512_maskz_cvtepu8_epi32(used[j], _mm512_castsi512_si128(bytes));
   }
   for (int j = 0; j < R; ++j) {
-    index[j] = _mm512_maskz_cvtepu8_epi32(used[j], _mm512_castsi512_si128(_mm512_maskz_compress_epi8(bits[j], byte_lane)));
-  }
-  for (int j = 0; j < R; ++j) {
-    const __m512 low = _mm512_permutex2var_ps(v[j][0], index[j], v[j][1]);
-    const __m512 high = _mm512_permutex2var_ps(v[j][2], index[j], v[j][3]);
-    const __m512 value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(index[j], _mm512_set1_epi32(32)), low, high);
+    __m512 value;
+    if constexpr (W == 1) {
+      const __m512 low = _mm512_permutex2var_ps(v[j][0], index[j], v[j][1]);
+      const __m512 high = _mm512_permutex2var_ps(v[j][2], index[j], v[j][3]);
+      value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(index[j], _mm512_set1_epi32(32)), low, high);
+    } else {
+      value = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used[j], index[j], x + j * stride, 4);
+    }
     // rank_key (common.h): -0 as +0, negative floats' magnitude bits flipped (no NaN here).
     const __m512i b = _mm512_castps_si512(_mm512_add_ps(value, _mm512_setzero_ps()));
     key[j] = _mm512_xor_si512(b, _mm512_srli_epi32(_mm512_srai_epi32(b, 31), 1));
@@ -157,7 +184,7 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
     const __mmask16 same_prefix = _mm512_mask_cmpeq_epi32_mask(0x7fff, prefix, _mm512_alignr_epi32(prefix, prefix, 1));
     const bool misordered =
         _mm512_mask_cmpneq_epi32_mask(same_prefix, sorted_key, _mm512_alignr_epi32(sorted_key, sorted_key, 1)) != 0;
-    const bool fine = !_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) && __builtin_popcountll(bits[j]) <= 16;
+    const bool fine = !_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) && count[j] <= 16;
     failed |= (uint32_t)(misordered || !fine) << j;
     // The top eight's rank pairs (key << 32 | 0xffffffff - index).
     const __m256i top_index = _mm512_castsi512_si256(_mm512_permutexvar_epi32(number, index[j]));
@@ -169,19 +196,30 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
   return failed;
 }
 
-template <bool kFull>
+template <int W, bool kFull>
 void rows_top8_avx512(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
                       int64_t* n_redo) {
   constexpr int R = 4;
   int64_t left = 0, i = 0;
   for (; i + R <= n; i += R) {
-    uint32_t failed = top8_rows<R, kFull>(x + i * stride, stride, E, k, best + k * i);
+    uint32_t failed = top8_rows<W, R, kFull>(x + i * stride, stride, E, k, best + k * i);
     for (; failed; failed &= failed - 1) redo[left++] = i + __builtin_ctz(failed);
   }
   for (; i < n; ++i) {
-    if (top8_rows<1, kFull>(x + i * stride, stride, E, k, best + k * i)) redo[left++] = i;
+    if (top8_rows<W, 1, kFull>(x + i * stride, stride, E, k, best + k * i)) redo[left++] = i;
   }
   *n_redo = left;
+}
+
+// The instance for E: the 64-element words a row needs, and whether it fills them.
+void rows_top8_any(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
+                   int64_t* n_redo) {
+  if (E == 64) return rows_top8_avx512<1, true>(x, stride, n, E, k, best, redo, n_redo);
+  if (E < 64) return rows_top8_avx512<1, false>(x, stride, n, E, k, best, redo, n_redo);
+  if (E == 128) return rows_top8_avx512<2, true>(x, stride, n, E, k, best, redo, n_redo);
+  if (E < 128) return rows_top8_avx512<2, false>(x, stride, n, E, k, best, redo, n_redo);
+  if (E == 256) return rows_top8_avx512<4, true>(x, stride, n, E, k, best, redo, n_redo);
+  return rows_top8_avx512<4, false>(x, stride, n, E, k, best, redo, n_redo);
 }
 
 #if defined(MK_TOP8_DISPATCH)
@@ -208,13 +246,9 @@ bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, i
                          int64_t* redo, int64_t* n_redo) {
   *n_redo = 0;
   static const bool supported = cpu_supported();
-  if (!supported || E < 16 || E > 64 || k < 1 || k > 8) return false;
+  if (!supported || E < 16 || E > 256 || k < 1 || k > 8) return false;
 #if defined(MK_TOP8_AVX512)
-  if (E == 64) {
-    rows_top8_avx512<true>(x, stride, n, E, k, best, redo, n_redo);
-  } else {
-    rows_top8_avx512<false>(x, stride, n, E, k, best, redo, n_redo);
-  }
+  rows_top8_any(x, stride, n, E, k, best, redo, n_redo);
   return true;
 #else
   (void)x, (void)stride, (void)n, (void)best, (void)redo;

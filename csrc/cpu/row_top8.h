@@ -1,17 +1,19 @@
-// The k <= 8 largest rank pairs of rows of 16 to 64 float32 elements on AVX-512 (F, BW, VBMI2),
+// The k <= 8 largest rank pairs of rows of 16 to 256 float32 elements on AVX-512 (F, BW, VBMI2),
 // kept in registers from the row's load to the sorted result, four rows at a time.
 // row_vector.cpp's candidate sort (every other CPU and width) writes candidates and their pairs to
 // memory and reads them back (partial overlaps of those stores with the loads stall store
 // forwarding), keeps ~18 candidates of a 64-wide row (its floor is the least of 8 group maxima) and
-// sorts them as 64-bit pairs; this one took k = 8, E = 64 from ~48 to ~23 ns a row here (Zen 4).
+// sorts them as 64-bit pairs; this one took k = 8, E = 64 from ~48 to ~23 ns a row here (Zen 4),
+// E = 128 and 256 ~1.3x faster.
 //
 //  1. the 16 lane maxima (lane l holds elements l, l + 16, ...) and a NaN check (the float sums);
 //  2. the floor: the 8th largest lane maximum (a bitonic network on one vector). The 8 lanes whose
 //     maxima are at or above it hold 8 distinct elements >= floor, so no element below the floor
 //     is among the row's 8 largest;
-//  3. the elements >= floor: their indices by one byte compress of the row's 64-bit compare mask
-//     (on random rows ~10 of 64, more than 16 in ~0.1% of rows), their values by permutes of the
-//     row's four vectors;
+//  3. the elements >= floor: their indices by a byte compress of each 64-element word's compare
+//     mask, the words joined by byte expands (on random rows ~10 of 64, more than 16 in ~0.1% of
+//     rows; 0.4% at E = 128, 0.6% at 256), their values by permutes of a 64-wide row's four
+//     vectors, gathered from a wider row;
 //  4. the candidates sorted as one vector of int32: the rank key's top 28 bits above 15 - the
 //     candidate's number (candidates are in index order, so a lower index ranks first among equal
 //     prefixes). That is the rank-pair order (exact ties included) unless two different keys
@@ -23,7 +25,7 @@
 namespace moe_kernels {
 
 // The k largest rank pairs (1 <= k <= 8) of rows [0, n) of x (row i at x + i * stride, E in
-// [16, 64] elements), descending, into best[k * i .. k * i + k). Returns false (nothing written
+// [16, 256] elements), descending, into best[k * i .. k * i + k). Returns false (nothing written
 // but *n_redo = 0) when the CPU lacks AVX-512 F, BW or VBMI2 or popcnt, or E or k is out of range. A row the
 // variant does not finish (its lane-wise float sums hold a NaN, more than 16 elements are at or
 // above its floor, or two different candidates' rank keys agree but for their last 4 bits) is left for

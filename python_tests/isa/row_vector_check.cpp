@@ -140,14 +140,17 @@ bool check_candidates(const float* x, int64_t E) {
   return true;
 }
 
-// rows_top8_pairs_f32 called directly where the variant runs (16 <= E <= 64): every row it
+// rows_top8_pairs_f32 called directly where the variant runs (16 <= E <= 256): every row it
 // finishes exact; the ones it leaves for its caller few on random rows, also with exact ties
 // (its floor leaves more than 16 candidates in well under 1% of them), and all of those it must
 // leave (a NaN sum). Rows of near-equal values (keys a few ulp apart) are left or exact. Counts
 // the rows it finished.
 bool check_top8_direct(long* finished) {
   constexpr int64_t kRows = 203;  // 50 blocks of four, and three rows left
-  for (int64_t E = 16; E <= 64; ++E) {
+  std::vector<int64_t> widths;
+  for (int64_t E = 16; E <= 64; ++E) widths.push_back(E);
+  for (int64_t E : {65, 100, 127, 128, 129, 191, 200, 255, 256}) widths.push_back(E);
+  for (int64_t E : widths) {
     for (int k = 3; k <= 8; ++k) {
       for (int kind = 0; kind < 4; ++kind) {
         std::vector<float> x(kRows * E);
