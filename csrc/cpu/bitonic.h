@@ -87,21 +87,14 @@ MK_BITONIC_INLINE V merge_into_top8(V top, V more) {
 // chain of dependent shuffles, maxima and blends, and an out-of-order core only overlaps R such
 // chains when their instructions come interleaved (a whole chain ahead of the next one fills the
 // scheduler with waiting instructions). Exchange::step<block, j, descending>(v) is one step on one
-// vector: generic_exchange (bitonic_step), or a caller's own with intrinsics.
-struct generic_exchange {
-  template <int block, int j, bool descending, typename V>
-  static MK_BITONIC_INLINE V step(V x) {
-    return bitonic_step<block, j, descending>(x);
-  }
-};
-
+// vector, the caller's own (row_top8.cpp's with intrinsics; bitonic_step is the generic one).
 template <int block, int j, bool descending, int R, typename Exchange, typename V>
 MK_BITONIC_INLINE void bitonic_steps(V* x) {
   for (int r = 0; r < R; ++r) x[r] = Exchange::template step<block, j, descending>(x[r]);
 }
 
 // sort8 of each of x[0 .. R).
-template <bool descending, int R, typename Exchange = generic_exchange, typename V>
+template <bool descending, int R, typename Exchange, typename V>
 MK_BITONIC_INLINE void sort8_each(V* x) {
   bitonic_steps<2, 1, descending, R, Exchange>(x);
   bitonic_steps<4, 2, descending, R, Exchange>(x);
@@ -113,7 +106,7 @@ MK_BITONIC_INLINE void sort8_each(V* x) {
 
 // Each of x[0 .. R) (16 lanes) sorted: sort8's blocks (alternating), then the bitonic merge of
 // the whole vector; ten steps.
-template <bool descending, int R, typename Exchange = generic_exchange, typename V>
+template <bool descending, int R, typename Exchange, typename V>
 MK_BITONIC_INLINE void sort16_each(V* x) {
   sort8_each<descending, R, Exchange>(x);
   bitonic_steps<16, 8, descending, R, Exchange>(x);

@@ -227,33 +227,36 @@ void rows_top8_any(const float* x, int64_t stride, int64_t n, int64_t E, int k, 
 #endif
 #endif
 
+#if defined(MK_TOP8_AVX512)
 // Whether this CPU runs the variant: AVX-512 F, BW and VBMI2 (the byte compress), popcnt.
 bool cpu_supported() {
 #if defined(MK_TOP8_DISPATCH)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt");
-#elif defined(MK_TOP8_AVX512)
-  return true;
 #else
-  return false;
+  return true;
 #endif
 }
+#endif
 
 }  // namespace
 
+#if defined(MK_TOP8_AVX512)
 bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best,
                          int64_t* redo, int64_t* n_redo) {
   *n_redo = 0;
   static const bool supported = cpu_supported();
   if (!supported || E < 16 || E > 256 || k < 1 || k > 8) return false;
-#if defined(MK_TOP8_AVX512)
   rows_top8_any(x, stride, n, E, k, best, redo, n_redo);
   return true;
-#else
-  (void)x, (void)stride, (void)n, (void)best, (void)redo;
-  return false;
-#endif
 }
+#else
+// No AVX-512 VBMI2 in this build: the caller's selection runs.
+bool rows_top8_pairs_f32(const float*, int64_t, int64_t, int64_t, int, int64_t*, int64_t*, int64_t* n_redo) {
+  *n_redo = 0;
+  return false;
+}
+#endif
 
 }  // namespace moe_kernels
