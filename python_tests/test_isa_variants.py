@@ -1,8 +1,8 @@
 """The CPU code compiled once per x86-64 instruction set, built for each one this machine can run
 and checked against a scalar specification: the row selections (csrc/cpu/row_vector.cpp, the
-candidate filter of row_candidates.cpp, the top-2 by values of row_top2.cpp and the top eight in
-registers of row_top8.cpp, checked by
-python_tests/isa/row_vector_check.cpp) and
+candidate filter of row_candidates.cpp, the top-2 by values of row_top2.cpp, the top eight in
+registers of row_top8.cpp, and the softmax terms and sums with row_exp_terms.cpp's table exp
+where the variant has AVX-512 F, checked by python_tests/isa/row_vector_check.cpp) and
 batchwise_mask's sampled-threshold select (csrc/cpu/batchwise_filter.cpp, checked by
 python_tests/isa/batchwise_filter_check.cpp).
 
@@ -20,7 +20,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # (driver, the sources it checks, the least count of rows or columns a run must report checked)
 CHECKS = [
-    ("row_vector_check.cpp", ("row_vector.cpp", "row_candidates.cpp", "row_top2.cpp", "row_top8.cpp"), 10000),
+    (
+        "row_vector_check.cpp",
+        ("row_vector.cpp", "row_candidates.cpp", "row_top2.cpp", "row_top8.cpp", "row_exp_terms.cpp"),
+        10000,
+    ),
     ("batchwise_filter_check.cpp", ("batchwise_filter.cpp",), 2000),
 ]
 

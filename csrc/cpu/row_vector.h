@@ -113,16 +113,24 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
 
 // sum over e of exp(row[e] - vmax), each term also stored to exps[e] (exps [E], not aliasing
 // row). vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and
-// sum). vec_math::exp: terms below e^-80 (including those of -inf logits) are 0; a few ulp each.
+// sum). Terms below e^-80 (including those of -inf logits) are 0; a few ulp each: row_exp_terms.h's
+// with AVX-512 F, vec_math::exp's elsewhere.
 float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps);
 
-// row_exp_sum_f32 for a block of n rows x[i * stride ..] (a forward's softmax): the terms of row i
-// relative to vmax[i * vmax_stride], its largest value as its selection found it, to exps
-// [i * E .. i * E + E), their sum (in row_exp_sum_f32's order and with its values) to sums[i]. A
-// finite vmax (every term in [-inf, 0]) takes vec_math::exp_nonpositive, a third fewer vector
-// operations than exp; a row with an infinite or NaN vmax takes exp.
+// row_exp_sum_f32's sum for a block of n rows x[i * stride ..] (a forward's softmax): the sum of
+// row i's terms relative to vmax[i * vmax_stride], its largest value as its selection found it,
+// to sums[i] (in row_exp_sum_f32's order and with its values). scratch [n * E] is overwritten.
+// With AVX-512 F the terms are row_exp_terms.h's (not stored: a forward that needs some takes
+// softmax_terms_f32); elsewhere a finite vmax (every term in [-inf, 0]) takes
+// vec_math::exp_nonpositive, a third fewer vector operations than exp, and a row with an infinite
+// or NaN vmax takes exp.
 void rows_softmax_sums_f32(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
-                           int64_t vmax_stride, float* exps, float* sums);
+                           int64_t vmax_stride, float* scratch, float* sums);
+
+// out[j] = the term row_exp_sum_f32 and rows_softmax_sums_f32 compute for an element value[j] of a
+// row whose largest value is vmax[j], bit for bit (j < count): a forward's selected experts'
+// softmax numerators.
+void softmax_terms_f32(const float* value, const float* vmax, int64_t count, float* out);
 
 // The same with vec_math::exp_full: the terms keep torch's tails (denormals below e^-87.3) where
 // they are compared rather than only summed (topk_router ranks softmax scores when it has a bias

@@ -87,12 +87,14 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
         for (int64_t j = 0; j < slots; ++j) weights[t0 * k + j] = (scalar_t)w[j];
       }
     } else {
-      // The full softmax reuses the sums' own terms (the backward recomputes those exactly).
+      // The selected terms are the sums' own, recomputed from the slots' values rather than
+      // stored for every element (the backward recomputes them exactly too).
       rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());
+      softmax_terms_f32(value.data(), vmax.data(), slots, term.data());
       for (int64_t i = 0; i < n; ++i) {
         const float m = vmax[i * k];
         for (int64_t s = 0; s < k; ++s) {
-          const float p = exps[i * E + pair_index(best[i * k + s])] / sums[i];
+          const float p = term[i * k + s] / sums[i];
           weights[(t0 + i) * k + s] = (scalar_t)(m == -INFINITY ? 0.0f : p);
         }
       }

@@ -2,7 +2,8 @@
 // rank pair of the row, sorted), built once per instruction set by python_tests/test_isa_variants.py
 // with MOE_KERNELS_NO_CLONES: the extension's load-time dispatch runs only the clone the machine
 // supports, so the AVX2 and SSE2 variants are otherwise never executed where AVX-512 exists.
-// Prints the number of rows checked; exits 1 at the first mismatch.
+// Also the softmax terms and sums (row_exp_terms.cpp where the variant has AVX-512 F). Prints the
+// number of rows checked; exits 1 at the first mismatch.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -197,6 +198,63 @@ bool check_top8_direct(long* finished) {
   return true;
 }
 
+// The softmax terms (row_exp_terms.cpp's where this variant has AVX-512 F, vec_math::exp's
+// elsewhere): each within 1.5e-7 of exp (float's x - vmax, in double), exactly 1 at the row's
+// largest value, 0 below -80 and for -inf, NaN for NaN; the per-row call's sum, the block call's
+// (rows cut from a wider buffer) and the slots' terms bit for bit the per-row call's stored terms.
+bool check_softmax_terms(long* checked) {
+  std::vector<int64_t> widths;
+  for (int64_t E = 1; E <= 70; ++E) widths.push_back(E);
+  for (int64_t E : {127, 128, 256, 600}) widths.push_back(E);
+  constexpr int64_t kRows = 23;
+  for (int64_t E : widths) {
+    for (float scale : {1.0f, 30.0f, 100.0f}) {
+      const int64_t stride = E + 3;
+      std::vector<float> x(kRows * stride, 7.0f), vmax(kRows), sums(kRows), scratch(kRows * E);
+      for (int64_t i = 0; i < kRows; ++i) {
+        float* row = x.data() + i * stride;
+        fill(i % 10, E, row);
+        if (i % 10 == 0) {
+          for (int64_t e = 0; e < E; ++e) row[e] *= scale;
+        }
+        std::vector<int64_t> top(1);
+        row_top_pairs(row, E, 1, top.data());
+        vmax[i] = row[pair_index(top[0])];
+      }
+      rows_softmax_sums_f32(x.data(), stride, kRows, E, vmax.data(), 1, scratch.data(), sums.data());
+      std::vector<float> exps(E), slots(E), maxes(E);
+      for (int64_t i = 0; i < kRows; ++i) {
+        const float* row = x.data() + i * stride;
+        const float sum = row_exp_sum_f32(row, E, vmax[i], exps.data());
+        std::fill(maxes.begin(), maxes.end(), vmax[i]);
+        softmax_terms_f32(row, maxes.data(), E, slots.data());
+        double exact = 0.0;
+        for (int64_t e = 0; e < E; ++e) {
+          const float d = row[e] - vmax[i], t = exps[e];
+          const bool same = t == slots[e] || (t != t && slots[e] != slots[e]);
+          const double want = d != d ? NAN : (d < -80.0f ? 0.0 : std::exp((double)d));
+          const bool close = d != d ? t != t : (d == 0.0f ? t == 1.0f : std::fabs(t - want) <= 1.5e-7 * want);
+          if (!same || !close) {
+            std::printf("softmax terms E=%lld row %d element %lld: d=%.9g term %.9g slot %.9g exp %.9g\n", (long long)E,
+                        (int)i, (long long)e, d, t, slots[e], want);
+            return false;
+          }
+          exact += t;
+        }
+        const bool nan = sum != sum;
+        if (nan != (exact != exact) || (sum != sums[i] && !(nan && sums[i] != sums[i])) ||
+            (!nan && std::fabs(sum - exact) > 6e-8 * (double)E * exact)) {
+          std::printf("softmax sums E=%lld row %d: %.9g, block %.9g, terms add to %.9g\n", (long long)E, (int)i, sum,
+                      sums[i], exact);
+          return false;
+        }
+        ++*checked;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 // Every selection on every width, k and row kind; false at the first mismatch.
@@ -237,10 +295,11 @@ int main() {
   long checked = 0;
   if (!check_all(&checked)) return 1;
   if (!check_top8_direct(&checked)) return 1;
+  if (!check_softmax_terms(&checked)) return 1;
   // Again with denormals read as zero and results flushed (torch.set_flush_denormal(True)): the
   // float compares and rank_key (whose x + 0.0f then turns a denormal into 0) must still agree.
   _mm_setcsr(_mm_getcsr() | 0x8040);
-  if (!check_all(&checked) || !check_top8_direct(&checked)) {
+  if (!check_all(&checked) || !check_top8_direct(&checked) || !check_softmax_terms(&checked)) {
     std::printf("(with denormals-are-zero and flush-to-zero set)\n");
     return 1;
   }

@@ -1,0 +1,183 @@
+// row_exp_terms.h's softmax terms with AVX-512 F, compiled under a target pragma in the dispatch
+// build, or where the compiler's flags allow AVX-512 F; elsewhere rows_exp_terms_f32 returns
+// false.
+#include "row_exp_terms.h"
+#include "isa_dispatch.h"
+
+#include <array>
+#include <bit>
+#include <utility>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+// Vectors pass by value between inlined helpers only.
+#pragma GCC diagnostic ignored "-Wpsabi"
+// GCC 12's float shuffles start from _mm512_undefined_ps (`__m512 __Y = __Y;`), which it then
+// reports as maybe uninitialised.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace moe_kernels {
+namespace {
+
+#if defined(MK_ISA_DISPATCH)
+#define MK_EXP_TERMS_DISPATCH 1
+#define MK_EXP_TERMS_AVX512 1
+#elif defined(__AVX512F__)
+#define MK_EXP_TERMS_AVX512 1
+#endif
+
+#if defined(MK_EXP_TERMS_AVX512)
+#if defined(MK_EXP_TERMS_DISPATCH)
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+#endif
+
+// 2^(j / 32) rounded to float, j = 0 .. 31.
+constexpr float kPow2Over32[32] = {
+    1.0f,                1.0218971967697144f, 1.0442737340927124f, 1.0671404600143433f,
+    1.0905077457427979f, 1.114386796951294f,  1.1387885808944702f, 1.1637248992919922f,
+    1.1892070770263672f, 1.215247392654419f,  1.2418577671051025f, 1.2690509557724f,
+    1.2968395948410034f, 1.3252366781234741f, 1.3542555570602417f, 1.3839099407196045f,
+    1.4142135381698608f, 1.4451807737350464f, 1.4768261909484863f, 1.5091644525527954f,
+    1.5422108173370361f, 1.5759809017181396f, 1.610490322113037f,  1.6457555294036865f,
+    1.6817928552627563f, 1.7186193466186523f, 1.7562521696090698f, 1.7947090864181519f,
+    1.8340080976486206f, 1.8741676807403564f, 1.9152065515518188f, 1.9571441411972046f,
+};
+
+// The table's bits less j << 18, so that adding the rounded multiple's low bits shifted up by 18
+// (j in the mantissa, n in the exponent) gives 2^n 2^(j / 32) in one integer add.
+constexpr uint32_t scale_bits(int j) { return std::bit_cast<uint32_t>(kPow2Over32[j]) - ((uint32_t)j << 18); }
+template <int... j>
+constexpr std::array<uint32_t, 32> scale_table(std::integer_sequence<int, j...>) {
+  return {scale_bits(j)...};
+}
+alignas(64) constexpr std::array<uint32_t, 32> kScaleBits = scale_table(std::make_integer_sequence<int, 32>());
+
+struct Pow2Table {
+  __m512i low, high;
+};
+
+// e^d for d <= 0 (or NaN) in the lanes of live, 0 elsewhere. d = (32 n + j) ln2 / 32 + r with
+// n, j integers, j in [0, 32) and |r| <= ln2 / 64: e^d = 2^n 2^(j / 32) e^r.
+//  - 32 n + j: rounded by adding 1.5 * 2^23 (the integer lands in the sum's low mantissa bits:
+//    j in the low five, which the permute reads as its index; their shift by 18 puts n in the
+//    exponent field, since 1.5 * 2^23's own bits shift out);
+//  - r = d - (32 n + j) ln2 / 32 with ln2 split in two (Cephes' 0.693359375 has 9 significant
+//    bits, so its product with the <= 12-bit multiple is exact), so r keeps d's precision;
+//  - e^r - 1 = r + r^2 (1/2 + r / 6): the next term, r^4 / 24 < 6e-10, is under 0.01 ulp;
+//  - e^d = s + s (e^r - 1) with s = 2^n 2^(j / 32), normal for every d >= -80 (n >= -116).
+// Lanes below -80 (-inf among them) are zeroed by the mask rather than clamped; NaN lanes stay
+// live (the compare is unordered) and give NaN through e^r - 1. Seven FMA-unit operations (the
+// loop's bottleneck: the scale by a multiply and vscalefps, two more, left the full softmax's
+// forward at E = 64, k = 2 at 2.15-2.2 ms instead of 2.0-2.1).
+inline __m512 exp_nonpositive16(__m512 d, __mmask16 live, const Pow2Table& table) {
+  live = _mm512_mask_cmp_ps_mask(live, d, _mm512_set1_ps(-80.0f), _CMP_NLT_UQ);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 rounded = _mm512_fmadd_ps(d, _mm512_set1_ps(46.16624069213867f), shift);  // 32 / ln2
+  const __m512 m = _mm512_sub_ps(rounded, shift);                                      // 32 n + j
+  __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f / 32), d);
+  r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f / 32), r);
+  const __m512i bits = _mm512_castps_si512(rounded);
+  const __m512 scale = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_permutex2var_epi32(table.low, bits, table.high), _mm512_slli_epi32(bits, 18)));
+  const __m512 expm1 =
+      _mm512_fmadd_ps(_mm512_mul_ps(r, r), _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(0.5f)), r);
+  return _mm512_maskz_fmadd_ps(live, scale, expm1, scale);
+}
+
+// One row's terms (stored when exps is not null) and their sum: the 16-lane terms added in order
+// into one vector, then its lanes by a fixed tree, so a call that stores and one that does not
+// give the same sum.
+template <bool kStore>
+inline float row_terms(const float* row, int64_t E, float vmax, float* exps, const Pow2Table& table) {
+  const __m512 m = _mm512_set1_ps(vmax);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t e = 0;
+  for (; e + 16 <= E; e += 16) {
+    const __m512 t = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + e), m), 0xffff, table);
+    if constexpr (kStore) _mm512_storeu_ps(exps + e, t);
+    sum = _mm512_add_ps(sum, t);
+  }
+  if (e < E) {
+    const __mmask16 tail = (__mmask16)((1u << (E - e)) - 1);
+    const __m512 t = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + e), m), tail, table);
+    if constexpr (kStore) _mm512_mask_storeu_ps(exps + e, tail, t);
+    sum = _mm512_add_ps(sum, t);
+  }
+  // The lanes folded in halves.
+  sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, 0x4e));
+  sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, 0xb1));
+  sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, 0x4e));
+  sum = _mm512_add_ps(sum, _mm512_permute_ps(sum, 0xb1));
+  return _mm512_cvtss_f32(sum);
+}
+
+Pow2Table load_table() {
+  return {_mm512_load_si512(kScaleBits.data()), _mm512_load_si512(kScaleBits.data() + 16)};
+}
+
+void rows_exp_terms_avx512(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
+                           int64_t vmax_stride, float* exps, float* sums) {
+  const Pow2Table table = load_table();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = x + i * stride;
+    const float m = vmax[i * vmax_stride];
+    sums[i] = exps ? row_terms<true>(row, E, m, exps + i * E, table) : row_terms<false>(row, E, m, nullptr, table);
+  }
+}
+
+void exp_terms_avx512(const float* v, const float* vmax, int64_t count, float* out) {
+  const Pow2Table table = load_table();
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) {
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(v + j), _mm512_loadu_ps(vmax + j));
+    _mm512_storeu_ps(out + j, exp_nonpositive16(d, 0xffff, table));
+  }
+  if (j < count) {
+    const __mmask16 tail = (__mmask16)((1u << (count - j)) - 1);
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, v + j), _mm512_maskz_loadu_ps(tail, vmax + j));
+    _mm512_mask_storeu_ps(out + j, tail, exp_nonpositive16(d, tail, table));
+  }
+}
+
+#if defined(MK_EXP_TERMS_DISPATCH)
+#pragma GCC pop_options
+#endif
+
+// Whether this CPU runs the variant.
+bool cpu_supported() {
+#if defined(MK_EXP_TERMS_DISPATCH)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return true;
+#endif
+}
+#endif
+
+}  // namespace
+
+#if defined(MK_EXP_TERMS_AVX512)
+bool rows_exp_terms_f32(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
+                        int64_t vmax_stride, float* exps, float* sums) {
+  static const bool supported = cpu_supported();
+  if (supported) rows_exp_terms_avx512(x, stride, n, E, vmax, vmax_stride, exps, sums);
+  return supported;
+}
+
+bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out) {
+  static const bool supported = cpu_supported();
+  if (supported) exp_terms_avx512(v, vmax, count, out);
+  return supported;
+}
+#else
+// No AVX-512 F in this build: the caller's terms run.
+bool rows_exp_terms_f32(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, float*) {
+  return false;
+}
+bool exp_terms_f32(const float*, const float*, int64_t, float*) { return false; }
+#endif
+
+}  // namespace moe_kernels
