@@ -5,6 +5,7 @@
 #include "isa_dispatch.h"
 
 #include <array>
+#include <cmath>
 #include <bit>
 #include <utility>
 
@@ -142,6 +143,53 @@ void exp_terms_avx512(const float* v, const float* vmax, int64_t count, float* o
   }
 }
 
+// e^d with torch's tails (vec_math::exp_full's range) for d <= 0 or NaN: exp_nonpositive16's
+// table and polynomial with the scale by vscalefps, which rounds a result below float's smallest
+// normal (d below ~-87.3) once, as a multiply would; 0 below -104 (under the smallest denormal)
+// and for -inf. Where the result is normal it equals exp_nonpositive16's: scaling by 2^n commutes
+// with the rounding.
+inline __m512 exp_tail16(__m512 d, const __m512 table_low, const __m512 table_high) {
+  const __mmask16 live = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 rounded = _mm512_fmadd_ps(d, _mm512_set1_ps(46.16624069213867f), shift);
+  const __m512 m = _mm512_sub_ps(rounded, shift);
+  __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f / 32), d);
+  r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f / 32), r);
+  const __m512 s = _mm512_permutex2var_ps(table_low, _mm512_castps_si512(rounded), table_high);
+  const __m512 expm1 =
+      _mm512_fmadd_ps(_mm512_mul_ps(r, r), _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(0.5f)), r);
+  return _mm512_maskz_scalef_ps(live, _mm512_fmadd_ps(s, expm1, s), _mm512_mul_ps(m, _mm512_set1_ps(1.0f / 32)));
+}
+
+// Each K-lane group's sum in all of its lanes (K divides 16): halves folded onto each other, so
+// lane l and its partner add the same two values.
+template <int K>
+inline __m512 group_sums(__m512 t) {
+  if constexpr (K >= 16) t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0x4e));
+  if constexpr (K >= 8) t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, 0xb1));
+  if constexpr (K >= 4) t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4e));
+  if constexpr (K >= 2) t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));
+  return t;
+}
+
+// 16 / K rows' K slots a vector: terms, their row's sum, one division; 0 where vmax is -inf.
+template <int K>
+void renormalized_avx512(const float* value, const float* vmax, int64_t n, float* w) {
+  const __m512 low = _mm512_loadu_ps(kPow2Over32), high = _mm512_loadu_ps(kPow2Over32 + 16);
+  const int64_t count = n * K;
+  auto weights = [&](__m512 v, __m512 m) {
+    const __m512 t = exp_tail16(_mm512_sub_ps(v, m), low, high);
+    const __mmask16 live = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    return _mm512_maskz_div_ps(live, t, group_sums<K>(t));
+  };
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) _mm512_storeu_ps(w + j, weights(_mm512_loadu_ps(value + j), _mm512_loadu_ps(vmax + j)));
+  if (j < count) {  // whole rows, since K divides 16: the lanes past them hold d = 0
+    const __mmask16 tail = (__mmask16)((1u << (count - j)) - 1);
+    _mm512_mask_storeu_ps(w + j, tail, weights(_mm512_maskz_loadu_ps(tail, value + j), _mm512_maskz_loadu_ps(tail, vmax + j)));
+  }
+}
+
 #if defined(MK_EXP_TERMS_DISPATCH)
 #pragma GCC pop_options
 #endif
@@ -172,12 +220,26 @@ bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out)
   if (supported) exp_terms_avx512(v, vmax, count, out);
   return supported;
 }
+
+bool renormalized_weights_f32(const float* value, const float* vmax, int64_t n, int64_t k, float* w) {
+  static const bool supported = cpu_supported();
+  if (!supported) return false;
+  switch (k) {
+    case 1: renormalized_avx512<1>(value, vmax, n, w); return true;
+    case 2: renormalized_avx512<2>(value, vmax, n, w); return true;
+    case 4: renormalized_avx512<4>(value, vmax, n, w); return true;
+    case 8: renormalized_avx512<8>(value, vmax, n, w); return true;
+    case 16: renormalized_avx512<16>(value, vmax, n, w); return true;
+    default: return false;
+  }
+}
 #else
 // No AVX-512 F in this build: the caller's terms run.
 bool rows_exp_terms_f32(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, float*) {
   return false;
 }
 bool exp_terms_f32(const float*, const float*, int64_t, float*) { return false; }
+bool renormalized_weights_f32(const float*, const float*, int64_t, int64_t, float*) { return false; }
 #endif
 
 }  // namespace moe_kernels

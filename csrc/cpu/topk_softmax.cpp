@@ -18,6 +18,7 @@
 #include "moe_kernels/topk_softmax.h"
 #include "index_check.h"
 #include "saved_weights.h"
+#include "row_exp_terms.h"
 #include "row_vector.h"
 #include "vec_math.h"
 
@@ -51,6 +52,7 @@ MK_VEC_INLINE void renormalized_rows(const float* __restrict value, const float*
 
 MK_VECTORISE MK_ROW_CLONES void renormalized_weights(const float* __restrict value, const float* __restrict vmax,
                                                      int64_t n, int64_t k, float* __restrict w) {
+  if (renormalized_weights_f32(value, vmax, n, k, w)) return;
   switch (k) {
     case 1: return renormalized_rows<1>(value, vmax, n, k, w);
     case 2: return renormalized_rows<2>(value, vmax, n, k, w);

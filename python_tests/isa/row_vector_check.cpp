@@ -2,8 +2,8 @@
 // rank pair of the row, sorted), built once per instruction set by python_tests/test_isa_variants.py
 // with MOE_KERNELS_NO_CLONES: the extension's load-time dispatch runs only the clone the machine
 // supports, so the AVX2 and SSE2 variants are otherwise never executed where AVX-512 exists.
-// Also the softmax terms and sums (row_exp_terms.cpp where the variant has AVX-512 F). Prints the
-// number of rows checked; exits 1 at the first mismatch.
+// Also the softmax terms and sums, and the renormalised weights (row_exp_terms.cpp where the
+// variant has AVX-512 F). Prints the number of rows checked; exits 1 at the first mismatch.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +15,7 @@
 
 #include "moe_kernels/common.h"
 #include "row_candidates.h"
+#include "row_exp_terms.h"
 #include "row_top8.h"
 #include "row_vector.h"
 #include "xorshift.h"
@@ -255,6 +256,56 @@ bool check_softmax_terms(long* checked) {
   return true;
 }
 
+// row_exp_terms.cpp's renormalised weights, where the variant has AVX-512 F: each within 3e-7
+// (relative, or two of float's smallest denormals, or float's smallest normal when flushing
+// to zero) of the float64 value of exp(v - vmax) over its
+// row's sum (terms below -104 are 0), exactly 1 for k = 1, 0 for a row whose vmax is -inf, NaN
+// for a NaN row; partial vectors of rows included.
+bool check_renormalized_weights(long* checked) {
+  // Flushing to zero (main's second run) loses a denormal weight whole.
+  const double tiny = (_mm_getcsr() & 0x8000) ? 1.2e-38 : 2.9e-45;
+  for (int64_t k : {1, 2, 4, 8, 16}) {
+    for (int64_t n : {1, 2, 3, 5, 8, 9, 37}) {
+      for (float spread : {2.0f, 30.0f, 120.0f}) {
+        std::vector<float> value(n * k), vmax(n * k), w(n * k, -1.0f);
+        for (int64_t i = 0; i < n; ++i) {
+          float* v = value.data() + i * k;
+          v[0] = spread * (uniform() - 0.5f);
+          for (int64_t s = 1; s < k; ++s) v[s] = v[0] - spread * uniform();
+          if (i % 7 == 3 && k > 1) v[k - 1] = -INFINITY;
+          if (i % 7 == 5 && k > 1) v[1] = v[0];  // a tie at the top
+          const float m = i % 11 == 6 ? -INFINITY : (i % 13 == 9 ? NAN : v[0]);
+          if (m != v[0]) std::fill(v, v + k, m);
+          std::fill(vmax.data() + i * k, vmax.data() + i * k + k, m);
+        }
+        if (!renormalized_weights_f32(value.data(), vmax.data(), n, k, w.data())) return true;
+        for (int64_t i = 0; i < n; ++i) {
+          const float m = vmax[i * k];
+          double t[16], sum = 0.0;
+          for (int64_t s = 0; s < k; ++s) {
+            const float d = value[i * k + s] - m;
+            sum += t[s] = d < -104.0f ? 0.0 : std::exp((double)d);
+          }
+          for (int64_t s = 0; s < k; ++s) {
+            const float got = w[i * k + s];
+            const double want = m == -INFINITY ? 0.0 : t[s] / sum;
+            const bool ok = m != m                ? got != got
+                            : m == -INFINITY || k == 1 ? got == (float)want
+                                                  : std::fabs(got - want) <= 3e-7 * want + tiny;
+            if (!ok) {
+              std::printf("renormalized_weights_f32 k=%lld n=%lld row %lld slot %lld: %.9g, expected %.9g\n",
+                          (long long)k, (long long)n, (long long)i, (long long)s, got, want);
+              return false;
+            }
+          }
+          ++*checked;
+        }
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 // Every selection on every width, k and row kind; false at the first mismatch.
@@ -295,11 +346,12 @@ int main() {
   long checked = 0;
   if (!check_all(&checked)) return 1;
   if (!check_top8_direct(&checked)) return 1;
-  if (!check_softmax_terms(&checked)) return 1;
+  if (!check_softmax_terms(&checked) || !check_renormalized_weights(&checked)) return 1;
   // Again with denormals read as zero and results flushed (torch.set_flush_denormal(True)): the
   // float compares and rank_key (whose x + 0.0f then turns a denormal into 0) must still agree.
   _mm_setcsr(_mm_getcsr() | 0x8040);
-  if (!check_all(&checked) || !check_top8_direct(&checked) || !check_softmax_terms(&checked)) {
+  if (!check_all(&checked) || !check_top8_direct(&checked) || !check_softmax_terms(&checked) ||
+      !check_renormalized_weights(&checked)) {
     std::printf("(with denormals-are-zero and flush-to-zero set)\n");
     return 1;
   }
