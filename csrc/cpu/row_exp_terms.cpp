@@ -56,8 +56,10 @@ constexpr std::array<uint32_t, 32> scale_table(std::integer_sequence<int, j...>)
 }
 alignas(64) constexpr std::array<uint32_t, 32> kScaleBits = scale_table(std::make_integer_sequence<int, 32>());
 
+// Both tables in registers: the scale bits (exp_nonpositive16) and the plain values (exp_tail16).
 struct Pow2Table {
   __m512i low, high;
+  __m512 plain_low, plain_high;
 };
 
 // e^d for d <= 0 (or NaN) in the lanes of live, 0 elsewhere. d = (32 n + j) ln2 / 32 + r with
@@ -88,22 +90,45 @@ inline __m512 exp_nonpositive16(__m512 d, __mmask16 live, const Pow2Table& table
   return _mm512_maskz_fmadd_ps(live, scale, expm1, scale);
 }
 
+// e^d with torch's tails (vec_math::exp_full's range) for d <= 0 or NaN, in the lanes of live:
+// exp_nonpositive16's table and polynomial with the scale by vscalefps, which rounds a result
+// below float's smallest normal (d below ~-87.3) once, as a multiply would; 0 below -104 (under
+// the smallest denormal) and for -inf. Where the result is normal it equals exp_nonpositive16's:
+// scaling by 2^n commutes with the rounding. Nine FMA-unit operations.
+inline __m512 exp_tail16(__m512 d, __mmask16 live, const Pow2Table& table) {
+  live = _mm512_mask_cmp_ps_mask(live, d, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 rounded = _mm512_fmadd_ps(d, _mm512_set1_ps(46.16624069213867f), shift);
+  const __m512 m = _mm512_sub_ps(rounded, shift);
+  __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f / 32), d);
+  r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f / 32), r);
+  const __m512 s = _mm512_permutex2var_ps(table.plain_low, _mm512_castps_si512(rounded), table.plain_high);
+  const __m512 expm1 =
+      _mm512_fmadd_ps(_mm512_mul_ps(r, r), _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(0.5f)), r);
+  return _mm512_maskz_scalef_ps(live, _mm512_fmadd_ps(s, expm1, s), _mm512_mul_ps(m, _mm512_set1_ps(1.0f / 32)));
+}
+
+template <bool kTails>
+inline __m512 exp16(__m512 d, __mmask16 live, const Pow2Table& table) {
+  return kTails ? exp_tail16(d, live, table) : exp_nonpositive16(d, live, table);
+}
+
 // One row's terms (stored when exps is not null) and their sum: the 16-lane terms added in order
 // into one vector, then its lanes by a fixed tree, so a call that stores and one that does not
 // give the same sum.
-template <bool kStore>
+template <bool kStore, bool kTails = false>
 inline float row_terms(const float* row, int64_t E, float vmax, float* exps, const Pow2Table& table) {
   const __m512 m = _mm512_set1_ps(vmax);
   __m512 sum = _mm512_setzero_ps();
   int64_t e = 0;
   for (; e + 16 <= E; e += 16) {
-    const __m512 t = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + e), m), 0xffff, table);
+    const __m512 t = exp16<kTails>(_mm512_sub_ps(_mm512_loadu_ps(row + e), m), 0xffff, table);
     if constexpr (kStore) _mm512_storeu_ps(exps + e, t);
     sum = _mm512_add_ps(sum, t);
   }
   if (e < E) {
     const __mmask16 tail = (__mmask16)((1u << (E - e)) - 1);
-    const __m512 t = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + e), m), tail, table);
+    const __m512 t = exp16<kTails>(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + e), m), tail, table);
     if constexpr (kStore) _mm512_mask_storeu_ps(exps + e, tail, t);
     sum = _mm512_add_ps(sum, t);
   }
@@ -116,7 +141,8 @@ inline float row_terms(const float* row, int64_t E, float vmax, float* exps, con
 }
 
 Pow2Table load_table() {
-  return {_mm512_load_si512(kScaleBits.data()), _mm512_load_si512(kScaleBits.data() + 16)};
+  return {_mm512_load_si512(kScaleBits.data()), _mm512_load_si512(kScaleBits.data() + 16),
+          _mm512_loadu_ps(kPow2Over32), _mm512_loadu_ps(kPow2Over32 + 16)};
 }
 
 void rows_exp_terms_avx512(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
@@ -143,24 +169,6 @@ void exp_terms_avx512(const float* v, const float* vmax, int64_t count, float* o
   }
 }
 
-// e^d with torch's tails (vec_math::exp_full's range) for d <= 0 or NaN: exp_nonpositive16's
-// table and polynomial with the scale by vscalefps, which rounds a result below float's smallest
-// normal (d below ~-87.3) once, as a multiply would; 0 below -104 (under the smallest denormal)
-// and for -inf. Where the result is normal it equals exp_nonpositive16's: scaling by 2^n commutes
-// with the rounding.
-inline __m512 exp_tail16(__m512 d, const __m512 table_low, const __m512 table_high) {
-  const __mmask16 live = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ);
-  const __m512 shift = _mm512_set1_ps(12582912.0f);
-  const __m512 rounded = _mm512_fmadd_ps(d, _mm512_set1_ps(46.16624069213867f), shift);
-  const __m512 m = _mm512_sub_ps(rounded, shift);
-  __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f / 32), d);
-  r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f / 32), r);
-  const __m512 s = _mm512_permutex2var_ps(table_low, _mm512_castps_si512(rounded), table_high);
-  const __m512 expm1 =
-      _mm512_fmadd_ps(_mm512_mul_ps(r, r), _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(0.5f)), r);
-  return _mm512_maskz_scalef_ps(live, _mm512_fmadd_ps(s, expm1, s), _mm512_mul_ps(m, _mm512_set1_ps(1.0f / 32)));
-}
-
 // Each K-lane group's sum in all of its lanes (K divides 16): halves folded onto each other, so
 // lane l and its partner add the same two values.
 template <int K>
@@ -175,10 +183,10 @@ inline __m512 group_sums(__m512 t) {
 // 16 / K rows' K slots a vector: terms, their row's sum, one division; 0 where vmax is -inf.
 template <int K>
 void renormalized_avx512(const float* value, const float* vmax, int64_t n, float* w) {
-  const __m512 low = _mm512_loadu_ps(kPow2Over32), high = _mm512_loadu_ps(kPow2Over32 + 16);
+  const Pow2Table table = load_table();
   const int64_t count = n * K;
   auto weights = [&](__m512 v, __m512 m) {
-    const __m512 t = exp_tail16(_mm512_sub_ps(v, m), low, high);
+    const __m512 t = exp_tail16(_mm512_sub_ps(v, m), 0xffff, table);
     const __mmask16 live = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
     return _mm512_maskz_div_ps(live, t, group_sums<K>(t));
   };
@@ -221,6 +229,12 @@ bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out)
   return supported;
 }
 
+bool row_exp_terms_full_f32(const float* row, int64_t E, float vmax, float* exps, float* sum) {
+  static const bool supported = cpu_supported();
+  if (supported) *sum = row_terms<true, true>(row, E, vmax, exps, load_table());
+  return supported;
+}
+
 bool renormalized_weights_f32(const float* value, const float* vmax, int64_t n, int64_t k, float* w) {
   static const bool supported = cpu_supported();
   if (!supported) return false;
@@ -239,6 +253,7 @@ bool rows_exp_terms_f32(const float*, int64_t, int64_t, int64_t, const float*, i
   return false;
 }
 bool exp_terms_f32(const float*, const float*, int64_t, float*) { return false; }
+bool row_exp_terms_full_f32(const float*, int64_t, float, float*, float*) { return false; }
 bool renormalized_weights_f32(const float*, const float*, int64_t, int64_t, float*) { return false; }
 #endif
 

@@ -32,6 +32,12 @@ bool rows_exp_terms_f32(const float* x, int64_t stride, int64_t n, int64_t E, co
 // does.
 bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out);
 
+// rows_exp_terms_f32's terms of one row, stored, with torch's tails instead of the flush below
+// -80: denormals down to e^-104, 0 below (vec_math::exp_full's range; the same values where the
+// result is normal), their sum to *sum. Returns false, writing nothing, where rows_exp_terms_f32
+// does.
+bool row_exp_terms_full_f32(const float* row, int64_t E, float vmax, float* exps, float* sum);
+
 // Renormalised top-k weights of n rows' k slots (value, vmax [n * k], vmax the row's largest
 // value in each of its slots) into w [n * k]: exp(value - vmax) with torch's tails (denormals
 // down to e^-104, as vec_math::exp_full), over the row's sum of them, 0 for a row whose vmax is

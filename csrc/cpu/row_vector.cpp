@@ -668,6 +668,8 @@ void softmax_terms_f32(const float* __restrict value, const float* __restrict vm
 
 MK_VECTORISE MK_ROW_CLONES
 float row_exp_sum_full_f32(const float* __restrict row, int64_t E, float vmax, float* __restrict exps) {
+  float sum;
+  if (row_exp_terms_full_f32(row, E, vmax, exps, &sum)) return sum;
   return exp_sum_terms<Terms::kExpFull>(row, E, vmax, exps);
 }
 

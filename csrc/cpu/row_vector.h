@@ -132,9 +132,10 @@ void rows_softmax_sums_f32(const float* x, int64_t stride, int64_t n, int64_t E,
 // softmax numerators.
 void softmax_terms_f32(const float* value, const float* vmax, int64_t count, float* out);
 
-// The same with vec_math::exp_full: the terms keep torch's tails (denormals below e^-87.3) where
+// The same with torch's tails: the terms keep denormals below e^-87.3 (down to e^-104) where
 // they are compared rather than only summed (topk_router ranks softmax scores when it has a bias
-// or groups, and a flushed 0 would tie with an expert torch ranks above it).
+// or groups, and a flushed 0 would tie with an expert torch ranks above it). row_exp_terms.h's
+// row_exp_terms_full_f32 with AVX-512 F, vec_math::exp_full elsewhere.
 float row_exp_sum_full_f32(const float* row, int64_t E, float vmax, float* exps);
 
 }  // namespace moe_kernels

@@ -202,8 +202,10 @@ bool check_top8_direct(long* finished) {
 // The softmax terms (row_exp_terms.cpp's where this variant has AVX-512 F, vec_math::exp's
 // elsewhere): each within 1.5e-7 of exp (float's x - vmax, in double), exactly 1 at the row's
 // largest value, 0 below -80 and for -inf, NaN for NaN; the per-row call's sum, the block call's
-// (rows cut from a wider buffer) and the slots' terms bit for bit the per-row call's stored terms.
+// (rows cut from a wider buffer) and the slots' terms bit for bit the per-row call's stored terms;
+// the terms with torch's tails (row_exp_sum_full_f32) as exp down to e^-104.
 bool check_softmax_terms(long* checked) {
+  const double tiny = (_mm_getcsr() & 0x8000) ? 1.2e-38 : 1.5e-45;
   std::vector<int64_t> widths;
   for (int64_t E = 1; E <= 70; ++E) widths.push_back(E);
   for (int64_t E : {127, 128, 256, 600}) widths.push_back(E);
@@ -223,10 +225,11 @@ bool check_softmax_terms(long* checked) {
         vmax[i] = row[pair_index(top[0])];
       }
       rows_softmax_sums_f32(x.data(), stride, kRows, E, vmax.data(), 1, scratch.data(), sums.data());
-      std::vector<float> exps(E), slots(E), maxes(E);
+      std::vector<float> exps(E), slots(E), maxes(E), full(E);
       for (int64_t i = 0; i < kRows; ++i) {
         const float* row = x.data() + i * stride;
         const float sum = row_exp_sum_f32(row, E, vmax[i], exps.data());
+        const float full_sum = row_exp_sum_full_f32(row, E, vmax[i], full.data());
         std::fill(maxes.begin(), maxes.end(), vmax[i]);
         softmax_terms_f32(row, maxes.data(), E, slots.data());
         double exact = 0.0;
@@ -241,6 +244,21 @@ bool check_softmax_terms(long* checked) {
             return false;
           }
           exact += t;
+          // With torch's tails: denormals down to e^-104 (within one of float's smallest, or
+          // float's smallest normal when flushing to zero), the same term where it is normal.
+          const double want_full = d != d ? NAN : (d < -104.0f ? 0.0 : std::exp((double)d));
+          const bool full_ok = d != d ? full[e] != full[e]
+                                      : std::fabs(full[e] - want_full) <= 1.5e-7 * want_full + tiny &&
+                                            (d < -80.0f || full[e] == t);
+          if (!full_ok) {
+            std::printf("softmax terms with tails E=%lld row %d element %lld: d=%.9g term %.9g exp %.9g\n",
+                        (long long)E, (int)i, (long long)e, d, full[e], want_full);
+            return false;
+          }
+        }
+        if ((full_sum != full_sum) != (sum != sum) || (sum == sum && std::fabs(full_sum - sum) > 1e-6 * sum)) {
+          std::printf("softmax sums with tails E=%lld row %d: %.9g against %.9g\n", (long long)E, (int)i, full_sum, sum);
+          return false;
         }
         const bool nan = sum != sum;
         if (nan != (exact != exact) || (sum != sums[i] && !(nan && sums[i] != sums[i])) ||
