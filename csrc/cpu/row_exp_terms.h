@@ -10,9 +10,13 @@
 // The terms are exp's to ~1 ulp (the table entry's rounding, then the result's); exactly 1 at
 // x == vmax, 0 below x - vmax = -80 (as vec_math::exp: those terms are noise in a sum >= 1, and
 // their denormals would be slow) and for -inf, NaN for a NaN difference (a NaN row, or an
-// infinite or NaN vmax). Their values differ from vec_math::exp's in the last bit, so a
-// forward and the backward that recomputes its terms must both come through here: they do, since
-// both ask this function first and it answers the same on one CPU.
+// infinite or NaN vmax). A term of an element above vmax is undefined (its exponent wraps): vmax
+// must be the row's largest value. Their values differ from vec_math::exp's in the last bit, so
+// topk_softmax's full-softmax forward and its backward, which recomputes the terms, both come
+// through here (both ask these functions first, and they answer the same on one CPU).
+// topk_router's full-softmax forward takes only the sums from here (its k numerators are
+// vec_math::exp_full's); its backward recomputes every term from the logits with torch's tails
+// (row_exp_terms_full_f32), so nothing there needs the forward's bits.
 #pragma once
 #include <cstdint>
 

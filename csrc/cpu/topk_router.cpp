@@ -235,7 +235,8 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
     if (a.scoring == kSoftmax && !a.renormalize) {
       // Full softmax: the slots' exp_full terms over the row sums. The sums by flushed terms
-      // (exp_full's values above e^-80, and a sum is >= 1: a tail could not change it).
+      // (rows_softmax_sums_f32: row_exp_terms' table exp on AVX-512, within an ulp of exp_full
+      // above e^-80, and a sum is >= 1: a tail could not change it).
       rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());
       for (int64_t i = 0; i < n; ++i) {
         if (vmax[i * k] == -INFINITY) continue;  // a fully masked row: slot_scores' zeros (its sum is NaN)

@@ -25,10 +25,11 @@
 namespace moe_kernels {
 namespace {
 
-// A renormalised weight's exp term on CPU, the forward's and the backward's (the same bits in
-// both): exp(v - vmax) with torch's tails (vec_math::exp_full, inlined and vectorised where
-// expf was a libm call per term), 0 for a row whose largest logit is -inf (fully masked tokens).
-// exp_full(0) is exactly 1, so k = 1 gives weight 1 for a finite row.
+// A renormalised weight's exp term on CPU where renormalized_weights_f32 (AVX-512 F, k = 1, 2,
+// 4, 8, 16) does not run: exp(v - vmax) with torch's tails (vec_math::exp_full, inlined and
+// vectorised where expf was a libm call per term), 0 for a row whose largest logit is -inf (fully
+// masked tokens). exp_full(0) is exactly 1, so k = 1 gives weight 1 for a finite row (the k = 1
+// per-row backward takes it: its weight is 1 whichever exp computed it).
 MK_VEC_INLINE float renorm_term(float v, float vmax) {
   return vmax == -INFINITY ? 0.0f : vec_math::exp_full(v - vmax);
 }

@@ -220,6 +220,12 @@ bool check_softmax_terms(long* checked) {
         if (i % 10 == 0) {
           for (int64_t e = 0; e < E; ++e) row[e] *= scale;
         }
+        if (i == kRows - 1) {  // the flush and tail boundaries, below a largest value of 0
+          const float edges[] = {-80.0f, std::nextafter(-80.0f, 0.0f), std::nextafter(-80.0f, -INFINITY), -87.33f,
+                                 -103.97f, -104.0f, std::nextafter(-104.0f, 0.0f), std::nextafter(-104.0f, -INFINITY),
+                                 -0.0f, -1e-45f, -INFINITY, -3e38f};
+          for (int64_t e = 0; e < E; ++e) row[e] = e == 0 ? 0.0f : edges[(e - 1) % 12];
+        }
         std::vector<int64_t> top(1);
         row_top_pairs(row, E, 1, top.data());
         vmax[i] = row[pair_index(top[0])];
