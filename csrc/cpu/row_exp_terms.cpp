@@ -4,6 +4,7 @@
 #include "row_exp_terms.h"
 #include "isa_dispatch.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <bit>
@@ -182,19 +183,60 @@ inline __m512 group_sums(__m512 t) {
 
 // 16 / K rows' K slots a vector: terms, their row's sum, one division; 0 where vmax is -inf.
 template <int K>
+inline __m512 renormalized16(__m512 v, __m512 m, const Pow2Table& table) {
+  const __m512 t = exp_tail16(_mm512_sub_ps(v, m), 0xffff, table);
+  const __mmask16 live = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+  return _mm512_maskz_div_ps(live, t, group_sums<K>(t));
+}
+
+template <int K>
 void renormalized_avx512(const float* value, const float* vmax, int64_t n, float* w) {
   const Pow2Table table = load_table();
   const int64_t count = n * K;
-  auto weights = [&](__m512 v, __m512 m) {
-    const __m512 t = exp_tail16(_mm512_sub_ps(v, m), 0xffff, table);
-    const __mmask16 live = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-    return _mm512_maskz_div_ps(live, t, group_sums<K>(t));
-  };
   int64_t j = 0;
-  for (; j + 16 <= count; j += 16) _mm512_storeu_ps(w + j, weights(_mm512_loadu_ps(value + j), _mm512_loadu_ps(vmax + j)));
+  for (; j + 16 <= count; j += 16) {
+    _mm512_storeu_ps(w + j, renormalized16<K>(_mm512_loadu_ps(value + j), _mm512_loadu_ps(vmax + j), table));
+  }
   if (j < count) {  // whole rows, since K divides 16: the lanes past them hold d = 0
     const __mmask16 tail = (__mmask16)((1u << (count - j)) - 1);
-    _mm512_mask_storeu_ps(w + j, tail, weights(_mm512_maskz_loadu_ps(tail, value + j), _mm512_maskz_loadu_ps(tail, vmax + j)));
+    const __m512 v = _mm512_maskz_loadu_ps(tail, value + j), m = _mm512_maskz_loadu_ps(tail, vmax + j);
+    _mm512_mask_storeu_ps(w + j, tail, renormalized16<K>(v, m, table));
+  }
+}
+
+// renormalized_avx512 on the selection's rank pairs (16 slots, two vectors of pairs, at a time):
+// the experts written (pair_index), the values decoded from the keys (rank_key's inverse, as
+// selected_slots decodes them) and vmax each row's first value, in the lanes renormalized_avx512
+// gives them, so the weights are its weights on selected_slots' value and vmax, bit for bit;
+// without those two arrays' stores and loads.
+template <int K>
+void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts, float* w) {
+  const Pow2Table table = load_table();
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i first = _mm512_setr_epi32(0, 1 / K * K, 2 / K * K, 3 / K * K, 4 / K * K, 5 / K * K, 6 / K * K,
+                                          7 / K * K, 8 / K * K, 9 / K * K, 10 / K * K, 11 / K * K, 12 / K * K,
+                                          13 / K * K, 14 / K * K, 15 / K * K);
+  const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
+  auto slots = [&](__m512i p0, __m512i p1, __mmask8 in0, __mmask8 in1, int64_t j) {
+    _mm512_mask_storeu_epi64(experts + j, in0, _mm512_sub_epi64(low32, _mm512_and_si512(p0, low32)));
+    _mm512_mask_storeu_epi64(experts + j + 8, in1, _mm512_sub_epi64(low32, _mm512_and_si512(p1, low32)));
+    const __m512i key = _mm512_permutex2var_epi32(p0, odd, p1);
+    const __mmask16 negative = _mm512_cmplt_epi32_mask(key, _mm512_setzero_si512());
+    const __m512 v = _mm512_castsi512_ps(_mm512_mask_xor_epi32(key, negative, key, _mm512_set1_epi32(0x7fffffff)));
+    return renormalized16<K>(v, _mm512_permutexvar_ps(first, v), table);
+  };
+  const int64_t count = n * K;
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) {
+    _mm512_storeu_ps(w + j, slots(_mm512_loadu_si512(best + j), _mm512_loadu_si512(best + j + 8), 0xff, 0xff, j));
+  }
+  if (j < count) {  // whole rows; the lanes past them decode to 0 and are not stored
+    const int64_t left = count - j;
+    const __mmask8 in0 = (__mmask8)((1u << std::min<int64_t>(left, 8)) - 1);
+    const __mmask8 in1 = (__mmask8)(left > 8 ? (1u << (left - 8)) - 1 : 0);
+    const __m512 weights = slots(_mm512_maskz_loadu_epi64(in0, best + j), _mm512_maskz_loadu_epi64(in1, best + j + 8),
+                                 in0, in1, j);
+    _mm512_mask_storeu_ps(w + j, (__mmask16)((1u << left) - 1), weights);
   }
 }
 
@@ -229,6 +271,19 @@ bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out)
   return supported;
 }
 
+bool renormalized_pairs_f32(const int64_t* best, int64_t n, int64_t k, int64_t* experts, float* w) {
+  static const bool supported = cpu_supported();
+  if (!supported) return false;
+  switch (k) {
+    case 1: renormalized_pairs_avx512<1>(best, n, experts, w); return true;
+    case 2: renormalized_pairs_avx512<2>(best, n, experts, w); return true;
+    case 4: renormalized_pairs_avx512<4>(best, n, experts, w); return true;
+    case 8: renormalized_pairs_avx512<8>(best, n, experts, w); return true;
+    case 16: renormalized_pairs_avx512<16>(best, n, experts, w); return true;
+    default: return false;
+  }
+}
+
 bool row_exp_terms_full_f32(const float* row, int64_t E, float vmax, float* exps, float* sum) {
   static const bool supported = cpu_supported();
   if (supported) *sum = row_terms<true, true>(row, E, vmax, exps, load_table());
@@ -253,6 +308,7 @@ bool rows_exp_terms_f32(const float*, int64_t, int64_t, int64_t, const float*, i
   return false;
 }
 bool exp_terms_f32(const float*, const float*, int64_t, float*) { return false; }
+bool renormalized_pairs_f32(const int64_t*, int64_t, int64_t, int64_t*, float*) { return false; }
 bool row_exp_terms_full_f32(const float*, int64_t, float, float*, float*) { return false; }
 bool renormalized_weights_f32(const float*, const float*, int64_t, int64_t, float*) { return false; }
 #endif

@@ -50,4 +50,11 @@ bool row_exp_terms_full_f32(const float* row, int64_t E, float vmax, float* exps
 // rows_exp_terms_f32 does.
 bool renormalized_weights_f32(const float* value, const float* vmax, int64_t n, int64_t k, float* w);
 
+// renormalized_weights_f32 on the rows' selections as rank pairs (best [n * k], each row's
+// descending, as rows_top_pairs_f32 writes them): experts[j] = pair_index(best[j]), and w the
+// weights renormalized_weights_f32 gives for selected_slots' value and vmax of those pairs, bit
+// for bit, without writing those. Returns false, writing nothing, where renormalized_weights_f32
+// does.
+bool renormalized_pairs_f32(const int64_t* best, int64_t n, int64_t k, int64_t* experts, float* w);
+
 }  // namespace moe_kernels

@@ -81,15 +81,19 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
     int64_t stride;
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
     rows_top_pairs_f32(x, stride, n, E, k, best.data());
-    selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     if (renormalize) {
       float* w = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(weights + t0 * k) : term.data();
-      renormalized_weights(value.data(), vmax.data(), n, k, w);
+      // From the pairs directly where it can (the same weights, without value and vmax stored).
+      if (!renormalized_pairs_f32(best.data(), n, k, experts + t0 * k, w)) {
+        selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
+        renormalized_weights(value.data(), vmax.data(), n, k, w);
+      }
       if constexpr (!std::is_same_v<scalar_t, float>) {
         for (int64_t j = 0; j < slots; ++j) weights[t0 * k + j] = (scalar_t)w[j];
       }
     } else {
+      selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
       // The selected terms are the sums' own, recomputed from the slots' values rather than
       // stored for every element (the backward recomputes them exactly too).
       rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());

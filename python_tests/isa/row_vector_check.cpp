@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -284,7 +285,8 @@ bool check_softmax_terms(long* checked) {
 // (relative, or two of float's smallest denormals, or float's smallest normal when flushing
 // to zero) of the float64 value of exp(v - vmax) over its
 // row's sum (terms below -104 are 0), exactly 1 for k = 1, 0 for a row whose vmax is -inf, NaN
-// for a NaN row; partial vectors of rows included.
+// for a NaN row; partial vectors of rows included; renormalized_pairs_f32 on the same rows as
+// rank pairs gives the same bits and the pairs' experts.
 bool check_renormalized_weights(long* checked) {
   // Flushing to zero (main's second run) loses a denormal weight whole.
   const double tiny = (_mm_getcsr() & 0x8000) ? 1.2e-38 : 2.9e-45;
@@ -303,6 +305,26 @@ bool check_renormalized_weights(long* checked) {
           std::fill(vmax.data() + i * k, vmax.data() + i * k + k, m);
         }
         if (!renormalized_weights_f32(value.data(), vmax.data(), n, k, w.data())) return true;
+        // The same weights from rank pairs (index 3 s + i % 5 at slot s), bit for bit, experts
+        // decoded: value and vmax as selected_slots decodes them from the pairs.
+        std::vector<int64_t> pairs(n * k), experts(n * k, -1), slot_experts(n * k);
+        std::vector<float> slot_value(n * k), slot_vmax(n * k), w_pairs(n * k, -1.0f), w_slots(n * k, -2.0f);
+        for (int64_t j = 0; j < n * k; ++j) pairs[j] = rank_pair(value[j], (int32_t)(3 * (j % k) + (j / k) % 5));
+        selected_slots(pairs.data(), n, k, slot_experts.data(), slot_value.data(), slot_vmax.data());
+        renormalized_weights_f32(slot_value.data(), slot_vmax.data(), n, k, w_slots.data());
+        if (!renormalized_pairs_f32(pairs.data(), n, k, experts.data(), w_pairs.data())) {
+          std::printf("renormalized_pairs_f32 k=%lld: not run where renormalized_weights_f32 runs\n", (long long)k);
+          return false;
+        }
+        for (int64_t j = 0; j < n * k; ++j) {
+          const bool same = std::memcmp(&w_pairs[j], &w_slots[j], 4) == 0 || (w_pairs[j] != w_pairs[j] && w_slots[j] != w_slots[j]);
+          if (!same || experts[j] != slot_experts[j]) {
+            std::printf("renormalized_pairs_f32 k=%lld n=%lld slot %lld: %.9g expert %lld, from slots %.9g expert %lld\n",
+                        (long long)k, (long long)n, (long long)j, w_pairs[j], (long long)experts[j], w_slots[j],
+                        (long long)slot_experts[j]);
+            return false;
+          }
+        }
         for (int64_t i = 0; i < n; ++i) {
           const float m = vmax[i * k];
           double t[16], sum = 0.0;
