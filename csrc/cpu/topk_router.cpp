@@ -24,6 +24,7 @@
 
 #include "moe_kernels/topk_router.h"
 #include "saved_weights.h"
+#include "row_exp_terms.h"
 #include "row_vector.h"
 #include "vec_math.h"
 
@@ -229,9 +230,17 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     int64_t stride;
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
     rows_top_pairs_f32(x, stride, n, E, k, best.data());  // ranked by the logits
-    selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
+    // Renormalised softmax: topk_softmax's weights from the pairs where they run (AVX-512 F,
+    // k = 1, 2, 4, 8, 16), times the scaling as finish_weights multiplies it.
+    if (a.scoring == kSoftmax && a.renormalize && renormalized_pairs_f32(best.data(), n, k, experts + t0 * k, w)) {
+      if (scaling != 1.0f) {
+        for (int64_t j = 0; j < slots; ++j) w[j] = scaling * w[j];
+      }
+      continue;
+    }
+    selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
     slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
     if (a.scoring == kSoftmax && !a.renormalize) {
       // Full softmax: the slots' exp_full terms over the row sums. The sums by flushed terms
