@@ -282,6 +282,25 @@ def test_backward_from_weights_survives_in_place_edits():
     assert_close(x.grad, x_ref.grad)
 
 
+@pytest.mark.parametrize("scaling", [-1.0, 2.5, 1e39])
+def test_masked_rows_scaled_alike_for_every_k(scaling):
+    # A fully masked row's renormalised softmax weights are +0 whatever the scaling (finish_weights'
+    # rule), on the path that computes them with the weights of topk_softmax (k = 4, 8 on AVX-512)
+    # as on the one that does not (k = 3); a live row's are scaling times topk_softmax's there.
+    x = torch.randn(37, 16, generator=torch.Generator().manual_seed(3))
+    x[0] = float("-inf")
+    x[20] = float("-inf")
+    for k in (3, 4, 8):
+        w, e = run("cpu", x, k, renormalize=True, scaling_factor=scaling)
+        for row in (0, 20):
+            assert torch.equal(w[row], torch.zeros(k)) and not torch.signbit(w[row]).any(), (k, w[row])
+        if k != 3 and scaling != 1e39:
+            w_softmax, e_softmax = moe_kernels.ops.topk_softmax(x, k, renormalize=True)
+            live = torch.ones(37, dtype=torch.bool)
+            live[[0, 20]] = False
+            assert torch.equal(e, e_softmax)
+            assert torch.equal(w[live], w_softmax[live] * scaling)
+
 @pytest.mark.parametrize(
     "kwargs, held",
     [

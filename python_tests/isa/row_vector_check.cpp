@@ -307,14 +307,22 @@ bool check_renormalized_weights(long* checked) {
         if (!renormalized_weights_f32(value.data(), vmax.data(), n, k, w.data())) return true;
         // The same weights from rank pairs (index 3 s + i % 5 at slot s), bit for bit, experts
         // decoded: value and vmax as selected_slots decodes them from the pairs.
-        std::vector<int64_t> pairs(n * k), experts(n * k, -1), slot_experts(n * k);
-        std::vector<float> slot_value(n * k), slot_vmax(n * k), w_pairs(n * k, -1.0f), w_slots(n * k, -2.0f);
+        // 16 guard entries past the outputs: a tail mask writing past n * k shows there.
+        std::vector<int64_t> pairs(n * k), experts(n * k + 16, -1), slot_experts(n * k);
+        std::vector<float> slot_value(n * k), slot_vmax(n * k), w_pairs(n * k + 16, -1.0f), w_slots(n * k, -2.0f);
         for (int64_t j = 0; j < n * k; ++j) pairs[j] = rank_pair(value[j], (int32_t)(3 * (j % k) + (j / k) % 5));
         selected_slots(pairs.data(), n, k, slot_experts.data(), slot_value.data(), slot_vmax.data());
         renormalized_weights_f32(slot_value.data(), slot_vmax.data(), n, k, w_slots.data());
         if (!renormalized_pairs_f32(pairs.data(), n, k, experts.data(), w_pairs.data())) {
           std::printf("renormalized_pairs_f32 k=%lld: not run where renormalized_weights_f32 runs\n", (long long)k);
           return false;
+        }
+        for (int64_t j = n * k; j < n * k + 16; ++j) {
+          if (experts[j] != -1 || w_pairs[j] != -1.0f) {
+            std::printf("renormalized_pairs_f32 k=%lld n=%lld: wrote past its %lld slots\n", (long long)k, (long long)n,
+                        (long long)(n * k));
+            return false;
+          }
         }
         for (int64_t j = 0; j < n * k; ++j) {
           const bool same = std::memcmp(&w_pairs[j], &w_slots[j], 4) == 0 || (w_pairs[j] != w_pairs[j] && w_slots[j] != w_slots[j]);
