@@ -301,6 +301,7 @@ def test_masked_rows_scaled_alike_for_every_k(scaling):
             assert torch.equal(e, e_softmax)
             assert torch.equal(w[live], w_softmax[live] * scaling)
 
+
 @pytest.mark.parametrize(
     "kwargs, held",
     [
