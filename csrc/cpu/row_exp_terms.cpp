@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 #include <cmath>
 #include <bit>
 #include <utility>
@@ -17,8 +18,9 @@
 // Vectors pass by value between inlined helpers only.
 #pragma GCC diagnostic ignored "-Wpsabi"
 // GCC 12's float shuffles start from _mm512_undefined_ps (`__m512 __Y = __Y;`), which it then
-// reports as maybe uninitialised.
+// reports as (maybe) uninitialised.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace moe_kernels {
 namespace {
@@ -63,50 +65,55 @@ struct Pow2Table {
   __m512 plain_low, plain_high;
 };
 
-// e^d for d <= 0 (or NaN) in the lanes of live, 0 elsewhere. d = (32 n + j) ln2 / 32 + r with
-// n, j integers, j in [0, 32) and |r| <= ln2 / 64: e^d = 2^n 2^(j / 32) e^r.
-//  - 32 n + j: rounded by adding 1.5 * 2^23 (the integer lands in the sum's low mantissa bits:
-//    j in the low five, which the permute reads as its index; their shift by 18 puts n in the
-//    exponent field, since 1.5 * 2^23's own bits shift out);
+// The shared part of the two exps below: d = (32 n + j) ln2 / 32 + r with n, j integers, j in
+// [0, 32) and |r| <= ln2 / 64, so e^d = 2^n 2^(j / 32) e^r.
+//  - rounded = d 32 / ln2 + 1.5 * 2^23: the integer 32 n + j lands in its low mantissa bits, j in
+//    the low five (a permute's index);
 //  - r = d - (32 n + j) ln2 / 32 with ln2 split in two (Cephes' 0.693359375 has 9 significant
-//    bits, so its product with the <= 12-bit multiple is exact), so r keeps d's precision;
-//  - e^r - 1 = r + r^2 (1/2 + r / 6): the next term, r^4 / 24 < 6e-10, is under 0.01 ulp;
-//  - e^d = s + s (e^r - 1) with s = 2^n 2^(j / 32), normal for every d >= -80 (n >= -116).
-// Lanes below -80 (-inf among them) are zeroed by the mask rather than clamped; NaN lanes stay
-// live (the compare is unordered) and give NaN through e^r - 1. Seven FMA-unit operations (the
-// loop's bottleneck: the scale by a multiply and vscalefps, two more, left the full softmax's
-// forward at E = 64, k = 2 at 2.15-2.2 ms instead of 2.0-2.1).
-inline __m512 exp_nonpositive16(__m512 d, __mmask16 live, const Pow2Table& table) {
-  live = _mm512_mask_cmp_ps_mask(live, d, _mm512_set1_ps(-80.0f), _CMP_NLT_UQ);
+//    bits, so its product with the <= 13-bit multiple is exact), so r keeps d's precision;
+//  - e^r - 1 = r + r^2 (1/2 + r / 6): the next term, r^4 / 24 < 6e-10, is under 0.01 ulp.
+struct Reduced {
+  __m512 rounded, multiple, expm1;  // multiple = 32 n + j
+};
+
+inline Reduced reduce16(__m512 d) {
   const __m512 shift = _mm512_set1_ps(12582912.0f);
   const __m512 rounded = _mm512_fmadd_ps(d, _mm512_set1_ps(46.16624069213867f), shift);  // 32 / ln2
-  const __m512 m = _mm512_sub_ps(rounded, shift);                                      // 32 n + j
-  __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f / 32), d);
-  r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f / 32), r);
-  const __m512i bits = _mm512_castps_si512(rounded);
-  const __m512 scale = _mm512_castsi512_ps(
-      _mm512_add_epi32(_mm512_permutex2var_epi32(table.low, bits, table.high), _mm512_slli_epi32(bits, 18)));
+  const __m512 multiple = _mm512_sub_ps(rounded, shift);
+  __m512 r = _mm512_fnmadd_ps(multiple, _mm512_set1_ps(0.693359375f / 32), d);
+  r = _mm512_fnmadd_ps(multiple, _mm512_set1_ps(-2.12194440e-4f / 32), r);
   const __m512 expm1 =
       _mm512_fmadd_ps(_mm512_mul_ps(r, r), _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(0.5f)), r);
-  return _mm512_maskz_fmadd_ps(live, scale, expm1, scale);
+  return {rounded, multiple, expm1};
+}
+
+// e^d for d <= 0 (or NaN) in the lanes of live, 0 elsewhere: s + s (e^r - 1) with s = 2^n 2^(j / 32)
+// made by one integer add (the table entry's bits, less j << 18, plus the rounded sum's bits
+// shifted up by 18: j's bits cancel, n lands in the exponent field, and 1.5 * 2^23's own bits
+// shift out); s is normal for every d >= -80 (n >= -116). Lanes below -80 (-inf among them) are
+// zeroed by the mask rather than clamped; NaN lanes stay live (the compare is unordered) and give
+// NaN through e^r - 1. Seven FMA-unit operations (the loop's bottleneck: the scale by a multiply
+// and vscalefps, two more, left the full softmax's forward at E = 64, k = 2 at 2.15-2.2 ms instead
+// of 2.0-2.1).
+inline __m512 exp_nonpositive16(__m512 d, __mmask16 live, const Pow2Table& table) {
+  live = _mm512_mask_cmp_ps_mask(live, d, _mm512_set1_ps(-80.0f), _CMP_NLT_UQ);
+  const Reduced x = reduce16(d);
+  const __m512i bits = _mm512_castps_si512(x.rounded);
+  const __m512 scale = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_permutex2var_epi32(table.low, bits, table.high), _mm512_slli_epi32(bits, 18)));
+  return _mm512_maskz_fmadd_ps(live, scale, x.expm1, scale);
 }
 
 // e^d with torch's tails (vec_math::exp_full's range) for d <= 0 or NaN, in the lanes of live:
-// exp_nonpositive16's table and polynomial with the scale by vscalefps, which rounds a result
-// below float's smallest normal (d below ~-87.3) once, as a multiply would; 0 below -104 (under
-// the smallest denormal) and for -inf. Where the result is normal it equals exp_nonpositive16's:
-// scaling by 2^n commutes with the rounding. Nine FMA-unit operations.
+// the same reduction with the scale by vscalefps, which rounds a result below float's smallest
+// normal (d below ~-87.3) once, as a multiply would; 0 below -104 (under the smallest denormal)
+// and for -inf. Where the result is normal it equals exp_nonpositive16's: scaling by 2^n
+// commutes with the rounding. Nine FMA-unit operations.
 inline __m512 exp_tail16(__m512 d, __mmask16 live, const Pow2Table& table) {
   live = _mm512_mask_cmp_ps_mask(live, d, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ);
-  const __m512 shift = _mm512_set1_ps(12582912.0f);
-  const __m512 rounded = _mm512_fmadd_ps(d, _mm512_set1_ps(46.16624069213867f), shift);
-  const __m512 m = _mm512_sub_ps(rounded, shift);
-  __m512 r = _mm512_fnmadd_ps(m, _mm512_set1_ps(0.693359375f / 32), d);
-  r = _mm512_fnmadd_ps(m, _mm512_set1_ps(-2.12194440e-4f / 32), r);
-  const __m512 s = _mm512_permutex2var_ps(table.plain_low, _mm512_castps_si512(rounded), table.plain_high);
-  const __m512 expm1 =
-      _mm512_fmadd_ps(_mm512_mul_ps(r, r), _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(0.5f)), r);
-  return _mm512_maskz_scalef_ps(live, _mm512_fmadd_ps(s, expm1, s), _mm512_mul_ps(m, _mm512_set1_ps(1.0f / 32)));
+  const Reduced x = reduce16(d);
+  const __m512 s = _mm512_permutex2var_ps(table.plain_low, _mm512_castps_si512(x.rounded), table.plain_high);
+  return _mm512_maskz_scalef_ps(live, _mm512_fmadd_ps(s, x.expm1, s), _mm512_mul_ps(x.multiple, _mm512_set1_ps(1.0f / 32)));
 }
 
 template <bool kTails>
@@ -154,6 +161,10 @@ void rows_exp_terms_avx512(const float* x, int64_t stride, int64_t n, int64_t E,
     const float m = vmax[i * vmax_stride];
     sums[i] = exps ? row_terms<true>(row, E, m, exps + i * E, table) : row_terms<false>(row, E, m, nullptr, table);
   }
+}
+
+float row_terms_full_avx512(const float* row, int64_t E, float vmax, float* exps) {
+  return row_terms<true, true>(row, E, vmax, exps, load_table());
 }
 
 void exp_terms_avx512(const float* v, const float* vmax, int64_t count, float* out) {
@@ -258,49 +269,48 @@ bool cpu_supported() {
 }  // namespace
 
 #if defined(MK_EXP_TERMS_AVX512)
+namespace {
+bool supported() {
+  static const bool cpu = cpu_supported();
+  return cpu;
+}
+
+// f(std::integral_constant<int, k>()) for the k whose rows fill whole vectors; false otherwise.
+template <typename F>
+bool with_group(int64_t k, F f) {
+  switch (k) {
+    case 1: return f(std::integral_constant<int, 1>()), true;
+    case 2: return f(std::integral_constant<int, 2>()), true;
+    case 4: return f(std::integral_constant<int, 4>()), true;
+    case 8: return f(std::integral_constant<int, 8>()), true;
+    case 16: return f(std::integral_constant<int, 16>()), true;
+    default: return false;
+  }
+}
+}  // namespace
+
 bool rows_exp_terms_f32(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
                         int64_t vmax_stride, float* exps, float* sums) {
-  static const bool supported = cpu_supported();
-  if (supported) rows_exp_terms_avx512(x, stride, n, E, vmax, vmax_stride, exps, sums);
-  return supported;
+  if (supported()) rows_exp_terms_avx512(x, stride, n, E, vmax, vmax_stride, exps, sums);
+  return supported();
 }
 
 bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out) {
-  static const bool supported = cpu_supported();
-  if (supported) exp_terms_avx512(v, vmax, count, out);
-  return supported;
-}
-
-bool renormalized_pairs_f32(const int64_t* best, int64_t n, int64_t k, int64_t* experts, float* w) {
-  static const bool supported = cpu_supported();
-  if (!supported) return false;
-  switch (k) {
-    case 1: renormalized_pairs_avx512<1>(best, n, experts, w); return true;
-    case 2: renormalized_pairs_avx512<2>(best, n, experts, w); return true;
-    case 4: renormalized_pairs_avx512<4>(best, n, experts, w); return true;
-    case 8: renormalized_pairs_avx512<8>(best, n, experts, w); return true;
-    case 16: renormalized_pairs_avx512<16>(best, n, experts, w); return true;
-    default: return false;
-  }
+  if (supported()) exp_terms_avx512(v, vmax, count, out);
+  return supported();
 }
 
 bool row_exp_terms_full_f32(const float* row, int64_t E, float vmax, float* exps, float* sum) {
-  static const bool supported = cpu_supported();
-  if (supported) *sum = row_terms<true, true>(row, E, vmax, exps, load_table());
-  return supported;
+  if (supported()) *sum = row_terms_full_avx512(row, E, vmax, exps);
+  return supported();
 }
 
 bool renormalized_weights_f32(const float* value, const float* vmax, int64_t n, int64_t k, float* w) {
-  static const bool supported = cpu_supported();
-  if (!supported) return false;
-  switch (k) {
-    case 1: renormalized_avx512<1>(value, vmax, n, w); return true;
-    case 2: renormalized_avx512<2>(value, vmax, n, w); return true;
-    case 4: renormalized_avx512<4>(value, vmax, n, w); return true;
-    case 8: renormalized_avx512<8>(value, vmax, n, w); return true;
-    case 16: renormalized_avx512<16>(value, vmax, n, w); return true;
-    default: return false;
-  }
+  return supported() && with_group(k, [&](auto K) { renormalized_avx512<K()>(value, vmax, n, w); });
+}
+
+bool renormalized_pairs_f32(const int64_t* best, int64_t n, int64_t k, int64_t* experts, float* w) {
+  return supported() && with_group(k, [&](auto K) { renormalized_pairs_avx512<K()>(best, n, experts, w); });
 }
 #else
 // No AVX-512 F in this build: the caller's terms run.
