@@ -121,6 +121,14 @@ inline __m512 exp16(__m512 d, __mmask16 live, const Pow2Table& table) {
   return kTails ? exp_tail16(d, live, table) : exp_nonpositive16(d, live, table);
 }
 
+// f(j, mask) for the 16-lane blocks of [0, count): whole ones, then the rest as a masked block.
+template <typename F>
+inline void for_blocks(int64_t count, F f) {
+  int64_t j = 0;
+  for (; j + 16 <= count; j += 16) f(j, (__mmask16)0xffff);
+  if (j < count) f(j, (__mmask16)((1u << (count - j)) - 1));
+}
+
 // One row's terms (stored when exps is not null) and their sum: the 16-lane terms added in order
 // into one vector, then its lanes by a fixed tree, so a call that stores and one that does not
 // give the same sum.
@@ -128,18 +136,11 @@ template <bool kStore, bool kTails = false>
 inline float row_terms(const float* row, int64_t E, float vmax, float* exps, const Pow2Table& table) {
   const __m512 m = _mm512_set1_ps(vmax);
   __m512 sum = _mm512_setzero_ps();
-  int64_t e = 0;
-  for (; e + 16 <= E; e += 16) {
-    const __m512 t = exp16<kTails>(_mm512_sub_ps(_mm512_loadu_ps(row + e), m), 0xffff, table);
-    if constexpr (kStore) _mm512_storeu_ps(exps + e, t);
+  for_blocks(E, [&](int64_t e, __mmask16 in) {
+    const __m512 t = exp16<kTails>(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, row + e), m), in, table);
+    if constexpr (kStore) _mm512_mask_storeu_ps(exps + e, in, t);
     sum = _mm512_add_ps(sum, t);
-  }
-  if (e < E) {
-    const __mmask16 tail = (__mmask16)((1u << (E - e)) - 1);
-    const __m512 t = exp16<kTails>(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + e), m), tail, table);
-    if constexpr (kStore) _mm512_mask_storeu_ps(exps + e, tail, t);
-    sum = _mm512_add_ps(sum, t);
-  }
+  });
   // The lanes folded in halves.
   sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, 0x4e));
   sum = _mm512_add_ps(sum, _mm512_shuffle_f32x4(sum, sum, 0xb1));
@@ -169,16 +170,10 @@ float row_terms_full_avx512(const float* row, int64_t E, float vmax, float* exps
 
 void exp_terms_avx512(const float* v, const float* vmax, int64_t count, float* out) {
   const Pow2Table table = load_table();
-  int64_t j = 0;
-  for (; j + 16 <= count; j += 16) {
-    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(v + j), _mm512_loadu_ps(vmax + j));
-    _mm512_storeu_ps(out + j, exp_nonpositive16(d, 0xffff, table));
-  }
-  if (j < count) {
-    const __mmask16 tail = (__mmask16)((1u << (count - j)) - 1);
-    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, v + j), _mm512_maskz_loadu_ps(tail, vmax + j));
-    _mm512_mask_storeu_ps(out + j, tail, exp_nonpositive16(d, tail, table));
-  }
+  for_blocks(count, [&](int64_t j, __mmask16 in) {
+    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, v + j), _mm512_maskz_loadu_ps(in, vmax + j));
+    _mm512_mask_storeu_ps(out + j, in, exp_nonpositive16(d, in, table));
+  });
 }
 
 // Each K-lane group's sum in all of its lanes (K divides 16): halves folded onto each other, so
@@ -200,19 +195,14 @@ inline __m512 renormalized16(__m512 v, __m512 m, const Pow2Table& table) {
   return _mm512_maskz_div_ps(live, t, group_sums<K>(t));
 }
 
+// Whole rows in each block, since K divides 16: the lanes past them hold d = 0 and are not stored.
 template <int K>
 void renormalized_avx512(const float* value, const float* vmax, int64_t n, float* w) {
   const Pow2Table table = load_table();
-  const int64_t count = n * K;
-  int64_t j = 0;
-  for (; j + 16 <= count; j += 16) {
-    _mm512_storeu_ps(w + j, renormalized16<K>(_mm512_loadu_ps(value + j), _mm512_loadu_ps(vmax + j), table));
-  }
-  if (j < count) {  // whole rows, since K divides 16: the lanes past them hold d = 0
-    const __mmask16 tail = (__mmask16)((1u << (count - j)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(tail, value + j), m = _mm512_maskz_loadu_ps(tail, vmax + j);
-    _mm512_mask_storeu_ps(w + j, tail, renormalized16<K>(v, m, table));
-  }
+  for_blocks(n * K, [&](int64_t j, __mmask16 in) {
+    const __m512 v = _mm512_maskz_loadu_ps(in, value + j), m = _mm512_maskz_loadu_ps(in, vmax + j);
+    _mm512_mask_storeu_ps(w + j, in, renormalized16<K>(v, m, table));
+  });
 }
 
 // renormalized_avx512 on the selection's rank pairs (16 slots, two vectors of pairs, at a time):
