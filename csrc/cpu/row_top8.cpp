@@ -73,63 +73,129 @@ inline __mmask16 inside(int64_t E, int64_t c) {
   return E - c >= 16 ? (__mmask16)0xffff : E - c <= 0 ? (__mmask16)0 : (__mmask16)((1u << (E - c)) - 1);
 }
 
-// R rows at once (E <= 64 W; kFull: E = 64 W, every mask known at compile time), every operation for
-// all R before the next: one row is a chain of ~170 cycles of dependent vector operations, and R
-// chains overlap only when interleaved instruction by instruction (bitonic.h's *_each; written
-// row after row, four rows took as long as one row four times). Writes each row's k pairs (garbage
-// for the rows it does not finish) and returns the rows it does not finish as bits.
+// Step 1 for R rows (row[j], E <= 64 W): the 16 lane maxima (lane l holds elements l, l + 16,
+// ...; E >= 16 puts an element in every lane, the zeros past the row are masked out) and the
+// lane-wise sums, whose NaN marks a row holding one (max_ps can drop a NaN; a sum cannot).
 template <int W, int R, bool kFull>
-inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, int64_t* best) {
+inline void lane_maxima(const float* const* row, int64_t E_any, __m512* max, __m512* sum) {
   constexpr int V = 4 * W;  // vectors of 16 a row
   const int64_t E = kFull ? 64 * W : E_any;
-  // A 64-wide row stays in registers (its values are looked up there); wider rows are read again.
-  __m512 v[R][4];
-  auto load = [&](int j, int q) { return _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q); };
-  if constexpr (W == 1) {
-    for (int q = 0; q < 4; ++q) {
-      for (int j = 0; j < R; ++j) v[j][q] = load(j, q);
-    }
-  }
-  auto row_vector = [&](int j, int q) { return W == 1 ? v[j][q] : load(j, q); };
-  // 1. The 16 lane maxima (E >= 16 puts an element in every lane; the zeros past the row are
-  // masked out) and the NaN check.
-  f32x16 m[R];
-  __m512 sum[R];
-  for (int j = 0; j < R; ++j) m[j] = (f32x16)row_vector(j, 0), sum[j] = (__m512)m[j];
+  for (int j = 0; j < R; ++j) max[j] = sum[j] = _mm512_loadu_ps(row[j]);
   for (int q = 1; q < V; ++q) {
     const __mmask16 in = inside(E, 16 * q);
     for (int j = 0; j < R; ++j) {
-      const __m512 x_q = row_vector(j, q);
-      m[j] = (f32x16)_mm512_mask_max_ps((__m512)m[j], in, (__m512)m[j], x_q);
+      const __m512 x_q = _mm512_maskz_loadu_ps(in, row[j] + 16 * q);
+      max[j] = _mm512_mask_max_ps(max[j], in, max[j], x_q);
       sum[j] = _mm512_mask_add_ps(sum[j], in, sum[j], x_q);
     }
   }
-  // 2. The floor: the 8th largest lane maximum. Sorted by blocks of 8 (lanes 0-7 descending,
-  // 8-15 ascending), the half-cleaner's larger halves are the 8 largest; their smallest is it.
-  bitonic::sort8_each<true, R, avx512_exchange>(m);
-  bitonic::bitonic_steps<16, 8, true, R, avx512_exchange>(m);
-  __m512 floor[R];
-  for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps((__m512)m[j], _mm512_shuffle_f32x4((__m512)m[j], (__m512)m[j], 0xb1));
-  for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps(floor[j], _mm512_permute_ps(floor[j], 0x4e));
-  for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps(floor[j], _mm512_permute_ps(floor[j], 0xb1));
-  for (int j = 0; j < R; ++j) floor[j] = _mm512_broadcastss_ps(_mm512_castps512_ps128(floor[j]));
-  // 3. The candidates: bit e of 64-element word w for element 64 w + e >= floor; their indices
+}
+
+// Rows of 16 lanes of max and min: every lane an independent row, so a network's compare-exchange
+// is two instructions for 16 rows with no shuffle.
+struct vertical {
+  // c[i] >= c[j] after the exchange.
+  static inline void exchange(__m512* c, int i, int j) {
+    const __m512 hi = _mm512_max_ps(c[i], c[j]);
+    c[j] = _mm512_min_ps(c[i], c[j]);
+    c[i] = hi;
+  }
+  // c[0 .. 8) descending: the 19-exchange, depth-6 network (Knuth, TAOCP 5.3.4), written out so
+  // that every c[i] stays a register.
+  static inline void sort8(__m512* c) {
+    exchange(c, 0, 2), exchange(c, 1, 3), exchange(c, 4, 6), exchange(c, 5, 7);
+    exchange(c, 0, 4), exchange(c, 1, 5), exchange(c, 2, 6), exchange(c, 3, 7);
+    exchange(c, 0, 1), exchange(c, 2, 3), exchange(c, 4, 5), exchange(c, 6, 7);
+    exchange(c, 2, 4), exchange(c, 3, 5);
+    exchange(c, 1, 4), exchange(c, 3, 6);
+    exchange(c, 1, 2), exchange(c, 3, 4), exchange(c, 5, 6);
+  }
+};
+
+// 16 vectors transposed but for the order of the results: lane r of c[i] is lane sigma(i) of m[r],
+// sigma(4 q + b) = 4 b + q. Vectors s[p] holding row r's p-th value in lane r transpose back to
+// row sigma(i)'s values in c[i].
+inline void transpose16(const __m512* m, __m512* c) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(m[i], m[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(m[i], m[i + 1]);
+  }
+  // u[4 g + q]: in 128-bit block b, lane 4 b + q of m[4 g .. 4 g + 4).
+  for (int g = 0; g < 4; ++g) {
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d c2 = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c2));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c2));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  // Block g of c[4 q + b] from u[4 g + q]'s block b: a 4 x 4 transpose of 128-bit blocks.
+  for (int q = 0; q < 4; ++q) {
+    const __m512 s0 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0x44), s1 = _mm512_shuffle_f32x4(u[q], u[4 + q], 0xee);
+    const __m512 s2 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0x44), s3 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], 0xee);
+    c[4 * q] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+    c[4 * q + 1] = _mm512_shuffle_f32x4(s0, s2, 0xdd);
+    c[4 * q + 2] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+    c[4 * q + 3] = _mm512_shuffle_f32x4(s1, s3, 0xdd);
+  }
+}
+constexpr int sigma(int i) { return 4 * (i % 4) + i / 4; }
+
+// Steps 1 and 2 for rows [0, rows) of a block of 16 (rows <= 16): each row's floor into
+// floors[r], and bit r of the result set when row r's lane sums hold a NaN.
+template <int W, bool kFull>
+inline uint32_t floors16(const float* x, int64_t stride, int64_t E_any, int rows, __m512* floors) {
+  // 64-wide rows four at a time (their chains of maxima and sums overlap; wider rows measured
+  // slower so); the rows past `rows` repeat the last one.
+  constexpr int R = W == 1 ? 4 : 1;
+  __m512 m[16];
+  uint32_t nan = 0;
+  for (int r0 = 0; r0 < 16; r0 += R) {
+    const float* row[R];
+    for (int j = 0; j < R; ++j) row[j] = x + (r0 + j < rows ? r0 + j : rows - 1) * stride;
+    __m512 sum[R];
+    lane_maxima<W, R, kFull>(row, E_any, m + r0, sum);
+    for (int j = 0; j < R; ++j) nan |= (uint32_t)(_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) != 0) << (r0 + j);
+  }
+  // The 8th largest of each row's 16: both halves sorted descending, the larger of a[i] and
+  // b[7 - i] are the 8 largest of the 16 (a bitonic half-cleaner), their least is it.
+  __m512 c[16];
+  transpose16(m, c);
+  vertical::sort8(c);
+  vertical::sort8(c + 8);
+  __m512 floor = _mm512_max_ps(c[0], c[15]);
+  for (int i = 1; i < 8; ++i) floor = _mm512_min_ps(floor, _mm512_max_ps(c[i], c[15 - i]));
+  *floors = floor;
+  return nan & (uint32_t)((1ull << rows) - 1);
+}
+
+// Step 3 for R rows at once (E <= 64 W; kFull: E = 64 W, every mask known at compile time),
+// every operation for all R before the next (R chains of dependent operations overlap only when
+// interleaved instruction by instruction: written row after row, four rows took as long as one
+// row four times). floor_of(j) broadcasts row j's floor. Each row's step-4 vector into packed[j],
+// its candidates' rank keys and indices into key[j] and index[j], their number into count[j].
+template <int W, int R, bool kFull, typename Floor>
+inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floor_of, __m512i* packed, __m512i* key,
+                       __m512i* index, int* count) {
+  const int64_t E = kFull ? 64 * W : E_any;
+  auto row_vector = [&](int j, int q) { return _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q); };
+  // The elements >= floor: bit e of 64-element word w for element 64 w + e >= floor; their indices
   // ascending (bytes: E <= 256) by a byte compress of each word's mask, the words after the first
   // placed after the ones before by a byte expand, widened; lanes past the count 0. Their values
   // by two-source permutes of a 64-wide row's four vectors, or gathered from a wider one.
   const __m512i byte_lane = _mm512_set_epi64(0x3f3e3d3c3b3a3938, 0x3736353433323130, 0x2f2e2d2c2b2a2928,
                                              0x2726252423222120, 0x1f1e1d1c1b1a1918, 0x1716151413121110,
                                              0x0f0e0d0c0b0a0908, 0x0706050403020100);
-  int count[R];
   __mmask16 used[R];
-  __m512i index[R], key[R];
   for (int j = 0; j < R; ++j) {
+    const __m512 floor = floor_of(j);
     __m512i bytes = _mm512_setzero_si512();
     count[j] = 0;
     for (int w = 0; w < W; ++w) {
       __mmask16 c[4];
       for (int q = 0; q < 4; ++q) {
-        c[q] = _mm512_mask_cmp_ps_mask(inside(E, 64 * w + 16 * q), row_vector(j, 4 * w + q), floor[j], _CMP_GE_OQ);
+        c[q] = _mm512_mask_cmp_ps_mask(inside(E, 64 * w + 16 * q), row_vector(j, 4 * w + q), floor, _CMP_GE_OQ);
       }
       const __mmask64 bits = _mm512_kunpackd(_mm512_kunpackw(c[3], c[2]), _mm512_kunpackw(c[1], c[0]));
       const int kept = __builtin_popcountll(_cvtmask64_u64(bits));
@@ -149,56 +215,155 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
   for (int j = 0; j < R; ++j) {
     __m512 value;
     if constexpr (W == 1) {
-      const __m512 low = _mm512_permutex2var_ps(v[j][0], index[j], v[j][1]);
-      const __m512 high = _mm512_permutex2var_ps(v[j][2], index[j], v[j][3]);
+      const __m512 low = _mm512_permutex2var_ps(row_vector(j, 0), index[j], row_vector(j, 1));
+      const __m512 high = _mm512_permutex2var_ps(row_vector(j, 2), index[j], row_vector(j, 3));
       value = _mm512_mask_blend_ps(_mm512_test_epi32_mask(index[j], _mm512_set1_epi32(32)), low, high);
     } else {
       value = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used[j], index[j], x + j * stride, 4);
     }
     // rank_key (common.h): -0 as +0, negative floats' magnitude bits flipped (no NaN here).
     const __m512i b = _mm512_castps_si512(_mm512_add_ps(value, _mm512_setzero_ps()));
-    key[j] = _mm512_xor_si512(b, _mm512_srli_epi32(_mm512_srai_epi32(b, 31), 1));
+    key[j] = _mm512_ternarylogic_epi32(b, _mm512_srai_epi32(b, 31), _mm512_set1_epi32(0x7fffffff), 0x78);  // A ^ (B & C)
   }
-  // 4. The candidates sorted as one vector of int32: each key's top 28 bits above 15 - its lane
-  // (its candidate number: lanes are in index order, so of two equal prefixes the lower index
-  // ranks first), lanes past the count INT_MIN. Exact unless two different keys share a prefix
-  // (values a few ulp apart; the caller redoes those rows). Equal keys are exact ties, ranked
-  // by index as rank pairs rank them.
+  // What step 4 sorts: each key's top 28 bits above 15 - its lane (its candidate number: lanes
+  // are in index order, so of two equal prefixes the lower index ranks first), lanes past the
+  // count INT_MIN.
   const __m512i lane_code = _mm512_setr_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  i32x16 packed[R];
   for (int j = 0; j < R; ++j) {
     const __m512i p = _mm512_ternarylogic_epi32(key[j], _mm512_set1_epi32(~15), lane_code, 0xe2);  // B ? A : C
-    packed[j] = (i32x16)_mm512_mask_mov_epi32(_mm512_set1_epi32(INT_MIN), used[j], p);
+    packed[j] = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT_MIN), used[j], p);
   }
-  bitonic::sort16_each<true, R, avx512_exchange>(packed);
+}
+
+// Step 4 for 16 rows: packed[r] sorted descending, into sorted[sigma(r)] (transpose16), by
+// Batcher's odd-even merge sort (63 exchanges, depth 10) on the transposed vectors.
+inline void sort16_rows(const __m512i* packed, __m512i* sorted) {
+  __m512 f[16];
+  for (int i = 0; i < 16; ++i) f[i] = _mm512_castsi512_ps(packed[i]);
+  __m512 t[16];
+  transpose16(f, t);
+  __m512i c[16];
+  for (int i = 0; i < 16; ++i) c[i] = _mm512_castps_si512(t[i]);
+  auto exchange = [&](int i, int j) {
+    const __m512i hi = _mm512_max_epi32(c[i], c[j]);
+    c[j] = _mm512_min_epi32(c[i], c[j]);
+    c[i] = hi;
+  };
+  for (int i = 0; i < 16; i += 2) exchange(i, i + 1);
+  for (int i = 0; i < 16; i += 4) exchange(i, i + 2), exchange(i + 1, i + 3);
+  for (int i = 0; i < 16; i += 4) exchange(i + 1, i + 2);
+  for (int i = 0; i < 16; i += 8) exchange(i, i + 4), exchange(i + 3, i + 7);
+  for (int i = 0; i < 16; i += 8) exchange(i + 2, i + 6), exchange(i + 1, i + 5);
+  for (int i = 0; i < 16; i += 8) exchange(i + 2, i + 4), exchange(i + 3, i + 5);
+  for (int i = 0; i < 16; i += 8) exchange(i + 1, i + 2), exchange(i + 3, i + 4), exchange(i + 5, i + 6);
+  exchange(0, 8), exchange(7, 15);
+  exchange(4, 12), exchange(2, 10), exchange(6, 14), exchange(1, 9), exchange(5, 13), exchange(3, 11);
+  exchange(4, 8), exchange(6, 10), exchange(5, 9), exchange(7, 11);
+  exchange(2, 4), exchange(6, 8), exchange(10, 12), exchange(3, 5), exchange(7, 9), exchange(11, 13);
+  for (int i = 1; i < 15; i += 2) exchange(i, i + 1);
+  for (int i = 0; i < 16; ++i) f[i] = _mm512_castsi512_ps(c[i]);
+  transpose16(f, t);
+  for (int i = 0; i < 16; ++i) sorted[i] = _mm512_castps_si512(t[i]);
+}
+
+// After the sort, R rows at once: each row's k pairs into best + k j (garbage for a row it does
+// not finish); returns the rows it does not finish as bits.
+template <int R>
+inline uint32_t finish(const __m512i* sorted_of, const __m512i* key, const __m512i* index, const int* count, int k,
+                       int64_t* best) {
   uint32_t failed = 0;
   const __mmask8 slots = (__mmask8)((1u << k) - 1);
   for (int j = 0; j < R; ++j) {
-    const __m512i sorted = (__m512i)packed[j];
+    const __m512i sorted = sorted_of[j];
     // The candidates' full keys in sorted order. Equal keys share a prefix and come in index
     // order, as rank pairs rank them; two different keys with one prefix may be misordered, and
     // if any are, two such neighbours are (a run of one prefix is contiguous once sorted).
-    const __m512i number = _mm512_sub_epi32(_mm512_set1_epi32(15), _mm512_and_si512(sorted, _mm512_set1_epi32(15)));
+    const __m512i number = _mm512_andnot_si512(sorted, _mm512_set1_epi32(15));  // 15 - the low 4 bits
     const __m512i sorted_key = _mm512_permutexvar_epi32(number, key[j]);
     const __m512i prefix = _mm512_srai_epi32(sorted, 4);
     const __mmask16 same_prefix = _mm512_mask_cmpeq_epi32_mask(0x7fff, prefix, _mm512_alignr_epi32(prefix, prefix, 1));
     const bool misordered =
         _mm512_mask_cmpneq_epi32_mask(same_prefix, sorted_key, _mm512_alignr_epi32(sorted_key, sorted_key, 1)) != 0;
-    const bool fine = !_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) && count[j] <= 16;
-    failed |= (uint32_t)(misordered || !fine) << j;
-    // The top eight's rank pairs (key << 32 | 0xffffffff - index).
-    const __m256i top_index = _mm512_castsi512_si256(_mm512_permutexvar_epi32(number, index[j]));
-    const __m256i top_key = _mm512_castsi512_si256(sorted_key);
-    const __m512i pairs = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepi32_epi64(top_key), 32),
-                                          _mm512_cvtepu32_epi64(_mm256_xor_si256(top_index, _mm256_set1_epi32(-1))));
+    failed |= (uint32_t)(misordered || count[j] > 16) << j;
+    // The top eight's rank pairs (key << 32 | 0xffffffff - index): 32-bit lanes 2 s and 2 s + 1
+    // from the complemented indices and the keys.
+    const __m512i top_index = _mm512_permutexvar_epi32(number, index[j]);
+    const __m512i interleave = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i pairs =
+        _mm512_permutex2var_epi32(_mm512_xor_si512(top_index, _mm512_set1_epi32(-1)), interleave, sorted_key);
     _mm512_mask_storeu_epi64(best + k * j, slots, pairs);
   }
   return failed;
 }
 
+// Rows of up to 128 in blocks of 16: the floors (floors16) and the candidates' sort (sort16_rows)
+// on transposed vectors.
 template <int W, bool kFull>
-void rows_top8_avx512(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
+void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
                       int64_t* n_redo) {
+  constexpr int R = 16;
+  int64_t left = 0;
+  __m512i packed[16], key[16], index[16], sorted[16];
+  int count[16];
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int rows = (int)(n - i0 < 16 ? n - i0 : 16);
+    const float* block = x + i0 * stride;
+    __m512 floors;
+    uint32_t failed = floors16<W, kFull>(block, stride, E, rows, &floors);
+    int j = 0;
+    for (; j + R <= rows; j += R) {
+      auto floor_of = [&](int r) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j + r), floors); };
+      candidates<W, R, kFull>(block + j * stride, stride, E, floor_of, packed + j, key + j, index + j, count + j);
+    }
+    for (; j < rows; ++j) {
+      auto floor_of = [&](int) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j), floors); };
+      candidates<W, 1, kFull>(block + j * stride, stride, E, floor_of, packed + j, key + j, index + j, count + j);
+    }
+    for (; j < 16; ++j) packed[j] = _mm512_set1_epi32(INT_MIN);
+    __m512i out[16];
+    sort16_rows(packed, out);
+    for (int r = 0; r < 16; ++r) sorted[r] = out[sigma(r)];
+    for (j = 0; j + R <= rows; j += R) failed |= finish<R>(sorted + j, key + j, index + j, count + j, k, best + k * (i0 + j)) << j;
+    for (; j < rows; ++j) failed |= finish<1>(sorted + j, key + j, index + j, count + j, k, best + k * (i0 + j)) << j;
+    for (; failed; failed &= failed - 1) redo[left++] = i0 + __builtin_ctz(failed);
+  }
+  *n_redo = left;
+}
+
+// Rows of up to 256, R at once, each row's floor and sort on its own vector (bitonic.h's
+// networks across lanes): for E = 129 to 256, where the blocks above measured up to 20% slower
+// (E = 160) or no faster (E = 256).
+template <int W, int R, bool kFull>
+inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, int64_t* best) {
+  const float* row[R];
+  for (int j = 0; j < R; ++j) row[j] = x + j * stride;
+  __m512 max[R], sum[R];
+  lane_maxima<W, R, kFull>(row, E_any, max, sum);
+  f32x16 m[R];
+  for (int j = 0; j < R; ++j) m[j] = (f32x16)max[j];
+  // The floor: sorted by blocks of 8 (lanes 0-7 descending, 8-15 ascending), the half-cleaner's
+  // larger halves are the 8 largest lane maxima; their smallest is it.
+  bitonic::sort8_each<true, R, avx512_exchange>(m);
+  bitonic::bitonic_steps<16, 8, true, R, avx512_exchange>(m);
+  __m512 floor[R];
+  for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps((__m512)m[j], _mm512_shuffle_f32x4((__m512)m[j], (__m512)m[j], 0xb1));
+  for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps(floor[j], _mm512_permute_ps(floor[j], 0x4e));
+  for (int j = 0; j < R; ++j) floor[j] = _mm512_min_ps(floor[j], _mm512_permute_ps(floor[j], 0xb1));
+  for (int j = 0; j < R; ++j) floor[j] = _mm512_broadcastss_ps(_mm512_castps512_ps128(floor[j]));
+  __m512i packed[R], key[R], index[R];
+  int count[R];
+  candidates<W, R, kFull>(x, stride, E_any, [&](int j) { return floor[j]; }, packed, key, index, count);
+  i32x16 sorted[R];
+  for (int j = 0; j < R; ++j) sorted[j] = (i32x16)packed[j];
+  bitonic::sort16_each<true, R, avx512_exchange>(sorted);
+  uint32_t failed = finish<R>((const __m512i*)sorted, key, index, count, k, best);
+  for (int j = 0; j < R; ++j) failed |= (uint32_t)(_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) != 0) << j;
+  return failed;
+}
+
+template <int W, bool kFull>
+void rows_top8_each(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
+                    int64_t* n_redo) {
   constexpr int R = 4;
   int64_t left = 0, i = 0;
   for (; i + R <= n; i += R) {
@@ -214,12 +379,12 @@ void rows_top8_avx512(const float* x, int64_t stride, int64_t n, int64_t E, int 
 // The instance for E: the 64-element words a row needs, and whether it fills them.
 void rows_top8_any(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
                    int64_t* n_redo) {
-  if (E == 64) return rows_top8_avx512<1, true>(x, stride, n, E, k, best, redo, n_redo);
-  if (E < 64) return rows_top8_avx512<1, false>(x, stride, n, E, k, best, redo, n_redo);
-  if (E == 128) return rows_top8_avx512<2, true>(x, stride, n, E, k, best, redo, n_redo);
-  if (E < 128) return rows_top8_avx512<2, false>(x, stride, n, E, k, best, redo, n_redo);
-  if (E == 256) return rows_top8_avx512<4, true>(x, stride, n, E, k, best, redo, n_redo);
-  return rows_top8_avx512<4, false>(x, stride, n, E, k, best, redo, n_redo);
+  if (E == 64) return rows_top8_blocks<1, true>(x, stride, n, E, k, best, redo, n_redo);
+  if (E < 64) return rows_top8_blocks<1, false>(x, stride, n, E, k, best, redo, n_redo);
+  if (E == 128) return rows_top8_blocks<2, true>(x, stride, n, E, k, best, redo, n_redo);
+  if (E < 128) return rows_top8_blocks<2, false>(x, stride, n, E, k, best, redo, n_redo);
+  if (E == 256) return rows_top8_each<4, true>(x, stride, n, E, k, best, redo, n_redo);
+  return rows_top8_each<4, false>(x, stride, n, E, k, best, redo, n_redo);
 }
 
 #if defined(MK_TOP8_DISPATCH)

@@ -12,6 +12,8 @@
 #include <functional>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
 #include <xmmintrin.h>
 
 #include "moe_kernels/common.h"
@@ -396,10 +398,40 @@ bool check_all(long* checked) {
   return true;
 }
 
+// rows_top8_pairs_f32 on the last rows before an unmapped page: its blocks of 16 rows must not
+// read a row past the n it is given (the block's missing rows repeat its last one), nor an
+// element past a row's end (masked loads), however many rows the last block holds.
+bool check_top8_guarded(long* finished) {
+  const long page = sysconf(_SC_PAGESIZE);
+  const size_t bytes = 16 * (size_t)page;  // room for 40 rows of 100
+  char* base = (char*)mmap(nullptr, bytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED || mprotect(base + bytes, page, PROT_NONE) != 0) return true;  // no guard page here
+  float* end = (float*)(base + bytes);
+  bool ok = true;
+  for (int64_t E : {16, 33, 64, 100}) {
+    for (int64_t n = 1; n <= 40 && ok; ++n) {
+      float* x = end - n * E;  // the last row ends at the guard page
+      for (int64_t i = 0; i < n * E; ++i) x[i] = 4.0f * uniform() - 2.0f;
+      std::vector<int64_t> best(n * 8), redo(n);
+      int64_t n_redo = -1;
+      if (!rows_top8_pairs_f32(x, E, n, E, 8, best.data(), redo.data(), &n_redo)) break;
+      std::vector<bool> left(n, false);
+      for (int64_t r = 0; r < n_redo; ++r) left[redo[r]] = true;
+      for (int64_t i = 0; i < n && ok; ++i) {
+        if (left[i]) continue;
+        ok = check("rows_top8_pairs_f32 (guarded)", x + i * E, E, 8, best.data() + i * 8);
+        ++*finished;
+      }
+    }
+  }
+  munmap(base, bytes + page);
+  return ok;
+}
+
 int main() {
   long checked = 0;
   if (!check_all(&checked)) return 1;
-  if (!check_top8_direct(&checked)) return 1;
+  if (!check_top8_direct(&checked) || !check_top8_guarded(&checked)) return 1;
   if (!check_softmax_terms(&checked) || !check_renormalized_weights(&checked)) return 1;
   // Again with denormals read as zero and results flushed (torch.set_flush_denormal(True)): the
   // float compares and rank_key (whose x + 0.0f then turns a denormal into 0) must still agree.
