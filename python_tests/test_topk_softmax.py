@@ -351,7 +351,9 @@ def _from_weights_kernel():
 
 
 @pytest.mark.parametrize("kind", [*ADVERSARIAL_KINDS, "nan"])
-@pytest.mark.parametrize("E, k", [(8, 1), (8, 2), (64, 2), (64, 8), (67, 5), (4, 4), (40, 16)])
+@pytest.mark.parametrize(
+    "E, k", [(8, 1), (8, 2), (20, 3), (64, 2), (64, 6), (64, 8), (67, 5), (4, 4), (40, 12), (40, 16)]
+)
 def test_backward_from_weights_is_the_logits_backward(kind, E, k):
     """The float32 renormalised backward autograd takes (from a copy of the forward's weights) gives
     the bits of the C++ backward that recomputes the weights from the logits, masked and NaN rows

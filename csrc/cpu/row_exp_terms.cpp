@@ -187,22 +187,52 @@ inline __m512 group_sums(__m512 t) {
   return t;
 }
 
-// 16 / K rows' K slots a vector: terms, their row's sum, one division; 0 where vmax is -inf.
-template <int K>
-inline __m512 renormalized16(__m512 v, __m512 m, const Pow2Table& table) {
-  const __m512 t = exp_tail16(_mm512_sub_ps(v, m), 0xffff, table);
+// 16 / G rows' slots a vector, each row a G-lane group whose slots are the lanes of `slots`:
+// terms (0 in the other lanes), their row's sum, one division; 0 where vmax is -inf.
+template <int G>
+inline __m512 renormalized16(__m512 v, __m512 m, __mmask16 slots, const Pow2Table& table) {
+  const __m512 t = exp_tail16(_mm512_sub_ps(v, m), slots, table);
   const __mmask16 live = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-  return _mm512_maskz_div_ps(live, t, group_sums<K>(t));
+  return _mm512_maskz_div_ps(live, t, group_sums<G>(t));
 }
 
-// Whole rows in each block, since K divides 16: the lanes past them hold d = 0 and are not stored.
+// A k that does not divide 16 takes the group of the next power of two, its last lanes empty:
+// 16 / G rows a vector, their k slots each at the start of a G-lane group.
+template <int K>
+constexpr int group_of() {
+  return K <= 1 ? 1 : K <= 2 ? 2 : K <= 4 ? 4 : K <= 8 ? 8 : 16;
+}
+
+// The lanes holding slots when the vector's first `rows` rows are present.
+template <int K>
+inline __mmask16 slot_lanes(int64_t rows) {
+  constexpr int G = group_of<K>();
+  unsigned mask = 0;
+  for (int l = 0; l < 16; ++l) mask |= (unsigned)(l % G < K && l / G < rows) << l;
+  return (__mmask16)mask;
+}
+
+// K dividing 16: whole rows in each block, the lanes past them hold d = 0 and are not stored.
+// Otherwise a vector's rows' slots are expanded into their groups' first lanes, and their weights
+// compressed back.
 template <int K>
 void renormalized_avx512(const float* value, const float* vmax, int64_t n, float* w) {
   const Pow2Table table = load_table();
-  for_blocks(n * K, [&](int64_t j, __mmask16 in) {
-    const __m512 v = _mm512_maskz_loadu_ps(in, value + j), m = _mm512_maskz_loadu_ps(in, vmax + j);
-    _mm512_mask_storeu_ps(w + j, in, renormalized16<K>(v, m, table));
-  });
+  constexpr int G = group_of<K>();
+  if constexpr (G == K) {
+    for_blocks(n * K, [&](int64_t j, __mmask16 in) {
+      const __m512 v = _mm512_maskz_loadu_ps(in, value + j), m = _mm512_maskz_loadu_ps(in, vmax + j);
+      _mm512_mask_storeu_ps(w + j, in, renormalized16<K>(v, m, 0xffff, table));
+    });
+  } else {
+    constexpr int64_t kRows = 16 / G;
+    for (int64_t i = 0; i < n; i += kRows) {
+      const __mmask16 slots = slot_lanes<K>(n - i), first = (__mmask16)((1u << __builtin_popcount(slots)) - 1);
+      const __m512 v = _mm512_maskz_expand_ps(slots, _mm512_maskz_loadu_ps(first, value + i * K));
+      const __m512 m = _mm512_maskz_expand_ps(slots, _mm512_maskz_loadu_ps(first, vmax + i * K));
+      _mm512_mask_storeu_ps(w + i * K, first, _mm512_maskz_compress_ps(slots, renormalized16<G>(v, m, slots, table)));
+    }
+  }
 }
 
 // renormalized_avx512 on the selection's rank pairs (16 slots, two vectors of pairs, at a time):
@@ -213,31 +243,54 @@ void renormalized_avx512(const float* value, const float* vmax, int64_t n, float
 template <int K>
 void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts, float* w) {
   const Pow2Table table = load_table();
+  constexpr int G = group_of<K>();
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  const __m512i first = _mm512_setr_epi32(0, 1 / K * K, 2 / K * K, 3 / K * K, 4 / K * K, 5 / K * K, 6 / K * K,
-                                          7 / K * K, 8 / K * K, 9 / K * K, 10 / K * K, 11 / K * K, 12 / K * K,
-                                          13 / K * K, 14 / K * K, 15 / K * K);
+  const __m512i first = _mm512_setr_epi32(0, 1 / G * G, 2 / G * G, 3 / G * G, 4 / G * G, 5 / G * G, 6 / G * G,
+                                          7 / G * G, 8 / G * G, 9 / G * G, 10 / G * G, 11 / G * G, 12 / G * G,
+                                          13 / G * G, 14 / G * G, 15 / G * G);
   const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
-  auto slots = [&](__m512i p0, __m512i p1, __mmask8 in0, __mmask8 in1, int64_t j) {
-    _mm512_mask_storeu_epi64(experts + j, in0, _mm512_sub_epi64(low32, _mm512_and_si512(p0, low32)));
-    _mm512_mask_storeu_epi64(experts + j + 8, in1, _mm512_sub_epi64(low32, _mm512_and_si512(p1, low32)));
+  auto expert = [&](__m512i p) { return _mm512_sub_epi64(low32, _mm512_and_si512(p, low32)); };
+  // The 16 lanes' values (0 where a pair is 0) and their rows' weights.
+  auto weights = [&](__m512i p0, __m512i p1, __mmask16 slots) {
     const __m512i key = _mm512_permutex2var_epi32(p0, odd, p1);
     const __mmask16 negative = _mm512_cmplt_epi32_mask(key, _mm512_setzero_si512());
     const __m512 v = _mm512_castsi512_ps(_mm512_mask_xor_epi32(key, negative, key, _mm512_set1_epi32(0x7fffffff)));
-    return renormalized16<K>(v, _mm512_permutexvar_ps(first, v), table);
+    return renormalized16<G>(v, _mm512_permutexvar_ps(first, v), slots, table);
   };
-  const int64_t count = n * K;
-  int64_t j = 0;
-  for (; j + 16 <= count; j += 16) {
-    _mm512_storeu_ps(w + j, slots(_mm512_loadu_si512(best + j), _mm512_loadu_si512(best + j + 8), 0xff, 0xff, j));
-  }
-  if (j < count) {  // whole rows; the lanes past them decode to 0 and are not stored
-    const int64_t left = count - j;
-    const __mmask8 in0 = (__mmask8)((1u << std::min<int64_t>(left, 8)) - 1);
-    const __mmask8 in1 = (__mmask8)(left > 8 ? (1u << (left - 8)) - 1 : 0);
-    const __m512 weights = slots(_mm512_maskz_loadu_epi64(in0, best + j), _mm512_maskz_loadu_epi64(in1, best + j + 8),
-                                 in0, in1, j);
-    _mm512_mask_storeu_ps(w + j, (__mmask16)((1u << left) - 1), weights);
+  if constexpr (G == K) {
+    const int64_t count = n * K;
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16) {
+      const __m512i p0 = _mm512_loadu_si512(best + j), p1 = _mm512_loadu_si512(best + j + 8);
+      _mm512_storeu_si512(experts + j, expert(p0));
+      _mm512_storeu_si512(experts + j + 8, expert(p1));
+      _mm512_storeu_ps(w + j, weights(p0, p1, 0xffff));
+    }
+    if (j < count) {  // whole rows; the lanes past them decode to 0 and are not stored
+      const int64_t left = count - j;
+      const __mmask8 in0 = (__mmask8)((1u << std::min<int64_t>(left, 8)) - 1);
+      const __mmask8 in1 = (__mmask8)(left > 8 ? (1u << (left - 8)) - 1 : 0);
+      const __m512i p0 = _mm512_maskz_loadu_epi64(in0, best + j), p1 = _mm512_maskz_loadu_epi64(in1, best + j + 8);
+      _mm512_mask_storeu_epi64(experts + j, in0, expert(p0));
+      _mm512_mask_storeu_epi64(experts + j + 8, in1, expert(p1));
+      _mm512_mask_storeu_ps(w + j, (__mmask16)((1u << left) - 1), weights(p0, p1, 0xffff));
+    }
+  } else {
+    // As renormalized_avx512: each half's pairs expanded into its groups, the results compressed.
+    constexpr int64_t kRows = 16 / G;
+    for (int64_t i = 0; i < n; i += kRows) {
+      const __mmask16 slots = slot_lanes<K>(n - i);
+      const __mmask8 lo = (__mmask8)slots, hi = (__mmask8)(slots >> 8);
+      const int c0 = __builtin_popcount(lo), c1 = __builtin_popcount(hi);
+      const __mmask8 first0 = (__mmask8)((1u << c0) - 1), first1 = (__mmask8)((1u << c1) - 1);
+      const int64_t* pairs = best + i * K;
+      const __m512i p0 = _mm512_maskz_expand_epi64(lo, _mm512_maskz_loadu_epi64(first0, pairs));
+      const __m512i p1 = _mm512_maskz_expand_epi64(hi, _mm512_maskz_loadu_epi64(first1, pairs + c0));
+      _mm512_mask_storeu_epi64(experts + i * K, first0, _mm512_maskz_compress_epi64(lo, expert(p0)));
+      _mm512_mask_storeu_epi64(experts + i * K + c0, first1, _mm512_maskz_compress_epi64(hi, expert(p1)));
+      _mm512_mask_storeu_ps(w + i * K, (__mmask16)((1u << (c0 + c1)) - 1),
+                            _mm512_maskz_compress_ps(slots, weights(p0, p1, slots)));
+    }
   }
 }
 
@@ -265,16 +318,13 @@ bool supported() {
   return cpu;
 }
 
-// f(std::integral_constant<int, k>()) for the k whose rows fill whole vectors; false otherwise.
-template <typename F>
+// f(std::integral_constant<int, k>()) for 1 <= k <= 16; false otherwise.
+template <int K = 1, typename F>
 bool with_group(int64_t k, F f) {
-  switch (k) {
-    case 1: return f(std::integral_constant<int, 1>()), true;
-    case 2: return f(std::integral_constant<int, 2>()), true;
-    case 4: return f(std::integral_constant<int, 4>()), true;
-    case 8: return f(std::integral_constant<int, 8>()), true;
-    case 16: return f(std::integral_constant<int, 16>()), true;
-    default: return false;
+  if constexpr (K > 16) {
+    return false;
+  } else {
+    return k == K ? (f(std::integral_constant<int, K>()), true) : with_group<K + 1>(k, f);
   }
 }
 }  // namespace

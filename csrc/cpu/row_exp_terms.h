@@ -45,9 +45,9 @@ bool row_exp_terms_full_f32(const float* row, int64_t E, float vmax, float* exps
 // Renormalised top-k weights of n rows' k slots (value, vmax [n * k], vmax the row's largest
 // value in each of its slots) into w [n * k]: exp(value - vmax) with torch's tails (denormals
 // down to e^-104, as vec_math::exp_full), over the row's sum of them, 0 for a row whose vmax is
-// -inf (NaN rows give NaN). k in {1, 2, 4, 8, 16}: 16 / k rows a vector, each row's sum by
-// halves folded onto each other. Returns false, writing nothing, for another k or where
-// rows_exp_terms_f32 does.
+// -inf (NaN rows give NaN). 1 <= k <= 16: each row a group of G lanes (k rounded up to a power
+// of two; lanes past k hold 0), 16 / G rows a vector, each row's sum by halves folded onto each
+// other. Returns false, writing nothing, for k > 16 or where rows_exp_terms_f32 does.
 bool renormalized_weights_f32(const float* value, const float* vmax, int64_t n, int64_t k, float* w);
 
 // renormalized_weights_f32 on the rows' selections as rank pairs (best [n * k], each row's

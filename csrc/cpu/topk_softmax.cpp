@@ -25,8 +25,8 @@
 namespace moe_kernels {
 namespace {
 
-// A renormalised weight's exp term on CPU where renormalized_weights_f32 (AVX-512 F, k = 1, 2,
-// 4, 8, 16) does not run: exp(v - vmax) with torch's tails (vec_math::exp_full, inlined and
+// A renormalised weight's exp term on CPU where renormalized_weights_f32 (AVX-512 F, k <= 16)
+// does not run: exp(v - vmax) with torch's tails (vec_math::exp_full, inlined and
 // vectorised where expf was a libm call per term), 0 for a row whose largest logit is -inf (fully
 // masked tokens). exp_full(0) is exactly 1, so k = 1 gives weight 1 for a finite row (the k = 1
 // per-row backward takes it: its weight is 1 whichever exp computed it).
