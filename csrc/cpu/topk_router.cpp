@@ -233,7 +233,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
     // Renormalised softmax: topk_softmax's weights from the pairs where they run (AVX-512 F,
-    // k = 1, 2, 4, 8, 16), times the scaling as finish_weights multiplies it, and as there a fully
+    // k <= 16), times the scaling as finish_weights multiplies it, and as there a fully
     // masked row (its first weight 0: a live row's is 1 / a sum of k terms in (0, 1]) stays +0
     // whatever the scaling (negative, or a double that is inf as a float).
     if (a.scoring == kSoftmax && a.renormalize && renormalized_pairs_f32(best.data(), n, k, experts + t0 * k, w)) {
