@@ -327,13 +327,17 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
                         [gs](int64_t u, int64_t v) { return ranks_above(gs[u], u, gs[v], v); });
       std::sort(order, order + a.topk_groups);
       // Compacted in place: eligible groups are gathered in ascending order, never overtaking
-      // the positions they read from.
+      // the positions they read from (a group's values moved whole: an element-wise loop
+      // re-read order[j] after every store, which might alias it, and was a third of this
+      // function's time for DeepSeek-V3's router).
       int64_t n = 0;
-      for (int64_t j = 0; j < a.topk_groups; ++j)
-        for (int64_t e = order[j] * size; e < (order[j] + 1) * size; ++e) {
-          buf.cand_id[n] = e;
-          choice[n++] = choice[e];
-        }
+      for (int64_t j = 0; j < a.topk_groups; ++j) {
+        const int64_t first = order[j] * size;
+        std::memmove(choice + n, choice + first, size * sizeof(acc_t));
+        int64_t* id = buf.cand_id.data() + n;
+        for (int64_t e = 0; e < size; ++e) id[e] = first + e;
+        n += size;
+      }
       pool_size = n;
       pool_id = buf.cand_id.data();
     }
