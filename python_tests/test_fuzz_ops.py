@@ -81,7 +81,12 @@ def check(backend, fn, inputs, *, grads=True, dtype=None):
         same(a, b, dtype, f"output {i}")
     if grads:
         for i, (a, b) in enumerate(zip(g, ref_g, strict=True)):
-            same(a, b, dtype, f"gradient {i}")
+            # A gradient comes rounded to its input's dtype: where that is float16 / bfloat16,
+            # float32 work an ulp apart can round to neighbouring values (seen: topk_router's
+            # weights one float32 ulp from the reference's, a float16 gradient one float16 ulp
+            # from it), so it is compared at its own dtype's tolerance, not `dtype`'s.
+            low = a.dtype in (torch.float16, torch.bfloat16)
+            same(a, b, a.dtype if low else dtype, f"gradient {i}")
 
 
 def compared(backend):
