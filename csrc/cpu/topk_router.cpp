@@ -266,6 +266,77 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
   }
 }
 
+// A row's scores into p [E] and the values its selection ranks into pool: choice = score + bias,
+// and with groups only the topk_groups best groups' (rank order over group scores, lower group
+// first on ties), gathered in ascending expert order so that the selection's "lower position
+// first" is still "lower expert first", their experts into pool_id. Returns the pool's size.
+template <typename acc_t>
+int64_t scored_pool(const acc_t* x, const acc_t* bias, int64_t E, const RouterArgs& a, RowBuffers<acc_t>& buf,
+                    acc_t* p, acc_t* pool, int64_t* pool_id) {
+  const int64_t G = a.num_groups, size = E / G;
+  all_scores(x, E, a.scoring, p);
+  acc_t* choice = pool;
+  for (int64_t e = 0; e < E; ++e) choice[e] = bias ? p[e] + bias[e] : p[e];
+  if (!a.grouped()) return E;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    group_scores_f32(choice, G, size, a.group_scoring, buf.group_scores.data());
+  } else {
+    for (int64_t g = 0; g < G; ++g) buf.group_scores[g] = topk_router::group_score(choice + g * size, size, a.group_scoring);
+  }
+  int64_t* order = buf.group_order.data();
+  std::iota(order, order + G, 0);
+  const acc_t* gs = buf.group_scores.data();
+  std::partial_sort(order, order + a.topk_groups, order + G,
+                    [gs](int64_t u, int64_t v) { return ranks_above(gs[u], u, gs[v], v); });
+  std::sort(order, order + a.topk_groups);
+  // Compacted in place: eligible groups are gathered in ascending order, never overtaking the
+  // positions they read from (a group's values moved whole: an element-wise loop re-read
+  // order[j] after every store, which might alias it, and was a third of the row's time for
+  // DeepSeek-V3's router).
+  int64_t n = 0;
+  for (int64_t j = 0; j < a.topk_groups; ++j) {
+    const int64_t first = order[j] * size;
+    std::memmove(choice + n, choice + first, size * sizeof(acc_t));
+    for (int64_t e = 0; e < size; ++e) pool_id[n + e] = first + e;
+    n += size;
+  }
+  return n;
+}
+
+// The float32 router with a bias or groups, a block of rows at a time: each row's scores and
+// pool (scored_pool), then the block's selections in one call (rows_top_pairs_f32, whose
+// register selection a row at a time (select_top) does not reach), then the weights.
+template <typename scalar_t>
+void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e, const float* bias, int64_t begin,
+                     int64_t end, int64_t E, const RouterArgs& a, float* weights, int64_t* experts) {
+  constexpr int64_t kBlock = 16;  // rows_top8_blocks' block; larger measured no faster
+  const int64_t k = a.k;
+  RowBuffers<float> buf(E, a.num_groups);
+  std::vector<float> scores(kBlock * E), pools(kBlock * E);
+  std::vector<int64_t> ids(a.grouped() ? kBlock * E : 0), best(kBlock * k);
+  for (int64_t t0 = begin; t0 < end; t0 += kBlock) {
+    const int64_t n = std::min(kBlock, end - t0);
+    int64_t pool_size = E;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* x = load_row<scalar_t, float>(logits + (t0 + i) * stride_t, stride_e, E, buf.x.data());
+      pool_size = scored_pool(x, bias, E, a, buf, scores.data() + i * E, pools.data() + i * E,
+                              a.grouped() ? ids.data() + i * E : nullptr);
+    }
+    rows_top_pairs_f32(pools.data(), E, n, pool_size, k, best.data());
+    for (int64_t i = 0; i < n; ++i) {
+      float* w = weights + (t0 + i) * k;
+      int64_t* ex = experts + (t0 + i) * k;
+      for (int64_t s = 0; s < k; ++s) {
+        const int64_t pos = pair_index(best[i * k + s]);
+        const int64_t e = a.grouped() ? ids[i * E + pos] : pos;
+        ex[s] = e;
+        w[s] = scores[i * E + e];
+      }
+      topk_router::finish_weights(w, k, a.renormalize, (float)a.scaling);
+    }
+  }
+}
+
 // Forward of rows [begin, end).
 template <typename scalar_t, typename acc_t>
 void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
@@ -273,13 +344,15 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
                  int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
                  acc_t* weights,     // [T, k] contiguous
                  int64_t* experts) { // [T, k] contiguous
-  const int64_t k = a.k, G = a.num_groups, size = E / G;
+  const int64_t k = a.k, G = a.num_groups;
   const acc_t scaling = (acc_t)a.scaling;
   if constexpr (std::is_same_v<acc_t, float>) {
     if (bias == nullptr && !a.grouped()) {
       plain_rows_f32<scalar_t>(logits, stride_t, stride_e, begin, end, E, a, weights, experts);
-      return;
+    } else {
+      scored_rows_f32<scalar_t>(logits, stride_t, stride_e, bias, begin, end, E, a, weights, experts);
     }
+    return;
   }
   RowBuffers<acc_t> buf(E, G);
   for (int64_t t = begin; t < end; ++t) {
@@ -308,46 +381,11 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
       continue;
     }
     acc_t* p = buf.p.data();
-    all_scores(x, E, a.scoring, p);
-    acc_t* choice = buf.cand.data();
-    for (int64_t e = 0; e < E; ++e) choice[e] = bias ? p[e] + bias[e] : p[e];
-    const acc_t* pool = choice;
-    int64_t pool_size = E;
-    const int64_t* pool_id = nullptr;
-    if (a.grouped()) {
-      // The topk_groups best groups (rank order over group scores, lower group first on ties),
-      // then their experts gathered in ascending index order so that the selection's "lower
-      // position first" is still "lower expert first".
-      if constexpr (std::is_same_v<acc_t, float>) {
-        group_scores_f32(choice, G, size, a.group_scoring, buf.group_scores.data());
-      } else {
-        for (int64_t g = 0; g < G; ++g)
-          buf.group_scores[g] = topk_router::group_score(choice + g * size, size, a.group_scoring);
-      }
-      int64_t* order = buf.group_order.data();
-      std::iota(order, order + G, 0);
-      const acc_t* gs = buf.group_scores.data();
-      std::partial_sort(order, order + a.topk_groups, order + G,
-                        [gs](int64_t u, int64_t v) { return ranks_above(gs[u], u, gs[v], v); });
-      std::sort(order, order + a.topk_groups);
-      // Compacted in place: eligible groups are gathered in ascending order, never overtaking
-      // the positions they read from (a group's values moved whole: an element-wise loop
-      // re-read order[j] after every store, which might alias it, and was a third of this
-      // function's time for DeepSeek-V3's router).
-      int64_t n = 0;
-      for (int64_t j = 0; j < a.topk_groups; ++j) {
-        const int64_t first = order[j] * size;
-        std::memmove(choice + n, choice + first, size * sizeof(acc_t));
-        int64_t* id = buf.cand_id.data() + n;
-        for (int64_t e = 0; e < size; ++e) id[e] = first + e;
-        n += size;
-      }
-      pool_size = n;
-      pool_id = buf.cand_id.data();
-    }
+    acc_t* pool = buf.cand.data();
+    const int64_t pool_size = scored_pool(x, bias, E, a, buf, p, pool, buf.cand_id.data());
     select_top(pool, pool_size, k, best);
     for (int64_t s = 0; s < k; ++s) {
-      const int64_t e = pool_id ? pool_id[best[s]] : best[s];
+      const int64_t e = a.grouped() ? buf.cand_id[best[s]] : best[s];
       ex[s] = e;
       w[s] = p[e];
     }
