@@ -337,7 +337,8 @@ void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
   }
 }
 
-// Forward of rows [begin, end).
+// Forward of rows [begin, end): float32 by plain_rows_f32 (no bias, one group) or scored_rows_f32,
+// float64 a row at a time below.
 template <typename scalar_t, typename acc_t>
 void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
                  const acc_t* bias,                                          // [E] or null
