@@ -74,19 +74,17 @@ inline __mmask16 inside(int64_t E, int64_t c) {
 }
 
 // Step 1 for R rows (row[j], E <= 64 W): the 16 lane maxima (lane l holds elements l, l + 16,
-// ...; E >= 16 puts an element in every lane, the zeros past the row are masked out) and the
-// lane-wise sums, whose NaN marks a row holding one (max_ps can drop a NaN; a sum cannot).
+// ...; E >= 16 puts an element in every lane, the zeros past the row are masked out). A NaN may
+// be dropped here or reach the floor: step 3 finds it either way.
 template <int W, int R, bool kFull>
-inline void lane_maxima(const float* const* row, int64_t E_any, __m512* max, __m512* sum) {
+inline void lane_maxima(const float* const* row, int64_t E_any, __m512* max) {
   constexpr int V = 4 * W;  // vectors of 16 a row
   const int64_t E = kFull ? 64 * W : E_any;
-  for (int j = 0; j < R; ++j) max[j] = sum[j] = _mm512_loadu_ps(row[j]);
+  for (int j = 0; j < R; ++j) max[j] = _mm512_loadu_ps(row[j]);
   for (int q = 1; q < V; ++q) {
     const __mmask16 in = inside(E, 16 * q);
     for (int j = 0; j < R; ++j) {
-      const __m512 x_q = _mm512_maskz_loadu_ps(in, row[j] + 16 * q);
-      max[j] = _mm512_mask_max_ps(max[j], in, max[j], x_q);
-      sum[j] = _mm512_mask_add_ps(sum[j], in, sum[j], x_q);
+      max[j] = _mm512_mask_max_ps(max[j], in, max[j], _mm512_maskz_loadu_ps(in, row[j] + 16 * q));
     }
   }
 }
@@ -143,20 +141,17 @@ inline void transpose16(const __m512* m, __m512* c) {
 constexpr int sigma(int i) { return 4 * (i % 4) + i / 4; }
 
 // Steps 1 and 2 for rows [0, rows) of a block of 16 (rows <= 16): each row's floor into
-// floors[r], and bit r of the result set when row r's lane sums hold a NaN.
+// floors[r].
 template <int W, bool kFull>
-inline uint32_t floors16(const float* x, int64_t stride, int64_t E_any, int rows, __m512* floors) {
-  // 64-wide rows four at a time (their chains of maxima and sums overlap; wider rows measured
-  // slower so); the rows past `rows` repeat the last one.
+inline void floors16(const float* x, int64_t stride, int64_t E_any, int rows, __m512* floors) {
+  // 64-wide rows four at a time (their chains of maxima overlap; wider rows measured slower so);
+  // the rows past `rows` repeat the last one.
   constexpr int R = W == 1 ? 4 : 1;
   __m512 m[16];
-  uint32_t nan = 0;
   for (int r0 = 0; r0 < 16; r0 += R) {
     const float* row[R];
     for (int j = 0; j < R; ++j) row[j] = x + (r0 + j < rows ? r0 + j : rows - 1) * stride;
-    __m512 sum[R];
-    lane_maxima<W, R, kFull>(row, E_any, m + r0, sum);
-    for (int j = 0; j < R; ++j) nan |= (uint32_t)(_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) != 0) << (r0 + j);
+    lane_maxima<W, R, kFull>(row, E_any, m + r0);
   }
   // The 8th largest of each row's 16: both halves sorted descending, the larger of a[i] and
   // b[7 - i] are the 8 largest of the 16 (a bitonic half-cleaner), their least is it.
@@ -167,20 +162,22 @@ inline uint32_t floors16(const float* x, int64_t stride, int64_t E_any, int rows
   __m512 floor = _mm512_max_ps(c[0], c[15]);
   for (int i = 1; i < 8; ++i) floor = _mm512_min_ps(floor, _mm512_max_ps(c[i], c[15 - i]));
   *floors = floor;
-  return nan & (uint32_t)((1ull << rows) - 1);
 }
 
 // Step 3 for R rows at once (E <= 64 W; kFull: E = 64 W, every mask known at compile time),
 // every operation for all R before the next (R chains of dependent operations overlap only when
 // interleaved instruction by instruction: written row after row, four rows took as long as one
 // row four times). floor_of(j) broadcasts row j's floor. Each row's step-4 vector into packed[j],
-// its candidates' rank keys and indices into key[j] and index[j], their number into count[j].
+// its candidates' rank keys and indices into key[j] and index[j], their number into count[j]
+// (INT_MAX for a row with a NaN among its first 16: finish leaves the rows past 16).
 template <int W, int R, bool kFull, typename Floor>
 inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floor_of, __m512i* packed, __m512i* key,
                        __m512i* index, int* count) {
   const int64_t E = kFull ? 64 * W : E_any;
   auto row_vector = [&](int j, int q) { return _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q); };
-  // The elements >= floor: bit e of 64-element word w for element 64 w + e >= floor; their indices
+  // The elements >= floor, and NaNs (an unordered compare: a NaN the lane maxima dropped, or a
+  // NaN floor, which takes every element, still marks its row): bit e of 64-element word w for
+  // element 64 w + e >= floor; their indices
   // ascending (bytes: E <= 256) by a byte compress of each word's mask, the words after the first
   // placed after the ones before by a byte expand, widened; lanes past the count 0. Their values
   // by two-source permutes of a 64-wide row's four vectors, or gathered from a wider one.
@@ -195,7 +192,7 @@ inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floo
     for (int w = 0; w < W; ++w) {
       __mmask16 c[4];
       for (int q = 0; q < 4; ++q) {
-        c[q] = _mm512_mask_cmp_ps_mask(inside(E, 64 * w + 16 * q), row_vector(j, 4 * w + q), floor, _CMP_GE_OQ);
+        c[q] = _mm512_mask_cmp_ps_mask(inside(E, 64 * w + 16 * q), row_vector(j, 4 * w + q), floor, _CMP_NLT_UQ);
       }
       const __mmask64 bits = _mm512_kunpackd(_mm512_kunpackw(c[3], c[2]), _mm512_kunpackw(c[1], c[0]));
       const int kept = __builtin_popcountll(_cvtmask64_u64(bits));
@@ -221,7 +218,9 @@ inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floo
     } else {
       value = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used[j], index[j], x + j * stride, 4);
     }
-    // rank_key (common.h): -0 as +0, negative floats' magnitude bits flipped (no NaN here).
+    // (A branch: accumulating row bits here measured ~4% slower at E = 64.)
+    if (_mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q)) count[j] = INT_MAX;
+    // rank_key (common.h): -0 as +0, negative floats' magnitude bits flipped (a NaN row is left).
     const __m512i b = _mm512_castps_si512(_mm512_add_ps(value, _mm512_setzero_ps()));
     key[j] = _mm512_ternarylogic_epi32(b, _mm512_srai_epi32(b, 31), _mm512_set1_epi32(0x7fffffff), 0x78);  // A ^ (B & C)
   }
@@ -309,7 +308,7 @@ void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int 
     const int rows = (int)(n - i0 < 16 ? n - i0 : 16);
     const float* block = x + i0 * stride;
     __m512 floors;
-    uint32_t failed = floors16<W, kFull>(block, stride, E, rows, &floors);
+    floors16<W, kFull>(block, stride, E, rows, &floors);
     int j = 0;
     for (; j + R <= rows; j += R) {
       auto floor_of = [&](int r) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j + r), floors); };
@@ -323,6 +322,7 @@ void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int 
     __m512i out[16];
     sort16_rows(packed, out);
     for (int r = 0; r < 16; ++r) sorted[r] = out[sigma(r)];
+    uint32_t failed = 0;
     for (j = 0; j + R <= rows; j += R) failed |= finish<R>(sorted + j, key + j, index + j, count + j, k, best + k * (i0 + j)) << j;
     for (; j < rows; ++j) failed |= finish<1>(sorted + j, key + j, index + j, count + j, k, best + k * (i0 + j)) << j;
     for (; failed; failed &= failed - 1) redo[left++] = i0 + __builtin_ctz(failed);
@@ -337,8 +337,8 @@ template <int W, int R, bool kFull>
 inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, int64_t* best) {
   const float* row[R];
   for (int j = 0; j < R; ++j) row[j] = x + j * stride;
-  __m512 max[R], sum[R];
-  lane_maxima<W, R, kFull>(row, E_any, max, sum);
+  __m512 max[R];
+  lane_maxima<W, R, kFull>(row, E_any, max);
   f32x16 m[R];
   for (int j = 0; j < R; ++j) m[j] = (f32x16)max[j];
   // The floor: sorted by blocks of 8 (lanes 0-7 descending, 8-15 ascending), the half-cleaner's
@@ -356,9 +356,7 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
   i32x16 sorted[R];
   for (int j = 0; j < R; ++j) sorted[j] = (i32x16)packed[j];
   bitonic::sort16_each<true, R, avx512_exchange>(sorted);
-  uint32_t failed = finish<R>((const __m512i*)sorted, key, index, count, k, best);
-  for (int j = 0; j < R; ++j) failed |= (uint32_t)(_mm512_cmp_ps_mask(sum[j], sum[j], _CMP_UNORD_Q) != 0) << j;
-  return failed;
+  return finish<R>((const __m512i*)sorted, key, index, count, k, best);
 }
 
 template <int W, bool kFull>

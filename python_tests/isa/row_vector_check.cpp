@@ -148,7 +148,7 @@ bool check_candidates(const float* x, int64_t E) {
 // rows_top8_pairs_f32 called directly where the variant runs (16 <= E <= 256): every row it
 // finishes exact; the ones it leaves for its caller few on random rows, also with exact ties
 // (its floor leaves more than 16 candidates in well under 1% of them), and all of those it must
-// leave (a NaN sum). Rows of near-equal values (keys a few ulp apart) are left or exact. Counts
+// leave (a NaN). Rows of near-equal values (keys a few ulp apart) are left or exact. Counts
 // the rows it finished.
 bool check_top8_direct(long* finished) {
   constexpr int64_t kRows = 203;  // 50 blocks of four, and three rows left
@@ -167,6 +167,10 @@ bool check_top8_direct(long* finished) {
         }
         if (kind == 1) {
           for (int64_t i = 0; i < kRows; i += 7) x[i * E + next() % (E - 1)] = i % 14 ? NAN : 2.5f, x[i * E + E - 1] = 2.5f;
+          // Rows all NaN (a NaN floor), and a NaN first in its lane with larger values after it (the
+          // lane maxima drop it): both must be left.
+          for (int64_t i = 3; i < kRows; i += 21) std::fill(x.begin() + i * E, x.begin() + (i + 1) * E, NAN);
+          for (int64_t i = 10; E > 16 && i < kRows; i += 21) x[i * E] = NAN, x[i * E + 16] = 5.0f;
         }
         if (kind == 3) {  // 8 + i % 10 copies of the largest value: 15 to 17 candidates and more
           for (int64_t i = 0; i < kRows; ++i) {
