@@ -45,6 +45,24 @@ inline int64_t block_rows(int64_t E, int64_t most = 64) {
   return std::clamp<int64_t>(65536 / std::max<int64_t>(E, 1), 1, most);
 }
 
+// Rows per block of topk_softmax's and topk_router's loops, which select a block
+// (rows_top_pairs_f32) and then compute its weights, or its softmax sums from its logits again.
+// Up to 64 rows, but for E <= 128 with 3 <= k <= 8 or the full softmax, blocks of ~2048 elements
+// (~1024 for the full softmax with k >= 3), a multiple of 16 rows (the register selection's
+// block). T = 65536, one thread, one process alternating block sizes: renormalised k = 8 at
+// E = 64 1.70 -> 1.49 ms (64 -> 32 rows), E = 96 3.03 -> 2.62, E = 128 4.8 -> 3.9 (-> 16); the
+// full softmax at E = 64: k = 2 2.06 -> 1.81 ms (32 rows), k = 8 3.2 -> 2.6 ms (16 rows). Where
+// the full softmax reads a block's logits twice, a smaller block keeps them in L1; why the
+// renormalised selection, which does not, gains too is not understood. Renormalised k <= 2 keep
+// 64 rows (32 were 2-5% slower at E <= 64), and E > 128 too (16 rows: the full softmax k = 2 at
+// E = 256 6.8 -> 7.9 ms).
+inline int64_t selection_block_rows(int64_t E, int64_t k, bool renormalize) {
+  E = std::max<int64_t>(E, 1);
+  if ((k <= 2 && renormalize) || E > 128) return std::clamp<int64_t>(16384 / E, 1, 64);
+  const int64_t elements = !renormalize && k >= 3 ? 1024 : 2048;
+  return std::clamp<int64_t>(elements / E / 16 * 16, 16, 64);
+}
+
 // Rows [t0, t0 + n) of a [T, E] input as contiguous float32 rows: the input itself when it is
 // float32 with stride_e = 1, else converted into buffer [n, E] (float_row's exact conversion).
 // Returns the first row and sets *stride to the result's row stride.

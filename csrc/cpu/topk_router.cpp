@@ -225,7 +225,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
   const int64_t k = a.k;
   const float scaling = (float)a.scaling;
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
-  const int64_t block = std::clamp<int64_t>(16384 / E, 1, 64);
+  const int64_t block = selection_block_rows(E, k, a.renormalize);
   std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
   std::vector<float> value(block * k), vmax(block * k);

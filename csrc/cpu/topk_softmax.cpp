@@ -72,7 +72,7 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
                                     scalar_t* weights,       // [T, k] contiguous
                                     int64_t* experts) {      // [T, k] contiguous
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
-  const int64_t block = std::clamp<int64_t>(16384 / E, 1, 64);
+  const int64_t block = selection_block_rows(E, k, renormalize);
   std::vector<float> rows(direct ? 0 : block * E), exps(renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
   std::vector<float> value(block * k), vmax(block * k), term(block * k);
