@@ -543,7 +543,7 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
       for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, (int)k, best + k * i);
     } else if (E >= kLanes) {
       // In registers where row_top8.h applies (AVX-512 F/BW/VBMI2, 16 <= E <= 256), 64 rows a
-      // call; the rows it leaves (a NaN sum, over 16 candidates, two different keys sharing a
+      // call; the rows it leaves (a NaN, over 16 candidates, two different keys sharing a
       // 28-bit prefix) by rounds_row.
       constexpr int64_t kChunk = 64;
       int64_t redo[kChunk], n_redo;
