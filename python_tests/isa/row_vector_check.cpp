@@ -177,9 +177,14 @@ bool check_top8_direct(long* finished) {
             for (int64_t c = 0; c < std::min<int64_t>(E, 8 + i % 10); ++c) x[i * E + (c * 5 + i) % E] = 3.0f;
           }
         }
-        std::vector<int64_t> best(kRows * k, -1), redo(kRows);
+        // Eight guard entries past the output: its stores of whole vectors must stop at its end.
+        std::vector<int64_t> best(kRows * k + 8, -1), redo(kRows);
         int64_t n_redo = -1;
         if (!rows_top8_pairs_f32(x.data(), E, kRows, E, k, best.data(), redo.data(), &n_redo)) return true;
+        if (std::any_of(best.end() - 8, best.end(), [](int64_t v) { return v != -1; })) {
+          std::printf("rows_top8_pairs_f32 E=%lld k=%d: wrote past its output\n", (long long)E, k);
+          return false;
+        }
         std::vector<bool> left(kRows, false);
         int64_t must = 0;  // rows holding a NaN
         for (int64_t r = 0; r < n_redo; ++r) left[redo[r]] = true;
@@ -413,31 +418,40 @@ bool check_all(long* checked) {
 
 // rows_top8_pairs_f32 on the last rows before an unmapped page: its blocks of 16 rows must not
 // read a row past the n it is given (the block's missing rows repeat its last one), nor an
-// element past a row's end (masked loads), however many rows the last block holds.
+// element past a row's end (masked loads), however many rows the last block holds; nor write past
+// its output (rows' stores of all 8 pairs), which ends at a second unmapped page.
 bool check_top8_guarded(long* finished) {
   const long page = sysconf(_SC_PAGESIZE);
-  const size_t bytes = 16 * (size_t)page;  // room for 40 rows of 100
-  char* base = (char*)mmap(nullptr, bytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED || mprotect(base + bytes, page, PROT_NONE) != 0) return true;  // no guard page here
+  const size_t bytes = 16 * (size_t)page;  // room for 40 rows of 100, and for 40 rows' 8 pairs
+  // Two regions, each followed by a guard page: the rows, and the pairs' output.
+  char* base = (char*)mmap(nullptr, 2 * (bytes + page), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED || mprotect(base + bytes, page, PROT_NONE) != 0 ||
+      mprotect(base + 2 * bytes + page, page, PROT_NONE) != 0) {
+    return true;  // no guard pages here
+  }
   float* end = (float*)(base + bytes);
+  int64_t* best_end = (int64_t*)(base + 2 * bytes + page);
   bool ok = true;
-  for (int64_t E : {16, 33, 64, 100}) {
-    for (int64_t n = 1; n <= 40 && ok; ++n) {
-      float* x = end - n * E;  // the last row ends at the guard page
-      for (int64_t i = 0; i < n * E; ++i) x[i] = 4.0f * uniform() - 2.0f;
-      std::vector<int64_t> best(n * 8), redo(n);
-      int64_t n_redo = -1;
-      if (!rows_top8_pairs_f32(x, E, n, E, 8, best.data(), redo.data(), &n_redo)) break;
-      std::vector<bool> left(n, false);
-      for (int64_t r = 0; r < n_redo; ++r) left[redo[r]] = true;
-      for (int64_t i = 0; i < n && ok; ++i) {
-        if (left[i]) continue;
-        ok = check("rows_top8_pairs_f32 (guarded)", x + i * E, E, 8, best.data() + i * 8);
-        ++*finished;
+  for (int64_t E : {16, 33, 64, 100, 200}) {
+    for (int k : {3, 8}) {
+      for (int64_t n = 1; n <= 40 && ok; ++n) {
+        float* x = end - n * E;  // the last row ends at the guard page
+        for (int64_t i = 0; i < n * E; ++i) x[i] = 4.0f * uniform() - 2.0f;
+        int64_t* best = best_end - n * k;  // and so does the output
+        std::vector<int64_t> redo(n);
+        int64_t n_redo = -1;
+        if (!rows_top8_pairs_f32(x, E, n, E, k, best, redo.data(), &n_redo)) break;
+        std::vector<bool> left(n, false);
+        for (int64_t r = 0; r < n_redo; ++r) left[redo[r]] = true;
+        for (int64_t i = 0; i < n && ok; ++i) {
+          if (left[i]) continue;
+          ok = check("rows_top8_pairs_f32 (guarded)", x + i * E, E, k, best + i * k);
+          ++*finished;
+        }
       }
     }
   }
-  munmap(base, bytes + page);
+  munmap(base, 2 * (bytes + page));
   return ok;
 }
 
