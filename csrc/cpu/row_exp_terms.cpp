@@ -205,7 +205,7 @@ constexpr int group_of() {
 
 // The lanes holding slots when the vector's first `rows` rows are present.
 template <int K>
-inline __mmask16 slot_lanes(int64_t rows) {
+constexpr __mmask16 slot_lanes(int64_t rows) {
   constexpr int G = group_of<K>();
   unsigned mask = 0;
   for (int l = 0; l < 16; ++l) mask |= (unsigned)(l % G < K && l / G < rows) << l;
@@ -226,7 +226,15 @@ void renormalized_avx512(const float* value, const float* vmax, int64_t n, float
     });
   } else {
     constexpr int64_t kRows = 16 / G;
-    for (int64_t i = 0; i < n; i += kRows) {
+    int64_t i = 0;
+    // Whole-vector loads and stores while they stay inside the arrays, as renormalized_pairs_avx512.
+    for (; i * K + 16 <= n * K; i += kRows) {
+      constexpr __mmask16 slots = slot_lanes<K>(kRows);
+      const __m512 v = _mm512_maskz_expand_ps(slots, _mm512_loadu_ps(value + i * K));
+      const __m512 m = _mm512_maskz_expand_ps(slots, _mm512_loadu_ps(vmax + i * K));
+      _mm512_storeu_ps(w + i * K, _mm512_maskz_compress_ps(slots, renormalized16<G>(v, m, slots, table)));
+    }
+    for (; i < n; i += kRows) {
       const __mmask16 slots = slot_lanes<K>(n - i), first = (__mmask16)((1u << __builtin_popcount(slots)) - 1);
       const __m512 v = _mm512_maskz_expand_ps(slots, _mm512_maskz_loadu_ps(first, value + i * K));
       const __m512 m = _mm512_maskz_expand_ps(slots, _mm512_maskz_loadu_ps(first, vmax + i * K));
@@ -277,8 +285,31 @@ void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts,
     }
   } else {
     // As renormalized_avx512: each half's pairs expanded into its groups, the results compressed.
+    // While a vector's 16 slots' worth lies inside the arrays, by whole-vector loads and stores
+    // (masked 512-bit ones measured ~1.5x and ~2.3x plain ones here, Zen 4): the stores' lanes
+    // past the vector's slots land on the next vector's, which are written after.
     constexpr int64_t kRows = 16 / G;
-    for (int64_t i = 0; i < n; i += kRows) {
+    constexpr __mmask8 lo = (__mmask8)slot_lanes<K>(kRows), hi = (__mmask8)(slot_lanes<K>(kRows) >> 8);
+    constexpr int c0 = std::popcount((unsigned)lo);  // the first half's slots
+    int64_t i = 0;
+    for (; i * K + 16 <= n * K; i += kRows) {  // (then i + kRows <= n: K <= G)
+      const int64_t* pairs = best + i * K;
+      __m512i p0, p1;
+      if constexpr (G == 8) {  // one row a half, at its start: no expand
+        p0 = _mm512_maskz_mov_epi64(lo, _mm512_loadu_si512(pairs));
+        p1 = _mm512_maskz_mov_epi64(hi, _mm512_loadu_si512(pairs + c0));
+        _mm512_storeu_si512(experts + i * K, expert(p0));
+        _mm512_storeu_si512(experts + i * K + c0, expert(p1));
+      } else {
+        p0 = _mm512_maskz_expand_epi64(lo, _mm512_loadu_si512(pairs));
+        p1 = _mm512_maskz_expand_epi64(hi, _mm512_loadu_si512(pairs + c0));
+        _mm512_storeu_si512(experts + i * K, _mm512_maskz_compress_epi64(lo, expert(p0)));
+        _mm512_storeu_si512(experts + i * K + c0, _mm512_maskz_compress_epi64(hi, expert(p1)));
+      }
+      const __mmask16 slots = (__mmask16)(lo | (hi << 8));
+      _mm512_storeu_ps(w + i * K, _mm512_maskz_compress_ps(slots, weights(p0, p1, slots)));
+    }
+    for (; i < n; i += kRows) {
       const __mmask16 slots = slot_lanes<K>(n - i);
       const __mmask8 lo = (__mmask8)slots, hi = (__mmask8)(slots >> 8);
       const int c0 = __builtin_popcount(lo), c1 = __builtin_popcount(hi);
