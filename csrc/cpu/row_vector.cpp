@@ -501,6 +501,21 @@ void row_top2_f32(const float* row, int64_t E, int64_t* best) { top2_row(row, E,
 MK_ROW_CLONES
 void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best) { rounds_row(row, E, k, best); }
 
+// rows_top_pairs_f32's candidate sort for rows [0, n) (E <= kRoundsMaxE, k * E <= kRoundsMaxWork),
+// four at a time where it can, out of line: inlined, its buffers (~34 KB for four rows) made
+// every call's frame ~39 KB, and its first stores (the arguments' spills, at the frame's far
+// end) showed up in the register selection's profile (1% of topk_softmax at E = 64, k = 8).
+MK_ROW_CLONES
+void rows_topk_rounds_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best) {
+  int64_t i = 0;
+  if (k > kLanes) {
+    for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, k, best + k * i);
+  } else if (E >= kLanes) {
+    for (; i + kRoundRows <= n; i += kRoundRows) top8_rows4(x + i * stride, stride, E, k, best + k * i);
+  }
+  for (; i < n; ++i) rounds_row(x + i * stride, E, k, best + k * i);
+}
+
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best) {
   if (k == 1) {
     const int32_t e = row_argmax_f32(row, E);
@@ -539,9 +554,7 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
     if (i < n) top2_rows(x + i * stride, stride, n - i, E, best + 2 * i);
   } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
     int64_t i = 0;
-    if (k > kLanes) {
-      for (; i + kRoundRows <= n; i += kRoundRows) rounds_rows4(x + i * stride, stride, E, (int)k, best + k * i);
-    } else if (E >= kLanes) {
+    if (k <= kLanes && E >= kLanes) {
       // In registers where row_top8.h applies (AVX-512 F/BW/VBMI2, 16 <= E <= 256), 64 rows a
       // call; the rows it leaves (a NaN, over 16 candidates, two different keys sharing a
       // 28-bit prefix) by rounds_row.
@@ -550,11 +563,12 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
       for (; i < n; i += kChunk) {
         const int64_t m = std::min(kChunk, n - i);
         if (!rows_top8_pairs_f32(x + i * stride, stride, m, E, (int)k, best + k * i, redo, &n_redo)) break;
-        for (int64_t r = 0; r < n_redo; ++r) rounds_row(x + (i + redo[r]) * stride, E, (int)k, best + k * (i + redo[r]));
+        for (int64_t r = 0; r < n_redo; ++r) {
+          row_topk_rounds_f32(x + (i + redo[r]) * stride, E, (int)k, best + k * (i + redo[r]));
+        }
       }
-      for (; i + kRoundRows <= n; i += kRoundRows) top8_rows4(x + i * stride, stride, E, (int)k, best + k * i);
     }
-    for (; i < n; ++i) rounds_row(x + i * stride, E, (int)k, best + k * i);
+    if (i < n) rows_topk_rounds_f32(x + i * stride, stride, n - i, E, (int)k, best + k * i);
   } else if (k <= kRowInsertionMaxK) {
     for (int64_t i = 0; i < n; ++i) row_topk_f32(x + i * stride, E, (int)k, best + k * i);
   } else {
