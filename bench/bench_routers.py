@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_notes, measure, measure_compiled, report  # noqa: E402
+from common import compile_notes, compile_sequence, measure_interleaved, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels.ops import topk_router  # noqa: E402
@@ -97,49 +97,35 @@ def main():
         bias = 0.01 * torch.randn(E, generator=gen)
         config = {"family": family, "T": T, "E": E, "k": k} | ({"groups": f"{topk_group}/{G}"} if G > 1 else {})
         providers = {"moe_kernels": ours(family), "transformers": FAMILIES[family][0]}
-        for name, fn in providers.items():
-            rows.append(
-                measure(
-                    "topk_router",
-                    name,
-                    lambda fn=fn: fn(x, k, bias, G, topk_group),
-                    config=config,
-                    bytes_moved=x.numel() * 4 + T * k * 12,
-                    memory=True,
-                )
-            )
-        rows.append(
-            measure_compiled(
-                "topk_router",
-                "torch.compile transformers",
-                FAMILIES[family][0],
-                x,
-                k,
-                bias,
-                G,
-                topk_group,
-                config=config,
-                notes=notes,
-                bytes_moved=x.numel() * 4 + T * k * 12,
-            )
-        )
-        rows.append(measure("topk_router", "read pass", lambda: x.amax(1), config=config, bytes_moved=x.numel() * 4))
+        compiled, seconds = compile_sequence(FAMILIES[family][0], x, k, bias, G, topk_group)
+        cfg = " ".join(f"{a}={b}" for a, b in config.items())
+        notes.append(f"| torch.compile transformers | {cfg} | {seconds:.1f} |")
+        # Each mode's providers timed in alternating rounds (measure_interleaved), so that the
+        # ratios compare the same stretches of this shared machine's time.
+        forward = {name: (lambda fn=fn: fn(x, k, bias, G, topk_group)) for name, fn in providers.items()}
+        forward["torch.compile transformers"] = lambda: compiled(x, k, bias, G, topk_group)
+        forward["read pass"] = lambda: x.amax(1)
+        moved = dict.fromkeys(forward, x.numel() * 4 + T * k * 12) | {"read pass": x.numel() * 4}
+        rows += measure_interleaved("topk_router", forward, config=config, bytes_moved=moved, memory=list(providers))
+        backward = {}
         for name, fn in providers.items():
             xg = x.clone().requires_grad_()
             g = torch.randn(T, k, generator=gen)
 
-            def step(fn=fn):
+            def step(fn=fn, xg=xg, g=g):
                 xg.grad = None
                 fn(xg, k, bias, G, topk_group)[0].backward(g)
 
-            rows.append(measure("topk_router", name, step, config=config, mode="fwd+bwd"))
+            backward[name] = step
+        rows += measure_interleaved("topk_router", backward, config=config, mode="fwd+bwd")
     report(
         "routers" + ("_quick" if args.quick else ""),
         rows,
         baseline="transformers",
         providers=["moe_kernels", "transformers", "torch.compile transformers", "read pass"],
         command="make bench (or .venv/bin/python bench/bench_routers.py)",
-        notes=compile_notes(notes),
+        notes="Each configuration's providers are timed in 5 alternating rounds per mode (forward, fwd+bwd), "
+        "so every ratio compares the same stretches of the machine's time.\n\n" + compile_notes(notes),
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_sequence, measure, report  # noqa: E402
+from common import compile_sequence, measure_interleaved, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -55,50 +55,41 @@ def main():
     for T, E, k, renormalize in grid:
         x = torch.randn(T, E)
         config = {"T": T, "E": E, "k": k} | ({} if renormalize else {"full": 1})
-        for name, fn in PROVIDERS.items():
-            rows.append(
-                measure(
-                    "topk_softmax",
-                    name,
-                    lambda fn=fn: fn(x, k, renormalize),
-                    config=config,
-                    bytes_moved=x.numel() * 4 + T * k * 12,
-                )
-            )
         compiled, seconds = compile_sequence(torch_sequence, x, k, renormalize)
         compile_notes.append(f"| {' '.join(f'{a}={b}' for a, b in config.items())} | {seconds:.1f} |")
-        rows.append(
-            measure(
-                "topk_softmax",
-                "torch.compile sequence",
-                lambda: compiled(x, k, renormalize),
-                config=config,
-                bytes_moved=x.numel() * 4 + T * k * 12,
-            )
-        )
-        rows.append(measure("topk_softmax", "read pass", lambda: x.amax(1), config=config, bytes_moved=x.numel() * 4))
+        # Each mode's providers timed in alternating rounds (measure_interleaved), so that the
+        # ratios compare the same stretches of this shared machine's time.
+        forward = {name: (lambda fn=fn: fn(x, k, renormalize)) for name, fn in PROVIDERS.items()}
+        forward["torch.compile sequence"] = lambda: compiled(x, k, renormalize)
+        forward["read pass"] = lambda: x.amax(1)
+        moved = dict.fromkeys(forward, x.numel() * 4 + T * k * 12) | {"read pass": x.numel() * 4}
+        rows += measure_interleaved("topk_softmax", forward, config=config, bytes_moved=moved)
+        backward = {}
         for name, fn in PROVIDERS.items():
             xg = x.clone().requires_grad_()
             g = torch.randn(T, k)
 
-            def step(fn=fn):
+            def step(fn=fn, xg=xg, g=g):
                 xg.grad = None
                 fn(xg, k, renormalize)[0].backward(g)
 
-            rows.append(measure("topk_softmax", name, step, config=config, mode="fwd+bwd"))
+            backward[name] = step
 
         def forward_and_write():
             topk_softmax(x, k, renormalize)
             return torch.empty(T, E).fill_(0.0)
 
-        rows.append(measure("topk_softmax", "forward + write", forward_and_write, config=config, mode="fwd+bwd"))
+        backward["forward + write"] = forward_and_write
+        rows += measure_interleaved("topk_softmax", backward, config=config, mode="fwd+bwd")
     report(
         "topk_softmax" + ("_quick" if args.quick else ""),
         rows,
         baseline="torch sequence",
         providers=[*PROVIDERS, "torch.compile sequence", "read pass", "forward + write"],
         command="make bench (or .venv/bin/python bench/bench_topk_softmax.py)",
-        notes="torch.compile (dynamic=False) of the torch sequence, first-call compile time:\n\n"
+        notes="Each configuration's providers are timed in 5 alternating rounds per mode (forward, fwd+bwd), "
+        "so every ratio compares the same stretches of the machine's time.\n\n"
+        "torch.compile (dynamic=False) of the torch sequence, first-call compile time:\n\n"
         "| config | compile s |\n|---|---|\n" + "\n".join(compile_notes),
     )
 

@@ -3,6 +3,7 @@ machine and the commit, and a markdown table of ratios against a baseline measur
 
 Usage in bench/bench_<op>.py:
     rows = [measure("topk_softmax", provider, fn, config={...}, bytes_moved=...), ...]
+    rows += measure_interleaved("topk_softmax", {provider: fn, ...}, config={...})  # ratios' rows
     report("topk_softmax", rows, baseline="torch sequence", against="moe_kernels")
 """
 
@@ -17,7 +18,7 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -205,7 +206,49 @@ def measure(
     """Time `fn` and return a result row (median, 20th and 80th percentiles in ms, GB/s; with
     memory=True also `peak_mb`, peak_memory_mb of one call, measured before the timing)."""
     peak = peak_memory_mb(fn) if memory else None
-    times = sorted(timeit(fn, **timing))
+    return _row(op, provider, mode, config, timeit(fn, **timing), bytes_moved, peak)
+
+
+def measure_interleaved(
+    op: str,
+    providers: dict[str, Callable[[], object]],
+    *,
+    config: dict,
+    mode: str = "forward",
+    bytes_moved: int | dict[str, int] | None = None,
+    memory: bool | Collection[str] = False,
+    rounds: int = 5,
+    warmup: int = 3,
+    reps: int = 15,
+    min_time: float = 0.2,
+) -> list[dict]:
+    """measure() for several providers of one configuration, their timings interleaved: `rounds`
+    rounds, each timing every provider in turn (min_time / rounds seconds and reps / rounds runs
+    each), so that a slow spell of this shared machine falls on all of them alike instead of on
+    whichever was running (one call's median moved up to 2x between runs: the full softmax at
+    E = 64, k = 1, 1.79 and 3.47 ms); the ratios between the rows then compare the same stretches
+    of time. bytes_moved: one count for all, or one per provider (none for those left out);
+    memory: True, or the providers whose peak memory to measure. One row per provider, in order."""
+    peaks = {
+        name: peak_memory_mb(fn) if memory is True or (memory and name in memory) else None
+        for name, fn in providers.items()
+    }
+    for fn in providers.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in providers}
+    for _ in range(rounds):
+        for name, fn in providers.items():
+            times[name] += timeit(fn, warmup=0, reps=-(-reps // rounds), min_time=min_time / rounds)
+    moved = bytes_moved if isinstance(bytes_moved, dict) else dict.fromkeys(providers, bytes_moved)
+    return [_row(op, name, mode, config, times[name], moved.get(name), peaks[name]) for name in providers]
+
+
+def _row(
+    op: str, provider: str, mode: str, config: dict, times: list[float], bytes_moved: int | None, peak: float | None
+) -> dict:
+    """A result row from one provider's timings (seconds), printed as it is made."""
+    times = sorted(times)
     q = statistics.quantiles(times, n=5) if len(times) >= 5 else [times[0]] * 4
     median = statistics.median(times)
     row = {
