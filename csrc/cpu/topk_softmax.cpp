@@ -175,6 +175,21 @@ MK_VECTORISE void renormalized_backward_rows(const scalar_t* logits, int64_t str
   }
 }
 
+// One row's full-softmax gradient into out [E] from its exp terms [E] and 1 / their sum:
+// grad_j = [j selected] g_j p_j - p_j sum_s g_s p_s with p = terms * inv.
+template <typename scalar_t, typename grad_t>
+MK_VEC_INLINE void full_softmax_grad_row(const float* terms, float inv, const int64_t* ex, const grad_t* g, int64_t k,
+                                         int64_t E, scalar_t* out) {
+  float dot = 0.0f;
+  for (int64_t s = 0; s < k; ++s) dot += (float)g[s] * (terms[ex[s]] * inv);
+  const float scale = -inv * dot;
+  for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(terms[e] * scale);
+  for (int64_t s = 0; s < k; ++s) {
+    const float p = terms[ex[s]] * inv;
+    out[ex[s]] = (scalar_t)((float)g[s] * p - p * dot);
+  }
+}
+
 // The full softmax's backward of rows [begin, end), a block of rows at a time: the block's exp
 // terms and sums by one rows_exp_terms_f32 call (the terms and sums row_exp_sum_f32 gives row by
 // row: the same values), then each row's grad_j = [j selected] g_j p_j - p_j sum_s g_s p_s.
@@ -206,16 +221,7 @@ MK_VECTORISE bool full_backward_rows(const scalar_t* logits, int64_t stride_t, i
         std::fill_n(out, E, (scalar_t)0.0f);
         continue;
       }
-      const float* terms = exps.data() + i * E;
-      const float inv = 1.0f / sums[i];
-      float dot = 0.0f;
-      for (int64_t s = 0; s < k; ++s) dot += (float)g[s] * (terms[ex[s]] * inv);
-      const float scale = -inv * dot;
-      for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(terms[e] * scale);
-      for (int64_t s = 0; s < k; ++s) {
-        const float p = terms[ex[s]] * inv;
-        out[ex[s]] = (scalar_t)((float)g[s] * p - p * dot);
-      }
+      full_softmax_grad_row(exps.data() + i * E, 1.0f / sums[i], ex, g, k, E, out);
     }
   }
   return true;
@@ -274,14 +280,7 @@ MK_VECTORISE void topk_softmax_backward_rows(const scalar_t* logits, int64_t str
       for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)(w[s] * ((float)g[s] - dot));
     } else {
       const float inv = 1.0f / row_exp_sum_f32(float_row(row, stride_e, E, row_buffer.data()), E, vmax, exps.data());
-      float dot = 0.0f;
-      for (int64_t s = 0; s < k; ++s) dot += (float)g[s] * (exps[ex[s]] * inv);
-      const float scale = -inv * dot;
-      for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(exps[e] * scale);
-      for (int64_t s = 0; s < k; ++s) {
-        const float p = exps[ex[s]] * inv;
-        out[ex[s]] = (scalar_t)((float)g[s] * p - p * dot);
-      }
+      full_softmax_grad_row(exps.data(), inv, ex, g, k, E, out);
     }
   }
 }
