@@ -177,10 +177,10 @@ inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floo
   auto row_vector = [&](int j, int q) { return _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q); };
   // The elements >= floor, and NaNs (an unordered compare: a NaN the lane maxima dropped, or a
   // NaN floor, which takes every element, still marks its row): bit e of 64-element word w for
-  // element 64 w + e >= floor; their indices
-  // ascending (bytes: E <= 256) by a byte compress of each word's mask, the words after the first
-  // placed after the ones before by a byte expand, widened; lanes past the count 0. Their values
-  // by two-source permutes of a 64-wide row's four vectors, or gathered from a wider one.
+  // element 64 w + e >= floor; their indices ascending (bytes: E <= 256) by a byte compress of
+  // each word's mask, the words after the first placed after the ones before by a byte expand,
+  // widened; lanes past the count 0. Their values by two-source permutes of a 64-wide row's four
+  // vectors, or gathered from a wider one.
   const __m512i byte_lane = _mm512_set_epi64(0x3f3e3d3c3b3a3938, 0x3736353433323130, 0x2f2e2d2c2b2a2928,
                                              0x2726252423222120, 0x1f1e1d1c1b1a1918, 0x1716151413121110,
                                              0x0f0e0d0c0b0a0908, 0x0706050403020100);

@@ -8,11 +8,11 @@
 //  1. the 16 lane maxima (lane l holds elements l, l + 16, ...);
 //  2. the floor: the 8th largest lane maximum. The 8 lanes whose maxima are at or above it hold 8
 //     distinct elements >= floor, so no element below the floor is among the row's 8 largest;
-//  3. the elements >= floor (and NaNs: an unordered compare; a row with one is left to the caller,
-//     and if the maxima's network made the floor NaN, every element is taken): their indices by a byte compress of each 64-element word's compare
-//     mask, the words joined by byte expands (on random rows ~10 of 64, more than 16 in ~0.1% of
-//     rows; 0.4% at E = 128, 0.6% at 256), their values by permutes of a 64-wide row's four
-//     vectors, gathered from a wider row;
+//  3. the elements >= floor, and NaNs (an unordered compare; a row with one is left to the caller,
+//     and if the maxima's network made the floor NaN, every element is taken): their indices by a
+//     byte compress of each 64-element word's compare mask, the words joined by byte expands (on
+//     random rows ~10 of 64, more than 16 in ~0.1% of rows; 0.4% at E = 128, 0.6% at 256), their
+//     values by permutes of a 64-wide row's four vectors, gathered from a wider row;
 //  4. the candidates sorted as one vector of int32: the rank key's top 28 bits above 15 - the
 //     candidate's number (candidates are in index order, so a lower index ranks first among equal
 //     prefixes). That is the rank-pair order (exact ties included) unless two different keys
@@ -32,9 +32,11 @@ namespace moe_kernels {
 
 // The k largest rank pairs (1 <= k <= 8) of rows [0, n) of x (row i at x + i * stride, E in
 // [16, 256] elements), descending, into best[k * i .. k * i + k). Returns false (nothing written
-// but *n_redo = 0) when the CPU lacks AVX-512 F, BW or VBMI2 or popcnt, or E or k is out of range. A row the
-// variant does not finish (it holds a NaN, more than 16 elements are at or above its floor, or two different candidates' rank keys agree but for their last 4 bits) is left for
-// the caller: its index goes into redo [n], counted by *n_redo (its slots hold garbage).
+// but *n_redo = 0) when the CPU lacks AVX-512 F, BW or VBMI2 or popcnt, or E or k is out of range.
+// A row the variant does not finish (it holds a NaN, more than 16 elements are at or above its
+// floor, or two different candidates' rank keys agree but for their last 4 bits) is left for the
+// caller: its index goes into redo [n], counted by *n_redo (its slots hold garbage). Writes
+// nothing past best[k * n).
 bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best,
                          int64_t* redo, int64_t* n_redo);
 

@@ -52,10 +52,12 @@ inline int64_t block_rows(int64_t E, int64_t most = 64) {
 // block). T = 65536, one thread, one process alternating block sizes: renormalised k = 8 at
 // E = 64 1.70 -> 1.49 ms (64 -> 32 rows), E = 96 3.03 -> 2.62, E = 128 4.8 -> 3.9 (-> 16); the
 // full softmax at E = 64: k = 2 2.06 -> 1.81 ms (32 rows), k = 8 3.2 -> 2.6 ms (16 rows). Where
-// the full softmax reads a block's logits twice, a smaller block keeps them in L1; why the
-// renormalised selection, which does not, gains too is not understood. Renormalised k <= 2 keep
-// 64 rows (32 were 2-5% slower at E <= 64), and E > 128 too (16 rows: the full softmax k = 2 at
-// E = 256 6.8 -> 7.9 ms).
+// the full softmax reads a block's logits twice, a smaller block keeps them in L1. The
+// renormalised selection does not, and gains too: a C++ driver computing the weights inside the
+// selection per 16 rows still ran 256-row calls 1.2x slower than 32-row ones, so most likely it
+// is the selection's pairs buffer (64 B a row) that a smaller block keeps in L1. Renormalised
+// k <= 2 keep 64 rows (32 were 2-5% slower at E <= 64), and E > 128 too (16 rows: the full
+// softmax k = 2 at E = 256 6.8 -> 7.9 ms).
 inline int64_t selection_block_rows(int64_t E, int64_t k, bool renormalize) {
   E = std::max<int64_t>(E, 1);
   if ((k <= 2 && renormalize) || E > 128) return std::clamp<int64_t>(16384 / E, 1, 64);
