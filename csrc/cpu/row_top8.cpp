@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "bitonic.h"
+#include "row_exp_terms.h"
 #include "moe_kernels/common.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -301,10 +302,32 @@ inline uint32_t finish(const __m512i* sorted_of, const __m512i* key, const __m51
   return failed;
 }
 
+// Where a block's pairs go: the caller's array (rows_top8_pairs_f32) ...
+struct PairsOut {
+  int64_t* best;
+  int k;
+  int64_t n;
+  int64_t* block(int64_t i0) const { return best + k * i0; }
+  const int64_t* end() const { return best + k * n; }
+  void done(int64_t, int) const {}
+};
+
+// ... or a buffer of one block's, turned into experts and renormalised weights after each block
+// (rows_top8_renormalized_f32). The buffer's 8 spare pairs let every row's store be a whole one.
+struct WeightsOut {
+  int64_t* pairs;  // [16 * k + 8]
+  int k;
+  int64_t* experts;
+  float* w;
+  int64_t* block(int64_t) const { return pairs; }
+  const int64_t* end() const { return pairs + 16 * k + 8; }
+  void done(int64_t i0, int rows) const { renormalized_pairs_f32(pairs, rows, k, experts + k * i0, w + k * i0); }
+};
+
 // Rows of up to 128 in blocks of 16: the floors (floors16) and the candidates' sort (sort16_rows)
-// on transposed vectors.
-template <int W, bool kFull>
-void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
+// on transposed vectors; each block's pairs to to.block(i0), then to.done(i0, rows).
+template <int W, bool kFull, typename Out>
+void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int k, const Out& to, int64_t* redo,
                       int64_t* n_redo) {
   constexpr int R = 16;
   int64_t left = 0;
@@ -329,13 +352,15 @@ void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int 
     sort16_rows(packed, out);
     for (int r = 0; r < 16; ++r) sorted[r] = out[sigma(r)];
     uint32_t failed = 0;
+    int64_t* best = to.block(i0);
     for (j = 0; j + R <= rows; j += R) {
-      failed |= finish<R>(sorted + j, key + j, index + j, count + j, k, best + k * (i0 + j), best + k * n) << j;
+      failed |= finish<R>(sorted + j, key + j, index + j, count + j, k, best + k * j, to.end()) << j;
     }
     for (; j < rows; ++j) {
-      failed |= finish<1>(sorted + j, key + j, index + j, count + j, k, best + k * (i0 + j), best + k * n) << j;
+      failed |= finish<1>(sorted + j, key + j, index + j, count + j, k, best + k * j, to.end()) << j;
     }
     for (; failed; failed &= failed - 1) redo[left++] = i0 + __builtin_ctz(failed);
+    to.done(i0, rows);
   }
   *n_redo = left;
 }
@@ -384,13 +409,20 @@ void rows_top8_each(const float* x, int64_t stride, int64_t n, int64_t E, int k,
   *n_redo = left;
 }
 
-// The instance for E: the 64-element words a row needs, and whether it fills them.
+// The instance for E <= 128: the 64-element words a row needs, and whether it fills them.
+template <typename Out>
+void rows_top8_narrow(const float* x, int64_t stride, int64_t n, int64_t E, int k, const Out& out, int64_t* redo,
+                      int64_t* n_redo) {
+  if (E == 64) return rows_top8_blocks<1, true>(x, stride, n, E, k, out, redo, n_redo);
+  if (E < 64) return rows_top8_blocks<1, false>(x, stride, n, E, k, out, redo, n_redo);
+  if (E == 128) return rows_top8_blocks<2, true>(x, stride, n, E, k, out, redo, n_redo);
+  return rows_top8_blocks<2, false>(x, stride, n, E, k, out, redo, n_redo);
+}
+
+// The instance for E.
 void rows_top8_any(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
                    int64_t* n_redo) {
-  if (E == 64) return rows_top8_blocks<1, true>(x, stride, n, E, k, best, redo, n_redo);
-  if (E < 64) return rows_top8_blocks<1, false>(x, stride, n, E, k, best, redo, n_redo);
-  if (E == 128) return rows_top8_blocks<2, true>(x, stride, n, E, k, best, redo, n_redo);
-  if (E < 128) return rows_top8_blocks<2, false>(x, stride, n, E, k, best, redo, n_redo);
+  if (E <= 128) return rows_top8_narrow(x, stride, n, E, k, PairsOut{best, k, n}, redo, n_redo);
   if (E == 256) return rows_top8_each<4, true>(x, stride, n, E, k, best, redo, n_redo);
   return rows_top8_each<4, false>(x, stride, n, E, k, best, redo, n_redo);
 }
@@ -424,9 +456,24 @@ bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, i
   rows_top8_any(x, stride, n, E, k, best, redo, n_redo);
   return true;
 }
+
+bool rows_top8_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* experts,
+                                float* w, int64_t* redo, int64_t* n_redo) {
+  *n_redo = 0;
+  static const bool supported = cpu_supported() && renormalized_pairs_f32(nullptr, 0, 1, nullptr, nullptr);
+  if (!supported || E < 16 || E > 128 || k < 1 || k > 8) return false;
+  alignas(64) int64_t pairs[16 * 8 + 8];
+  rows_top8_narrow(x, stride, n, E, k, WeightsOut{pairs, k, experts, w}, redo, n_redo);
+  return true;
+}
 #else
 // No AVX-512 VBMI2 in this build: the caller's selection runs.
 bool rows_top8_pairs_f32(const float*, int64_t, int64_t, int64_t, int, int64_t*, int64_t*, int64_t* n_redo) {
+  *n_redo = 0;
+  return false;
+}
+bool rows_top8_renormalized_f32(const float*, int64_t, int64_t, int64_t, int, int64_t*, float*, int64_t*,
+                                int64_t* n_redo) {
   *n_redo = 0;
   return false;
 }

@@ -582,6 +582,27 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
   }
 }
 
+bool rows_top_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* experts,
+                               float* w) {
+  // (k <= 2 select faster by row_top2.h and the argmax.)
+  if (k < 3 || k > kLanes || E > kRoundsMaxE || k * E > kRoundsMaxWork) return false;
+  constexpr int64_t kChunk = 1024;  // rows a call: its redo list's bound
+  int64_t redo[kChunk], n_redo;
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t m = std::min(kChunk, n - i);
+    if (!rows_top8_renormalized_f32(x + i * stride, stride, m, E, (int)k, experts + k * i, w + k * i, redo, &n_redo)) {
+      return false;  // (only ever on the first chunk: the CPU and E decide)
+    }
+    for (int64_t r = 0; r < n_redo; ++r) {
+      const int64_t row = i + redo[r];
+      int64_t best[kLanes];
+      row_topk_rounds_f32(x + row * stride, E, (int)k, best);
+      renormalized_pairs_f32(best, 1, k, experts + k * row, w + k * row);
+    }
+  }
+  return true;
+}
+
 namespace {
 // The float a rank key was made from (rank_key's inverse): non-negative keys are the float's bits,
 // negative ones had their magnitude bits flipped; NaN's key 0x7fffffff is itself a NaN's bits.

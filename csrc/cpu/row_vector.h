@@ -46,7 +46,8 @@ inline int64_t block_rows(int64_t E, int64_t most = 64) {
 }
 
 // Rows per block of topk_softmax's and topk_router's loops, which select a block
-// (rows_top_pairs_f32) and then compute its weights, or its softmax sums from its logits again.
+// (rows_top_pairs_f32) and then compute its weights, or its softmax sums from its logits again
+// (renormalised float32 rows that rows_top_renormalized_f32 takes go in one pass instead).
 // Up to 64 rows, but for E <= 128 with 3 <= k <= 8 or the full softmax, blocks of ~2048 elements
 // (~1024 for the full softmax with k >= 3), a multiple of 16 rows (the register selection's
 // block). T = 65536, one thread, one process alternating block sizes: renormalised k = 8 at
@@ -130,6 +131,15 @@ void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 // row_top_pairs for each of the n rows x[i * stride .. i * stride + E), into best[i * k .. i * k + k):
 // one call for a block of rows, so that consecutive rows' selections overlap in the core.
 void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* best);
+
+// rows_top_pairs_f32's selection of each row's k experts (by descending logit) and its
+// renormalised softmax weights (row_exp_terms.h's renormalized_pairs_f32 on those pairs), bit for
+// bit, into experts and w [n * k], in one pass over the rows where row_top8.h's
+// rows_top8_renormalized_f32 runs (AVX-512 VBMI2, 16 <= E <= 128) for 3 <= k <= 8; the rows it
+// leaves are selected and weighted one by one after. Returns false, writing nothing, elsewhere:
+// the caller selects and weights a block at a time.
+bool rows_top_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* experts,
+                               float* w);
 
 // sum over e of exp(row[e] - vmax), each term also stored to exps[e] (exps [E], not aliasing
 // row). vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and

@@ -214,7 +214,18 @@ MK_ROW_CLONES void finish_block(float* w, int64_t n, int64_t k, bool renormalize
   }
 }
 
-// The common router (no bias, one group) in float32: rows in blocks, selected by
+// Renormalised weights of n rows (w [n * k]) times the scaling, a fully masked row (first weight
+// 0) left +0.
+inline void scale_rows(float* w, int64_t n, int64_t k, float scaling) {
+  if (scaling == 1.0f) return;
+  for (int64_t i = 0; i < n; ++i) {
+    if (w[i * k] == 0.0f) continue;
+    for (int64_t s = 0; s < k; ++s) w[i * k + s] = scaling * w[i * k + s];
+  }
+}
+
+// The common router (no bias, one group) in float32: a renormalised softmax's float32 rows in one
+// pass where rows_top_renormalized_f32 runs; otherwise rows in blocks, selected by
 // rows_top_pairs_f32 (as topk_softmax), the selected scores of the whole block in flat loops that
 // vectorise, then each row's finish_weights.
 template <typename scalar_t>
@@ -225,6 +236,21 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
   const int64_t k = a.k;
   const float scaling = (float)a.scaling;
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
+  const bool renormalized_softmax = a.scoring == kSoftmax && a.renormalize;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    // Renormalised softmax: selection and weights in one pass over runs of rows where that runs
+    // (it either runs for every run or for none), each run scaled while in the cache.
+    if (direct && renormalized_softmax) {
+      constexpr int64_t kRun = 1024;
+      bool ran = true;
+      for (int64_t t0 = begin; t0 < end && ran; t0 += kRun) {
+        const int64_t n = std::min(kRun, end - t0);
+        ran = rows_top_renormalized_f32(logits + t0 * stride_t, stride_t, n, E, k, experts + t0 * k, weights + t0 * k);
+        if (ran) scale_rows(weights + t0 * k, n, k, scaling);
+      }
+      if (ran) return;
+    }
+  }
   const int64_t block = selection_block_rows(E, k, a.renormalize);
   std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
@@ -233,20 +259,20 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     const int64_t n = std::min(block, end - t0);
     int64_t stride;
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
-    rows_top_pairs_f32(x, stride, n, E, k, best.data());  // ranked by the logits
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
     // Renormalised softmax: topk_softmax's weights from the pairs where they run (AVX-512 F,
-    // k <= 16), times the scaling as finish_weights multiplies it, and as there a fully
-    // masked row (its first weight 0: a live row's is 1 / a sum of k terms in (0, 1]) stays +0
-    // whatever the scaling (negative, or a double that is inf as a float).
-    if (a.scoring == kSoftmax && a.renormalize && renormalized_pairs_f32(best.data(), n, k, experts + t0 * k, w)) {
-      if (scaling != 1.0f) {
-        for (int64_t i = 0; i < n; ++i) {
-          if (w[i * k] == 0.0f) continue;
-          for (int64_t s = 0; s < k; ++s) w[i * k + s] = scaling * w[i * k + s];
-        }
-      }
+    // k <= 16; with the selection in one pass for 3 <= k <= 8 where that runs), times the scaling
+    // as finish_weights multiplies it, and as there a fully masked row (its first weight 0: a
+    // live row's is 1 / a sum of k terms in (0, 1]) stays +0 whatever the scaling (negative, or a
+    // double that is inf as a float).
+    if (renormalized_softmax && rows_top_renormalized_f32(x, stride, n, E, k, experts + t0 * k, w)) {
+      scale_rows(w, n, k, scaling);
+      continue;
+    }
+    rows_top_pairs_f32(x, stride, n, E, k, best.data());  // ranked by the logits
+    if (renormalized_softmax && renormalized_pairs_f32(best.data(), n, k, experts + t0 * k, w)) {
+      scale_rows(w, n, k, scaling);
       continue;
     }
     selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());

@@ -63,7 +63,8 @@ MK_VECTORISE MK_ROW_CLONES void renormalized_weights(const float* __restrict val
   }
 }
 
-// Rows are processed in blocks: the block's selections first (one call, rows_top_pairs_f32), then
+// Renormalised float32 rows go in one pass (rows_top_renormalized_f32) where it runs. Otherwise
+// rows are processed in blocks: the block's selections first (one call, rows_top_pairs_f32), then
 // the weights of all its k * rows slots in vectorised loops.
 template <typename scalar_t>
 MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides (stride_t, stride_e)
@@ -72,6 +73,14 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
                                     scalar_t* weights,       // [T, k] contiguous
                                     int64_t* experts) {      // [T, k] contiguous
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    // Selection and weights in one pass over all the rows where that runs.
+    if (direct && renormalize &&
+        rows_top_renormalized_f32(logits + begin * stride_t, stride_t, end - begin, E, k, experts + begin * k,
+                                  weights + begin * k)) {
+      return;
+    }
+  }
   const int64_t block = selection_block_rows(E, k, renormalize);
   std::vector<float> rows(direct ? 0 : block * E), exps(renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
@@ -80,19 +89,22 @@ MK_VECTORISE void topk_softmax_rows(const scalar_t* logits,  // [T, E], strides 
     const int64_t n = std::min(block, end - t0);
     int64_t stride;
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
-    rows_top_pairs_f32(x, stride, n, E, k, best.data());
     const int64_t slots = n * k;
     if (renormalize) {
       float* w = std::is_same_v<scalar_t, float> ? reinterpret_cast<float*>(weights + t0 * k) : term.data();
       // From the pairs directly where it can (the same weights, without value and vmax stored).
-      if (!renormalized_pairs_f32(best.data(), n, k, experts + t0 * k, w)) {
-        selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
-        renormalized_weights(value.data(), vmax.data(), n, k, w);
+      if (!rows_top_renormalized_f32(x, stride, n, E, k, experts + t0 * k, w)) {
+        rows_top_pairs_f32(x, stride, n, E, k, best.data());
+        if (!renormalized_pairs_f32(best.data(), n, k, experts + t0 * k, w)) {
+          selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
+          renormalized_weights(value.data(), vmax.data(), n, k, w);
+        }
       }
       if constexpr (!std::is_same_v<scalar_t, float>) {
         for (int64_t j = 0; j < slots; ++j) weights[t0 * k + j] = (scalar_t)w[j];
       }
     } else {
+      rows_top_pairs_f32(x, stride, n, E, k, best.data());
       selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
       // The selected terms are the sums' own, recomputed from the slots' values rather than
       // stored for every element (the backward recomputes them exactly too).

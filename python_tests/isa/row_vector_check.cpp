@@ -145,6 +145,62 @@ bool check_candidates(const float* x, int64_t E) {
   return true;
 }
 
+// The selection with the weights in one pass, against the pairs' selection of the same rows
+// (best, its left rows redo[0 .. n_redo)) for E <= 128: rows_top8_renormalized_f32 leaves the same
+// rows and gives the other rows renormalized_pairs_f32's experts and weights on those pairs, bit
+// for bit, writing nothing past its outputs (eight guard entries each); rows_top_renormalized_f32
+// (the left rows by the candidate sort) gives every row rows_top_pairs_f32's and
+// renormalized_pairs_f32's, for k >= 3 (k <= 2 it leaves to its caller).
+bool check_top8_renormalized(const float* x, int64_t E, int k, int64_t n, const int64_t* best, const int64_t* redo,
+                             int64_t n_redo) {
+  std::vector<int64_t> experts(n * k + 8, -1), want_experts(n * k), fused_redo(n), all(n * k);
+  std::vector<float> w(n * k + 8, -1.0f), want_w(n * k);
+  int64_t n_fused = -1;
+  if (!rows_top8_renormalized_f32(x, E, n, E, k, experts.data(), w.data(), fused_redo.data(), &n_fused)) {
+    if (E <= 128) {
+      std::printf("rows_top8_renormalized_f32 E=%lld k=%d: not run where rows_top8_pairs_f32 runs\n", (long long)E, k);
+      return false;
+    }
+    return true;
+  }
+  auto past = [&]() {
+    return std::any_of(experts.end() - 8, experts.end(), [](int64_t v) { return v != -1; }) ||
+           std::any_of(w.end() - 8, w.end(), [](float v) { return v != -1.0f; });
+  };
+  auto same = [](float a, float b) { return std::memcmp(&a, &b, 4) == 0; };
+  if (past() || n_fused != n_redo || !std::equal(redo, redo + n_redo, fused_redo.begin())) {
+    std::printf("rows_top8_renormalized_f32 E=%lld k=%d: wrote past its outputs, or left other rows (%lld, not %lld)\n",
+                (long long)E, k, (long long)n_fused, (long long)n_redo);
+    return false;
+  }
+  renormalized_pairs_f32(best, n, k, want_experts.data(), want_w.data());
+  std::vector<bool> left(n, false);
+  for (int64_t r = 0; r < n_redo; ++r) left[redo[r]] = true;
+  for (int64_t j = 0; j < n * k; ++j) {
+    if (!left[j / k] && (experts[j] != want_experts[j] || !same(w[j], want_w[j]))) {
+      std::printf("rows_top8_renormalized_f32 E=%lld k=%d slot %lld: expert %lld weight %.9g, not %lld %.9g\n",
+                  (long long)E, k, (long long)j, (long long)experts[j], w[j], (long long)want_experts[j], want_w[j]);
+      return false;
+    }
+  }
+  std::fill(experts.begin(), experts.end(), -1);
+  std::fill(w.begin(), w.end(), -1.0f);
+  if (!rows_top_renormalized_f32(x, E, n, E, k, experts.data(), w.data())) {
+    std::printf("rows_top_renormalized_f32 E=%lld k=%d: not run where rows_top8_renormalized_f32 runs\n", (long long)E, k);
+    return false;
+  }
+  rows_top_pairs_f32(x, E, n, E, k, all.data());
+  renormalized_pairs_f32(all.data(), n, k, want_experts.data(), want_w.data());
+  for (int64_t j = 0; j < n * k; ++j) {
+    if (experts[j] != want_experts[j] || !same(w[j], want_w[j]) || past()) {
+      std::printf("rows_top_renormalized_f32 E=%lld k=%d slot %lld: expert %lld weight %.9g, not %lld %.9g\n",
+                  (long long)E, k, (long long)j, (long long)experts[j], w[j], (long long)want_experts[j], want_w[j]);
+      return false;
+    }
+  }
+  return true;
+}
+
 // rows_top8_pairs_f32 called directly where the variant runs (16 <= E <= 256): every row it
 // finishes exact; the ones it leaves for its caller few on random rows, also with exact ties
 // (its floor leaves more than 16 candidates in well under 1% of them), and all of those it must
@@ -205,6 +261,7 @@ bool check_top8_direct(long* finished) {
                       (long long)n_redo, (long long)kRows, kind);
           return false;
         }
+        if (!check_top8_renormalized(x.data(), E, k, kRows, best.data(), redo.data(), n_redo)) return false;
       }
     }
   }
@@ -419,7 +476,8 @@ bool check_all(long* checked) {
 // rows_top8_pairs_f32 on the last rows before an unmapped page: its blocks of 16 rows must not
 // read a row past the n it is given (the block's missing rows repeat its last one), nor an
 // element past a row's end (masked loads), however many rows the last block holds; nor write past
-// its output (rows' stores of all 8 pairs), which ends at a second unmapped page.
+// its output (rows' stores of all 8 pairs), which ends at a second unmapped page; nor
+// rows_top8_renormalized_f32 past its experts or its weights, each ending there in turn.
 bool check_top8_guarded(long* finished) {
   const long page = sysconf(_SC_PAGESIZE);
   const size_t bytes = 16 * (size_t)page;  // room for 40 rows of 100, and for 40 rows' 8 pairs
@@ -447,6 +505,16 @@ bool check_top8_guarded(long* finished) {
           if (left[i]) continue;
           ok = check("rows_top8_pairs_f32 (guarded)", x + i * E, E, k, best + i * k);
           ++*finished;
+        }
+        // The one-pass weights' experts, then its weights, ending at the guard page.
+        if (E <= 128 && ok) {
+          std::vector<int64_t> experts(n * k);
+          std::vector<float> w(n * k);
+          int64_t* experts_end = best_end - n * k;
+          float* w_end = (float*)best_end - n * k;
+          ok = rows_top8_renormalized_f32(x, E, n, E, k, experts_end, w.data(), redo.data(), &n_redo) &&
+               rows_top8_renormalized_f32(x, E, n, E, k, experts.data(), w_end, redo.data(), &n_redo);
+          if (!ok) std::printf("rows_top8_renormalized_f32 E=%lld k=%d: not run (guarded)\n", (long long)E, k);
         }
       }
     }
