@@ -257,7 +257,8 @@ void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts,
                                           7 / G * G, 8 / G * G, 9 / G * G, 10 / G * G, 11 / G * G, 12 / G * G,
                                           13 / G * G, 14 / G * G, 15 / G * G);
   const __m512i low32 = _mm512_set1_epi64(0xffffffffll);
-  auto expert = [&](__m512i p) { return _mm512_sub_epi64(low32, _mm512_and_si512(p, low32)); };
+  // pair_index: 0xffffffff less the low half, which is its complement.
+  auto expert = [&](__m512i p) { return _mm512_andnot_si512(p, low32); };
   // The 16 lanes' values (0 where a pair is 0) and their rows' weights.
   auto weights = [&](__m512i p0, __m512i p1, __mmask16 slots) {
     const __m512i key = _mm512_permutex2var_epi32(p0, odd, p1);
