@@ -77,10 +77,10 @@ inline __mmask16 inside(int64_t E, int64_t c) {
 // Step 1 for R rows (row[j], E <= 64 W): the 16 lane maxima (lane l holds elements l, l + 16,
 // ...; E >= 16 puts an element in every lane, the zeros past the row are masked out). A NaN may
 // be dropped here or reach the floor: step 3 finds it either way.
-template <int W, int R, bool kFull>
+template <int W, int R, int kE>
 inline void lane_maxima(const float* const* row, int64_t E_any, __m512* max) {
-  constexpr int V = 4 * W;  // vectors of 16 a row
-  const int64_t E = kFull ? 64 * W : E_any;
+  constexpr int V = kE ? kE / 16 : 4 * W;  // vectors of 16 a row
+  const int64_t E = kE ? kE : E_any;
   for (int j = 0; j < R; ++j) max[j] = _mm512_loadu_ps(row[j]);
   for (int q = 1; q < V; ++q) {
     const __mmask16 in = inside(E, 16 * q);
@@ -143,7 +143,7 @@ constexpr int sigma(int i) { return 4 * (i % 4) + i / 4; }
 
 // Steps 1 and 2 for rows [0, rows) of a block of 16 (rows <= 16): each row's floor into
 // floors[r].
-template <int W, bool kFull>
+template <int W, int kE>
 inline void floors16(const float* x, int64_t stride, int64_t E_any, int rows, __m512* floors) {
   // 64-wide rows four at a time (their chains of maxima overlap; wider rows measured slower so);
   // the rows past `rows` repeat the last one.
@@ -152,7 +152,7 @@ inline void floors16(const float* x, int64_t stride, int64_t E_any, int rows, __
   for (int r0 = 0; r0 < 16; r0 += R) {
     const float* row[R];
     for (int j = 0; j < R; ++j) row[j] = x + (r0 + j < rows ? r0 + j : rows - 1) * stride;
-    lane_maxima<W, R, kFull>(row, E_any, m + r0);
+    lane_maxima<W, R, kE>(row, E_any, m + r0);
   }
   // The 8th largest of each row's 16: both halves sorted descending, the larger of a[i] and
   // b[7 - i] are the 8 largest of the 16 (a bitonic half-cleaner), their least is it.
@@ -165,16 +165,16 @@ inline void floors16(const float* x, int64_t stride, int64_t E_any, int rows, __
   *floors = floor;
 }
 
-// Step 3 for R rows at once (E <= 64 W; kFull: E = 64 W, every mask known at compile time),
+// Step 3 for R rows at once (E <= 64 W; kE: E = kE, every mask known at compile time, or 0),
 // every operation for all R before the next (R chains of dependent operations overlap only when
 // interleaved instruction by instruction: written row after row, four rows took as long as one
 // row four times). floor_of(j) broadcasts row j's floor. Each row's step-4 vector into packed[j],
 // its candidates' rank keys and indices into key[j] and index[j], their number into count[j]
 // (INT_MAX for a row with a NaN among its first 16: finish leaves the rows past 16).
-template <int W, int R, bool kFull, typename Floor>
+template <int W, int R, int kE, typename Floor>
 inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floor_of, __m512i* packed, __m512i* key,
                        __m512i* index, int* count) {
-  const int64_t E = kFull ? 64 * W : E_any;
+  const int64_t E = kE ? kE : E_any;
   auto row_vector = [&](int j, int q) { return _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q); };
   // The elements >= floor, and NaNs (an unordered compare: a NaN the lane maxima dropped, or a
   // NaN floor, which takes every element, still marks its row): bit e of 64-element word w for
@@ -326,7 +326,7 @@ struct WeightsOut {
 
 // Rows of up to 128 in blocks of 16: the floors (floors16) and the candidates' sort (sort16_rows)
 // on transposed vectors; each block's pairs to to.block(i0), then to.done(i0, rows).
-template <int W, bool kFull, typename Out>
+template <int W, int kE, typename Out>
 void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int k, const Out& to, int64_t* redo,
                       int64_t* n_redo) {
   constexpr int R = 16;
@@ -337,15 +337,15 @@ void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int 
     const int rows = (int)(n - i0 < 16 ? n - i0 : 16);
     const float* block = x + i0 * stride;
     __m512 floors;
-    floors16<W, kFull>(block, stride, E, rows, &floors);
+    floors16<W, kE>(block, stride, E, rows, &floors);
     int j = 0;
     for (; j + R <= rows; j += R) {
       auto floor_of = [&](int r) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j + r), floors); };
-      candidates<W, R, kFull>(block + j * stride, stride, E, floor_of, packed + j, key + j, index + j, count + j);
+      candidates<W, R, kE>(block + j * stride, stride, E, floor_of, packed + j, key + j, index + j, count + j);
     }
     for (; j < rows; ++j) {
       auto floor_of = [&](int) { return _mm512_permutexvar_ps(_mm512_set1_epi32(j), floors); };
-      candidates<W, 1, kFull>(block + j * stride, stride, E, floor_of, packed + j, key + j, index + j, count + j);
+      candidates<W, 1, kE>(block + j * stride, stride, E, floor_of, packed + j, key + j, index + j, count + j);
     }
     for (; j < 16; ++j) packed[j] = _mm512_set1_epi32(INT_MIN);
     __m512i out[16];
@@ -368,12 +368,12 @@ void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int 
 // Rows of up to 256, R at once, each row's floor and sort on its own vector (bitonic.h's
 // networks across lanes): for E = 129 to 256, where the blocks above measured up to 20% slower
 // (E = 160) or no faster (E = 256).
-template <int W, int R, bool kFull>
+template <int W, int R, int kE>
 inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, int64_t* best, const int64_t* best_end) {
   const float* row[R];
   for (int j = 0; j < R; ++j) row[j] = x + j * stride;
   __m512 max[R];
-  lane_maxima<W, R, kFull>(row, E_any, max);
+  lane_maxima<W, R, kE>(row, E_any, max);
   f32x16 m[R];
   for (int j = 0; j < R; ++j) m[j] = (f32x16)max[j];
   // The floor: sorted by blocks of 8 (lanes 0-7 descending, 8-15 ascending), the half-cleaner's
@@ -387,44 +387,51 @@ inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, 
   for (int j = 0; j < R; ++j) floor[j] = _mm512_broadcastss_ps(_mm512_castps512_ps128(floor[j]));
   __m512i packed[R], key[R], index[R];
   int count[R];
-  candidates<W, R, kFull>(x, stride, E_any, [&](int j) { return floor[j]; }, packed, key, index, count);
+  candidates<W, R, kE>(x, stride, E_any, [&](int j) { return floor[j]; }, packed, key, index, count);
   i32x16 sorted[R];
   for (int j = 0; j < R; ++j) sorted[j] = (i32x16)packed[j];
   bitonic::sort16_each<true, R, avx512_exchange>(sorted);
   return finish<R>((const __m512i*)sorted, key, index, count, k, best, best_end);
 }
 
-template <int W, bool kFull>
+template <int W, int kE>
 void rows_top8_each(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
                     int64_t* n_redo) {
   constexpr int R = 4;
   int64_t left = 0, i = 0;
   for (; i + R <= n; i += R) {
-    uint32_t failed = top8_rows<W, R, kFull>(x + i * stride, stride, E, k, best + k * i, best + k * n);
+    uint32_t failed = top8_rows<W, R, kE>(x + i * stride, stride, E, k, best + k * i, best + k * n);
     for (; failed; failed &= failed - 1) redo[left++] = i + __builtin_ctz(failed);
   }
   for (; i < n; ++i) {
-    if (top8_rows<W, 1, kFull>(x + i * stride, stride, E, k, best + k * i, best + k * n)) redo[left++] = i;
+    if (top8_rows<W, 1, kE>(x + i * stride, stride, E, k, best + k * i, best + k * n)) redo[left++] = i;
   }
   *n_redo = left;
 }
 
-// The instance for E <= 128: the 64-element words a row needs, and whether it fills them.
+// The instance for E <= 128: the 64-element words a row needs, and E itself where the masks known
+// at compile time measured faster (selection alone, T = 65536, k = 8, a C++ driver: E = 16
+// 17.4 -> 12.9 ns a row, 32 18.4 -> 14.3, 48 19.4 -> 16.4; topk_softmax k = 8: E = 32 1.50 ->
+// 1.15 ms, 48 1.6 -> 1.24). E = 96 selected faster so (44 -> 39) but with the weights in one
+// pass (rows_top8_renormalized_f32) measured slower (40 -> 44), and keeps its masks at run time.
 template <typename Out>
 void rows_top8_narrow(const float* x, int64_t stride, int64_t n, int64_t E, int k, const Out& out, int64_t* redo,
                       int64_t* n_redo) {
-  if (E == 64) return rows_top8_blocks<1, true>(x, stride, n, E, k, out, redo, n_redo);
-  if (E < 64) return rows_top8_blocks<1, false>(x, stride, n, E, k, out, redo, n_redo);
-  if (E == 128) return rows_top8_blocks<2, true>(x, stride, n, E, k, out, redo, n_redo);
-  return rows_top8_blocks<2, false>(x, stride, n, E, k, out, redo, n_redo);
+  if (E == 64) return rows_top8_blocks<1, 64>(x, stride, n, E, k, out, redo, n_redo);
+  if (E == 32) return rows_top8_blocks<1, 32>(x, stride, n, E, k, out, redo, n_redo);
+  if (E == 16) return rows_top8_blocks<1, 16>(x, stride, n, E, k, out, redo, n_redo);
+  if (E == 48) return rows_top8_blocks<1, 48>(x, stride, n, E, k, out, redo, n_redo);
+  if (E < 64) return rows_top8_blocks<1, 0>(x, stride, n, E, k, out, redo, n_redo);
+  if (E == 128) return rows_top8_blocks<2, 128>(x, stride, n, E, k, out, redo, n_redo);
+  return rows_top8_blocks<2, 0>(x, stride, n, E, k, out, redo, n_redo);
 }
 
 // The instance for E.
 void rows_top8_any(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best, int64_t* redo,
                    int64_t* n_redo) {
   if (E <= 128) return rows_top8_narrow(x, stride, n, E, k, PairsOut{best, k, n}, redo, n_redo);
-  if (E == 256) return rows_top8_each<4, true>(x, stride, n, E, k, best, redo, n_redo);
-  return rows_top8_each<4, false>(x, stride, n, E, k, best, redo, n_redo);
+  if (E == 256) return rows_top8_each<4, 256>(x, stride, n, E, k, best, redo, n_redo);
+  return rows_top8_each<4, 0>(x, stride, n, E, k, best, redo, n_redo);
 }
 
 #if defined(MK_TOP8_DISPATCH)

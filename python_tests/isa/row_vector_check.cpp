@@ -210,7 +210,7 @@ bool check_top8_direct(long* finished) {
   constexpr int64_t kRows = 203;  // 50 blocks of four, and three rows left
   std::vector<int64_t> widths;
   for (int64_t E = 16; E <= 64; ++E) widths.push_back(E);
-  for (int64_t E : {65, 100, 127, 128, 129, 191, 200, 255, 256}) widths.push_back(E);
+  for (int64_t E : {65, 96, 100, 127, 128, 129, 191, 200, 255, 256}) widths.push_back(E);
   for (int64_t E : widths) {
     for (int k = 3; k <= 8; ++k) {
       for (int kind = 0; kind < 4; ++kind) {
