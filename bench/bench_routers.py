@@ -124,7 +124,7 @@ def main():
         baseline="transformers",
         providers=["moe_kernels", "transformers", "torch.compile transformers", "read pass"],
         command="make bench (or .venv/bin/python bench/bench_routers.py)",
-        notes="Each configuration's providers are timed in 5 alternating rounds per mode (forward, fwd+bwd), "
+        notes="Each configuration's providers are timed in 15 alternating rounds per mode (forward, fwd+bwd), "
         "so every ratio compares the same stretches of the machine's time.\n\n" + compile_notes(notes),
     )
 

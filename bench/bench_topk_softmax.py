@@ -87,7 +87,7 @@ def main():
         baseline="torch sequence",
         providers=[*PROVIDERS, "torch.compile sequence", "read pass", "forward + write"],
         command="make bench (or .venv/bin/python bench/bench_topk_softmax.py)",
-        notes="Each configuration's providers are timed in 5 alternating rounds per mode (forward, fwd+bwd), "
+        notes="Each configuration's providers are timed in 15 alternating rounds per mode (forward, fwd+bwd), "
         "so every ratio compares the same stretches of the machine's time.\n\n"
         "torch.compile (dynamic=False) of the torch sequence, first-call compile time:\n\n"
         "| config | compile s |\n|---|---|\n" + "\n".join(compile_notes),

@@ -217,7 +217,7 @@ def measure_interleaved(
     mode: str = "forward",
     bytes_moved: int | dict[str, int] | None = None,
     memory: bool | Collection[str] = False,
-    rounds: int = 5,
+    rounds: int = 15,
     warmup: int = 3,
     reps: int = 15,
     min_time: float = 0.2,
@@ -227,8 +227,11 @@ def measure_interleaved(
     each), so that a slow spell of this shared machine falls on all of them alike instead of on
     whichever was running (one call's median moved up to 2x between runs: the full softmax at
     E = 64, k = 1, 1.79 and 3.47 ms); the ratios between the rows then compare the same stretches
-    of time. bytes_moved: one count for all, or one per provider (none for those left out);
-    memory: True, or the providers whose peak memory to measure. One row per provider, in order."""
+    of time. 15 rounds (~13 ms of each fast provider's runs a round): with 5 (40 ms), a slow spell
+    still fell on one provider's rounds and not the others' (the full softmax at E = 64, k = 1:
+    3.14 ms, 4.3 read passes, against 1.7-1.8 ms by hand). bytes_moved: one count for all, or one
+    per provider (none for those left out); memory: True, or the providers whose peak memory to
+    measure. One row per provider, in order."""
     peaks = {
         name: peak_memory_mb(fn) if memory is True or (memory and name in memory) else None
         for name, fn in providers.items()
