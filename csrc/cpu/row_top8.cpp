@@ -74,16 +74,29 @@ inline __mmask16 inside(int64_t E, int64_t c) {
   return E - c >= 16 ? (__mmask16)0xffff : E - c <= 0 ? (__mmask16)0 : (__mmask16)((1u << (E - c)) - 1);
 }
 
+// The lanes of vector q of a row (elements 16 q ..): kE > 0 is E itself (every mask known at
+// compile time); kE < 0 gives the row's vector count, -kE (every mask but the last vector's known
+// at compile time); kE = 0 nothing.
+template <int kE>
+inline __mmask16 lanes(int64_t E, int q) {
+  if constexpr (kE > 0) return inside(kE, 16 * q);
+  if constexpr (kE < 0) {
+    if (q < -kE - 1) return (__mmask16)0xffff;
+    if (q >= -kE) return (__mmask16)0;
+  }
+  return inside(E, 16 * q);
+}
+
 // Step 1 for R rows (row[j], E <= 64 W): the 16 lane maxima (lane l holds elements l, l + 16,
 // ...; E >= 16 puts an element in every lane, the zeros past the row are masked out). A NaN may
 // be dropped here or reach the floor: step 3 finds it either way.
 template <int W, int R, int kE>
 inline void lane_maxima(const float* const* row, int64_t E_any, __m512* max) {
-  constexpr int V = kE ? kE / 16 : 4 * W;  // vectors of 16 a row
-  const int64_t E = kE ? kE : E_any;
+  constexpr int V = kE > 0 ? kE / 16 : kE < 0 ? -kE : 4 * W;  // vectors of 16 a row
+  const int64_t E = E_any;
   for (int j = 0; j < R; ++j) max[j] = _mm512_loadu_ps(row[j]);
   for (int q = 1; q < V; ++q) {
-    const __mmask16 in = inside(E, 16 * q);
+    const __mmask16 in = lanes<kE>(E, q);
     for (int j = 0; j < R; ++j) {
       max[j] = _mm512_mask_max_ps(max[j], in, max[j], _mm512_maskz_loadu_ps(in, row[j] + 16 * q));
     }
@@ -165,7 +178,7 @@ inline void floors16(const float* x, int64_t stride, int64_t E_any, int rows, __
   *floors = floor;
 }
 
-// Step 3 for R rows at once (E <= 64 W; kE: E = kE, every mask known at compile time, or 0),
+// Step 3 for R rows at once (E <= 64 W; kE as for lanes),
 // every operation for all R before the next (R chains of dependent operations overlap only when
 // interleaved instruction by instruction: written row after row, four rows took as long as one
 // row four times). floor_of(j) broadcasts row j's floor. Each row's step-4 vector into packed[j],
@@ -174,8 +187,8 @@ inline void floors16(const float* x, int64_t stride, int64_t E_any, int rows, __
 template <int W, int R, int kE, typename Floor>
 inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floor_of, __m512i* packed, __m512i* key,
                        __m512i* index, int* count) {
-  const int64_t E = kE ? kE : E_any;
-  auto row_vector = [&](int j, int q) { return _mm512_maskz_loadu_ps(inside(E, 16 * q), x + j * stride + 16 * q); };
+  const int64_t E = E_any;
+  auto row_vector = [&](int j, int q) { return _mm512_maskz_loadu_ps(lanes<kE>(E, q), x + j * stride + 16 * q); };
   // The elements >= floor, and NaNs (an unordered compare: a NaN the lane maxima dropped, or a
   // NaN floor, which takes every element, still marks its row): bit e of 64-element word w for
   // element 64 w + e >= floor; their indices ascending (bytes: E <= 256) by a byte compress of
@@ -193,7 +206,7 @@ inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floo
     for (int w = 0; w < W; ++w) {
       __mmask16 c[4];
       for (int q = 0; q < 4; ++q) {
-        c[q] = _mm512_mask_cmp_ps_mask(inside(E, 64 * w + 16 * q), row_vector(j, 4 * w + q), floor, _CMP_NLT_UQ);
+        c[q] = _mm512_mask_cmp_ps_mask(lanes<kE>(E, 4 * w + q), row_vector(j, 4 * w + q), floor, _CMP_NLT_UQ);
       }
       const __mmask64 bits = _mm512_kunpackd(_mm512_kunpackw(c[3], c[2]), _mm512_kunpackw(c[1], c[0]));
       const int kept = __builtin_popcountll(_cvtmask64_u64(bits));
@@ -409,11 +422,13 @@ void rows_top8_each(const float* x, int64_t stride, int64_t n, int64_t E, int k,
   *n_redo = left;
 }
 
-// The instance for E <= 128: the 64-element words a row needs, and E itself where the masks known
-// at compile time measured faster (selection alone, T = 65536, k = 8, a C++ driver: E = 16
-// 17.4 -> 12.9 ns a row, 32 18.4 -> 14.3, 48 19.4 -> 16.4; topk_softmax k = 8: E = 32 1.50 ->
-// 1.15 ms, 48 1.6 -> 1.24). E = 96 selected faster so (44 -> 39) but with the weights in one
-// pass (rows_top8_renormalized_f32) measured slower (40 -> 44), and keeps its masks at run time.
+// The instance for E <= 128: the 64-element words a row needs, and for E <= 64 the masks known at
+// compile time (lanes: E itself at 16, 32, 48 and 64, else the row's vector count), which
+// measured faster (selection alone, T = 65536, k = 8, a C++ driver: E = 16 17.4 -> 12.9 ns a
+// row, 32 18.4 -> 14.3, 48 19.4 -> 16.4; with the weights in one pass, E = 24 21.8 -> 17.3, 40
+// 22.7 -> 18.7, 60 23.3 -> 20.9; topk_softmax k = 8: E = 32 1.50 -> 1.15 ms, 48 1.6 -> 1.24).
+// E = 96 selected faster so (44 -> 39) but with the weights in one pass measured slower
+// (40 -> 44): E = 65 to 127 keep their masks at run time.
 template <typename Out>
 void rows_top8_narrow(const float* x, int64_t stride, int64_t n, int64_t E, int k, const Out& out, int64_t* redo,
                       int64_t* n_redo) {
@@ -421,7 +436,9 @@ void rows_top8_narrow(const float* x, int64_t stride, int64_t n, int64_t E, int 
   if (E == 32) return rows_top8_blocks<1, 32>(x, stride, n, E, k, out, redo, n_redo);
   if (E == 16) return rows_top8_blocks<1, 16>(x, stride, n, E, k, out, redo, n_redo);
   if (E == 48) return rows_top8_blocks<1, 48>(x, stride, n, E, k, out, redo, n_redo);
-  if (E < 64) return rows_top8_blocks<1, 0>(x, stride, n, E, k, out, redo, n_redo);
+  if (E > 48 && E < 64) return rows_top8_blocks<1, -4>(x, stride, n, E, k, out, redo, n_redo);
+  if (E > 32 && E < 64) return rows_top8_blocks<1, -3>(x, stride, n, E, k, out, redo, n_redo);
+  if (E < 64) return rows_top8_blocks<1, -2>(x, stride, n, E, k, out, redo, n_redo);  // 16 < E < 32
   if (E == 128) return rows_top8_blocks<2, 128>(x, stride, n, E, k, out, redo, n_redo);
   return rows_top8_blocks<2, 0>(x, stride, n, E, k, out, redo, n_redo);
 }
