@@ -8,7 +8,7 @@ from tolerances import assert_close
 
 import moe_kernels
 from moe_kernels import reference
-from moe_kernels.ops import topk_router
+from moe_kernels.ops import topk_router, topk_softmax
 
 # (name, E, k, kwargs): one line per router shape of the families in docs/routers.md.
 ROUTERS = [
@@ -394,3 +394,29 @@ def test_torch_backward_formula(router):
         kwargs.get("scaling_factor", 1.0),
     )
     assert_close(got, expected)
+
+
+@pytest.mark.parametrize("E,k", [(64, 8), (40, 3)])
+def test_renormalized_runs_past_1024_rows(E, k):
+    # The C++ renormalised softmax (topk_router and topk_softmax) selects and weights float32 rows
+    # in calls of 1024 rows, then redoes the rows a call leaves one by one: their row numbers must
+    # be the run's, and the scaling applied once per row. Left here, in every call: NaN rows, and
+    # rows whose two largest values are an ulp apart with the smaller at the lower index (the
+    # register selection's 28-bit keys rank those two the wrong way round before it leaves them).
+    T = 2600
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(E + k))
+    for i in range(5, T, 97):
+        logits[i, (7 * i) % E] = float("nan")
+    for i in range(50, T, 89):
+        logits[i, 3] = 5.0
+        logits[i, E - 1] = torch.nextafter(torch.tensor(5.0), torch.tensor(6.0))
+    logits[1030] = float("-inf")  # a fully masked row: weights +0 whatever the scaling
+    with moe_kernels.use_backend("cpu"):
+        w, e = topk_router(logits, k, renormalize=True, scaling_factor=2.5)
+        w_softmax, e_softmax = topk_softmax(logits, k)
+    w_ref, e_ref = reference.topk_router(logits, k, renormalize=True, scaling_factor=2.5)
+    ws_ref, es_ref = reference.topk_softmax(logits, k)
+    assert torch.equal(e, e_ref) and torch.equal(e_softmax, es_ref)
+    assert_close(w, w_ref)
+    assert_close(w_softmax, ws_ref)
+    assert torch.equal(w[1030], torch.zeros(k)) and not torch.signbit(w[1030]).any()

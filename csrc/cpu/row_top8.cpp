@@ -1,7 +1,7 @@
 // row_top8.h's selection with AVX-512 intrinsics (a byte compress and permutes place the
 // candidates in registers), compiled under a target pragma in the dispatch build, or where the
-// compiler's flags allow AVX-512 F, BW and VBMI2; elsewhere rows_top8_pairs_f32 returns false and
-// the caller's selection runs.
+// compiler's flags allow AVX-512 F, BW and VBMI2; elsewhere rows_top8_pairs_f32 and
+// rows_top8_renormalized_f32 return false and the caller's selection runs.
 #include "row_top8.h"
 #include "isa_dispatch.h"
 
@@ -282,7 +282,8 @@ inline void sort16_rows(const __m512i* packed, __m512i* sorted) {
 // After the sort, R rows at once: each row's k pairs into best + k j (garbage for a row it does
 // not finish); returns the rows it does not finish as bits. Each row's store is all 8 pairs
 // (512-bit masked stores measured ~2.3x a plain one here, Zen 4) where they end by best_end, the
-// end of the caller's output: past k they land on the next rows' slots, which are written after.
+// end of the caller's output or of the block's buffer (WeightsOut, 8 pairs longer than its 16
+// rows): past k they land on the next rows' slots, which are written after.
 template <int R>
 inline uint32_t finish(const __m512i* sorted_of, const __m512i* key, const __m512i* index, const int* count, int k,
                        int64_t* best, const int64_t* best_end) {

@@ -136,8 +136,8 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
 // renormalised softmax weights (row_exp_terms.h's renormalized_pairs_f32 on those pairs), bit for
 // bit, into experts and w [n * k], in one pass over the rows where row_top8.h's
 // rows_top8_renormalized_f32 runs (AVX-512 VBMI2, 16 <= E <= 128) for 3 <= k <= 8; the rows it
-// leaves are selected and weighted one by one after. Returns false, writing nothing, elsewhere:
-// the caller selects and weights a block at a time.
+// leaves are selected and weighted one by one after. Returns false, writing nothing, elsewhere
+// (the caller then selects and weights a block at a time); true for n = 0.
 bool rows_top_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* experts,
                                float* w);
 

@@ -473,6 +473,36 @@ bool check_all(long* checked) {
   return true;
 }
 
+// rows_top_renormalized_f32 over more rows than its 1024-row calls, with rows it leaves (NaN rows)
+// in every call and a padded row stride: the same experts and weights, bit for bit, as
+// rows_top_pairs_f32 and renormalized_pairs_f32 give the whole range.
+bool check_top_renormalized_long(long* checked) {
+  constexpr int64_t kRows = 2600;
+  for (int64_t E : {24, 64, 100}) {
+    for (int k : {3, 8}) {
+      const int64_t stride = E + 3;
+      std::vector<float> x(kRows * stride);
+      for (float& v : x) v = 4.0f * uniform() - 2.0f;
+      for (int64_t i = 5; i < kRows; i += 97) x[i * stride + next() % E] = NAN;
+      std::vector<int64_t> experts(kRows * k), want_experts(kRows * k), pairs(kRows * k);
+      std::vector<float> w(kRows * k), want_w(kRows * k);
+      if (!rows_top_renormalized_f32(x.data(), stride, kRows, E, k, experts.data(), w.data())) return true;
+      rows_top_pairs_f32(x.data(), stride, kRows, E, k, pairs.data());
+      renormalized_pairs_f32(pairs.data(), kRows, k, want_experts.data(), want_w.data());
+      for (int64_t j = 0; j < kRows * k; ++j) {
+        if (experts[j] != want_experts[j] || std::memcmp(&w[j], &want_w[j], 4) != 0) {
+          std::printf("rows_top_renormalized_f32 E=%lld k=%d row %lld slot %lld: expert %lld weight %.9g, not %lld %.9g\n",
+                      (long long)E, k, (long long)(j / k), (long long)(j % k), (long long)experts[j], w[j],
+                      (long long)want_experts[j], want_w[j]);
+          return false;
+        }
+      }
+      *checked += kRows;
+    }
+  }
+  return true;
+}
+
 // rows_top8_pairs_f32 on the last rows before an unmapped page: its blocks of 16 rows must not
 // read a row past the n it is given (the block's missing rows repeat its last one), nor an
 // element past a row's end (masked loads), however many rows the last block holds; nor write past
@@ -526,7 +556,7 @@ bool check_top8_guarded(long* finished) {
 int main() {
   long checked = 0;
   if (!check_all(&checked)) return 1;
-  if (!check_top8_direct(&checked) || !check_top8_guarded(&checked)) return 1;
+  if (!check_top8_direct(&checked) || !check_top8_guarded(&checked) || !check_top_renormalized_long(&checked)) return 1;
   if (!check_softmax_terms(&checked) || !check_renormalized_weights(&checked)) return 1;
   // Again with denormals read as zero and results flushed (torch.set_flush_denormal(True)): the
   // float compares and rank_key (whose x + 0.0f then turns a denormal into 0) must still agree.
