@@ -9,7 +9,9 @@ same matmul either way and would hide the routing), transcribed from transformer
   - deepseek_v3:  models/deepseek_v3/modeling_deepseek_v3.py, DeepseekV3TopkRouter.forward
                   (sigmoid, correction bias, top-2-sum group scores, top groups, masked topk,
                   gather, renormalise, scale).
-Forward and forward+backward (the gradient of the weights with respect to the logits).
+Forward and forward+backward (the gradient of the weights with respect to the logits), with a
+read pass of the logits (`x.amax(1)`, the forward's limit) and "forward + write" (our forward,
+then a fresh [T, E] tensor allocated and filled: the limit of forward + backward).
 
     .venv/bin/python bench/bench_routers.py [--quick]
 """
@@ -117,12 +119,20 @@ def main():
                 fn(xg, k, bias, G, topk_group)[0].backward(g)
 
             backward[name] = step
+
+        def forward_and_write(fn=providers["moe_kernels"]):
+            # Our forward, then a fresh [T, E] tensor allocated and filled, as the backward's
+            # gradient is: the limit of forward + backward that issue 16 measures against.
+            fn(x, k, bias, G, topk_group)
+            return torch.empty(T, E).fill_(0.0)
+
+        backward["forward + write"] = forward_and_write
         rows += measure_interleaved("topk_router", backward, config=config, mode="fwd+bwd")
     report(
         "routers" + ("_quick" if args.quick else ""),
         rows,
         baseline="transformers",
-        providers=["moe_kernels", "transformers", "torch.compile transformers", "read pass"],
+        providers=["moe_kernels", "transformers", "torch.compile transformers", "read pass", "forward + write"],
         command="make bench (or .venv/bin/python bench/bench_routers.py)",
         notes="Each configuration's providers are timed in 15 alternating rounds per mode (forward, fwd+bwd), "
         "so every ratio compares the same stretches of the machine's time.\n\n" + compile_notes(notes),
