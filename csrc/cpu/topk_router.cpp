@@ -420,30 +420,27 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
   }
 }
 
-// full_softmax_backward_rows' k bound (its per-row arrays); larger k take the row loop.
-constexpr int64_t kMaxFullK = 64;
-
 // A float32 row's full-softmax gradient off the selection: out[e] = p[e] * scale, compiled per
-// instruction set (inlined into router_backward_rows, which is not, it ran as scalar SSE code:
-// ~45% of that function's samples at E = 64, k = 8).
+// instruction set (in router_backward_rows, which is not, this loop ran as scalar SSE code: ~45%
+// of that function's samples at E = 64, k = 8).
 MK_VECTORISE MK_ROW_CLONES void scaled_row_f32(const float* __restrict p, int64_t E, float scale,
                                                float* __restrict out) {
   for (int64_t e = 0; e < E; ++e) out[e] = p[e] * scale;
 }
 
-// The full softmax's backward in float32 (router_backward_rows' formula and order, the same bits),
-// a block of rows at a time: every row's max and exp terms (torch's tails), then every row's
-// gradient, so that one row's chain (its sum, the division, k dependent products, the scaled row)
-// overlaps the next rows' instead of waiting between two rows' exps. T = 65536, E = 64, k = 8,
-// one thread, fwd+bwd through autograd: 8.1-8.2 ms a row at a time (8.2-8.6 before
-// scaled_row_f32), 7.0-7.25 ms by blocks.
-template <typename scalar_t, typename grad_t>
+// The full softmax's backward of rows [begin, end): grad_i = p_i (gp_i - dot), dot = sum_s gp_s
+// p_s, gp_s = scaling * g_s, a block of rows at a time: every row's max and exp terms (float32:
+// torch's tails), then every row's gradient, so that one row's chain (its sum, the division, k
+// dependent products, the scaled row) overlaps the next rows' instead of waiting between two
+// rows' exps. T = 65536, E = 64, k = 8, one thread, fwd+bwd through autograd: 8.1-8.6 ms a row at
+// a time, 7.5-7.75 with scaled_row_f32 alone, 7.0-7.25 by blocks (the same bits).
+template <typename scalar_t, typename acc_t, typename grad_t>
 void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e, const grad_t* grad_w,
-                                const int64_t* experts, int64_t begin, int64_t end, int64_t E, float scaling,
+                                const int64_t* experts, int64_t begin, int64_t end, int64_t E, acc_t scaling,
                                 int64_t k, scalar_t* grad) {
-  const int64_t block = std::clamp<int64_t>(512 / std::max<int64_t>(E, 1), 1, 16);  // ~2 KiB of terms
-  std::vector<float> rows(block * E), exps(block * E), vmax(block), sums(block);
-  std::vector<const float*> x(block);
+  const int64_t block = std::clamp<int64_t>(512 / std::max<int64_t>(E, 1), 1, 16);  // ~2 KiB of float terms
+  std::vector<acc_t> rows(block * E), exps(block * E), vmax(block), sums(block), ps(k), gp(k);
+  std::vector<const acc_t*> x(block);
   for (int64_t t0 = begin; t0 < end; t0 += block) {
     const int64_t n = std::min(block, end - t0);
     for (int64_t i = 0; i < n; ++i) {
@@ -453,7 +450,7 @@ void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_
         TORCH_CHECK_INDEX(e >= 0 && e < E, "topk_router_backward: experts[", t, ", ", s, "] = ", e,
                           " is out of range for E = ", E);
       }
-      x[i] = load_row<scalar_t, float>(logits + t * stride_t, stride_e, E, rows.data() + i * E);
+      x[i] = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, rows.data() + i * E);
       vmax[i] = x[i][row_max_index(x[i], E)];
       // (A masked, NaN or +inf row takes no terms: its gradient is a fill below.)
       if (vmax[i] != -INFINITY && vmax[i] == vmax[i] && vmax[i] != INFINITY) {
@@ -468,24 +465,27 @@ void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_
         std::fill_n(out, E, (scalar_t)0);
         continue;
       }
-      if (vmax[i] != vmax[i] || vmax[i] == INFINITY) {  // every score NaN (router_backward_rows)
+      if (vmax[i] != vmax[i] || vmax[i] == INFINITY) {
+        // A NaN or +inf logit makes every softmax score of the row NaN (the reference's softmax
+        // over the row), so every gradient of the row is NaN (docs/reliability.md).
         std::fill_n(out, E, (scalar_t)NAN);
         continue;
       }
-      const float* p = exps.data() + i * E;
-      const float inv = 1.0f / sums[i];
-      float dot = 0, ps[kMaxFullK], gp[kMaxFullK];
+      const acc_t* p = exps.data() + i * E;
+      const acc_t inv = acc_t(1) / sums[i];
+      acc_t dot = 0;
       for (int64_t s = 0; s < k; ++s) {
         ps[s] = p[ex[s]] * inv;
-        gp[s] = scaling * (float)grad_w[t * k + s];
+        gp[s] = scaling * (acc_t)grad_w[t * k + s];
         dot += gp[s] * ps[s];
       }
-      const float scale = -inv * dot;
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      const acc_t scale = -inv * dot;
+      if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
         scaled_row_f32(p, E, scale, out);
       } else {
         for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(p[e] * scale);
       }
+      // Selected entries from their own acc_t value, rounded once (experts are distinct).
       for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)(ps[s] * (gp[s] - dot));
     }
   }
@@ -503,11 +503,9 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
                           scalar_t* grad) {        // [T, E] contiguous
   const int64_t k = a.k;
   const acc_t scaling = (acc_t)a.scaling;
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (a.scoring == kSoftmax && !a.renormalize && k <= kMaxFullK) {
-      full_softmax_backward_rows(logits, stride_t, stride_e, grad_w, experts, begin, end, E, scaling, k, grad);
-      return;
-    }
+  if (a.scoring == kSoftmax && !a.renormalize) {
+    full_softmax_backward_rows(logits, stride_t, stride_e, grad_w, experts, begin, end, E, scaling, k, grad);
+    return;
   }
   RowBuffers<acc_t> buf(E, 1);
   std::vector<acc_t> ps(k), g(k), gp(k);
@@ -518,7 +516,6 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
                         " is out of range for E = ", E);
     scalar_t* out = grad + t * E;
     const acc_t* x = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, buf.x.data());
-    acc_t* p = buf.p.data();
     if (a.scoring == kSigmoid) {
       for (int64_t s = 0; s < k; ++s) {
         ps[s] = sigmoid_of(x[ex[s]]);
@@ -539,39 +536,21 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
     }
     if (vmax != vmax || vmax == INFINITY) {
       // A NaN or +inf logit makes every softmax score of the row NaN (the reference's softmax
-      // over the row), so every gradient of the row is NaN, renormalised or not
+      // over the row), so every gradient of the row is NaN, renormalised too
       // (docs/reliability.md); the cancelling shortcut below would give 0 off the selection.
       std::fill_n(out, E, (scalar_t)NAN);
       continue;
     }
-    if (a.renormalize) {
-      std::fill_n(out, E, (scalar_t)0);
-      // scaling * softmax(x)_s / sum over the selected = scaling * exp(x_s) / sum over the selected
-      // exps: the full softmax's terms cancel, and the gradient is zero off the selection.
-      for (int64_t s = 0; s < k; ++s) {
-        ps[s] = term_exp(x[ex[s]] - vmax);
-        g[s] = (acc_t)grad_w[t * k + s];
-      }
-      topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, true, scaling);
-      for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((acc_t)out[ex[s]] + gp[s] * ps[s]);
-      continue;
-    }
-    // Full softmax: grad_i = p_i (gp_i - dot), dot = sum_s gp_s p_s, gp_s = scaling * g_s.
-    const acc_t inv = acc_t(1) / exp_sum(x, E, vmax, p);
-    acc_t dot = 0;
+    // Renormalised softmax (the full softmax went to full_softmax_backward_rows above).
+    std::fill_n(out, E, (scalar_t)0);
+    // scaling * softmax(x)_s / sum over the selected = scaling * exp(x_s) / sum over the selected
+    // exps: the full softmax's terms cancel, and the gradient is zero off the selection.
     for (int64_t s = 0; s < k; ++s) {
-      ps[s] = p[ex[s]] * inv;
-      gp[s] = scaling * (acc_t)grad_w[t * k + s];
-      dot += gp[s] * ps[s];
+      ps[s] = term_exp(x[ex[s]] - vmax);
+      g[s] = (acc_t)grad_w[t * k + s];
     }
-    const acc_t scale = -inv * dot;
-    if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
-      scaled_row_f32(p, E, scale, out);
-    } else {
-      for (int64_t e = 0; e < E; ++e) out[e] = (scalar_t)(p[e] * scale);
-    }
-    // Selected entries from their own acc_t value, rounded once (experts are distinct).
-    for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)(ps[s] * (gp[s] - dot));
+    topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, true, scaling);
+    for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((acc_t)out[ex[s]] + gp[s] * ps[s]);
   }
 }
 
