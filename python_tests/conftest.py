@@ -53,11 +53,16 @@ def _device_axis(request, monkeypatch):
 def pytest_collection_modifyitems(config, items):
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and "triton" in (callspec.params.get("backend"), callspec.params.get("kernel_backend")):
+        backend = callspec.params.get("backend") if callspec is not None else None
+        if isinstance(backend, Backend) and backend.device != "cpu":
+            # The GPU cases: what `make gpu-check` runs (`pytest -m gpu`), never the interpreter pass.
+            item.add_marker(pytest.mark.gpu)
+        elif callspec is not None and "triton" in (backend, callspec.params.get("kernel_backend")):
             item.add_marker(pytest.mark.triton)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "triton: runs a Triton kernel (needs TRITON_INTERPRET=1 on CPU)")
+    config.addinivalue_line("markers", "gpu: runs on a CUDA device (make gpu-check runs `pytest -m gpu`)")
     config.addinivalue_line("markers", "slow: long-running (paper reproductions)")
     config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (test_fuzz_ops.py)")

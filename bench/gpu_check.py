@@ -1,0 +1,298 @@
+"""`make gpu-check`: on a GPU machine, one offline command that builds, tests and benchmarks there.
+
+It uses the Python it is run with (`make gpu-check PY=python3`), creates no venv and installs
+nothing:
+  1. builds the extension in place (`setup.py build_ext --inplace`) against the installed torch,
+     with the CUDA kernels for the GPU it finds (its compute capability, or
+     MOE_KERNELS_CUDA_ARCHS) and MAX_JOBS = the core count;
+  2. runs the GPU cases of the suite (`pytest -m gpu`: every `cuda:cuda` / `cuda:triton` case and
+     the GPU-only tests) in a few parallel groups of test files, each under its own time limit;
+  3. runs the GPU benchmarks in their quick grid (bench/gpu_bench.py).
+Each step writes its log into the output folder (GPU_OUT, `--out`) as it goes, and the report
+(report.md there) is rewritten after every step, so a run cut off at any point leaves everything
+up to there. Without a GPU it still builds and runs the test step, whose GPU cases are skipped
+with their reason, and skips the benchmarks (the suite's smoke form: test_gpu_check.py).
+
+    make gpu-check GPU_OUT=/tmp/gpu          (or: python3 bench/gpu_check.py --out /tmp/gpu)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def probe() -> dict:
+    """What this machine has, read in a child process (importing torch here would pin the build's
+    torch before the build; the child also keeps a CUDA context out of this process)."""
+    code = (
+        "import json, os, torch\n"
+        "d = {'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpu': torch.cuda.is_available()}\n"
+        "if d['gpu']:\n"
+        "    p = torch.cuda.get_device_properties(0)\n"
+        "    d.update(name=p.name, cc=f'{p.major}{p.minor}', sms=p.multi_processor_count,\n"
+        "             memory_gib=round(p.total_memory / 2**30, 1), count=torch.cuda.device_count())\n"
+        "try:\n"
+        "    import triton; d['triton'] = triton.__version__\n"
+        "except ImportError:\n"
+        "    d['triton'] = None\n"
+        "try:\n"
+        "    import transformers; d['transformers'] = transformers.__version__\n"
+        "except ImportError:\n"
+        "    d['transformers'] = None\n"
+        "print(json.dumps(d))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def device_slug(name: str) -> str:
+    """A file-name-safe form of the device name: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+class Run:
+    """The output folder and the report, rewritten after each step."""
+
+    def __init__(self, out: Path, info: dict):
+        self.out = out
+        self.info = info
+        self.steps: list[tuple[str, str, float, str]] = []  # (step, status, seconds, detail)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "machine.json").write_text(json.dumps(info, indent=1))
+
+    def step(self, name: str, status: str, seconds: float, detail: str = "") -> None:
+        self.steps.append((name, status, seconds, detail))
+        print(f"== {name}: {status} in {seconds:.0f} s {detail}", flush=True)
+        self.write_report()
+
+    def write_report(self) -> None:
+        info = self.info
+        lines = ["# gpu-check report\n"]
+        if info.get("gpu"):
+            lines.append(
+                f"Device: {info['name']} (compute capability {info['cc'][:-1]}.{info['cc'][-1]}, "
+                f"{info['sms']} SMs, {info['memory_gib']} GiB, {info['count']} visible)  "
+            )
+        else:
+            lines.append("Device: none (torch.cuda.is_available() is False): GPU cases skipped  ")
+        lines.append(
+            f"torch {info.get('torch')} (CUDA {info.get('cuda')}), triton {info.get('triton')}, "
+            f"transformers {info.get('transformers')}, {os.cpu_count()} cores, Python {sys.version.split()[0]}  "
+        )
+        lines.append(f"Commit: {git_commit()}\n")
+        lines.append("| step | status | seconds | detail |\n|---|---|---|---|")
+        lines += [f"| {n} | {s} | {t:.0f} | {d} |" for n, s, t, d in self.steps]
+        for extra in ("failures.md", "bench.md"):
+            path = self.out / extra
+            if path.exists():
+                lines.append("\n" + path.read_text())
+        (self.out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
+    return (out.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def run_logged(cmd: list[str], log: Path, *, env: dict, timeout: float) -> tuple[int | None, float]:
+    """Run `cmd`, its output into `log` as it comes; (returncode or None on timeout, seconds)."""
+    start = time.monotonic()
+    with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            f.write(f"\n[gpu-check] killed after its {timeout:.0f} s limit\n")
+            rc = None
+    return rc, time.monotonic() - start
+
+
+def build(run: Run, *, timeout: float) -> bool:
+    """The extension in place, against the installed torch; the CUDA kernels when torch and nvcc can."""
+    info = run.info
+    env = dict(os.environ, MAX_JOBS=os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1))
+    cuda = bool(info.get("cuda")) and shutil.which("nvcc") is not None
+    env["MOE_KERNELS_CUDA"] = "1" if cuda else "0"
+    if cuda and info.get("gpu") and not env.get("MOE_KERNELS_CUDA_ARCHS"):
+        env["MOE_KERNELS_CUDA_ARCHS"] = info["cc"]
+    cmd = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+    rc, seconds = run_logged(cmd, run.out / "build.log", env=env, timeout=timeout)
+    archs = env.get("MOE_KERNELS_CUDA_ARCHS", "setup.py's default")
+    kernels = f"archs {archs}" if cuda else "no (no CUDA torch or no nvcc)"
+    detail = f"CUDA kernels: {kernels}, MAX_JOBS={env['MAX_JOBS']}"
+    if rc == 0:
+        check = subprocess.run(
+            [sys.executable, "-c", "import moe_kernels._extension as e; assert e.LOADED, e.LOAD_ERROR"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        if check.returncode != 0:
+            rc = check.returncode
+            with (run.out / "build.log").open("a") as f:
+                f.write("\n[gpu-check] the built extension does not load:\n" + check.stderr)
+    status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed (rc {rc})")
+    run.step("build", status, seconds, detail)
+    return rc == 0
+
+
+def test_files() -> list[Path]:
+    return sorted((ROOT / "python_tests").glob("test_*.py"))
+
+
+# Files whose GPU cases take longest (many parametrisations, Triton compiles): spread over the groups first.
+HEAVY = (
+    "test_fuzz_ops.py",
+    "test_topk_router.py",
+    "test_topk_softmax.py",
+    "test_dispatch.py",
+    "test_load_probabilities.py",
+    "test_batchwise_mask.py",
+    "test_gpu.py",
+    "test_noisy_topk_gate.py",
+)
+
+
+def split(files: list[Path], groups: int) -> list[list[Path]]:
+    """Round-robin over the groups, the heavy files first, so every group gets some."""
+    ordered = sorted(files, key=lambda p: (p.name not in HEAVY, HEAVY.index(p.name) if p.name in HEAVY else 0, p.name))
+    out: list[list[Path]] = [[] for _ in range(groups)]
+    for i, path in enumerate(ordered):
+        out[i % groups].append(path)
+    return [g for g in out if g]
+
+
+def junit_counts(path: Path) -> tuple[dict, list[tuple[str, str]]]:
+    """(counts of tests, failures, errors, skipped; [(test id, message)] of each failure/error)."""
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failures: list[tuple[str, str]] = []
+    if not path.exists():
+        return counts, failures
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return counts, failures
+    for suite in root.iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+    for case in root.iter("testcase"):
+        for tag in ("failure", "error"):
+            for node in case.findall(tag):
+                name = f"{case.get('classname', '')}::{case.get('name', '')}"
+                message = (node.get("message") or tag).splitlines() or [tag]
+                failures.append((name, message[0][:300]))
+    return counts, failures
+
+
+def tests(run: Run, *, groups: int, timeout: float, marker: str, files: list[Path] | None = None) -> bool:
+    """The GPU cases (`-m marker`) in parallel groups of files, each under `timeout` seconds."""
+    env = dict(os.environ, MOE_KERNELS_REQUIRE_EXTENSION="1", PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    procs = []
+    start = time.monotonic()
+    for i, group in enumerate(split(files or test_files(), groups)):
+        xml = run.out / f"tests-{i}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", marker, "-q", "-rs", "-p", "no:cacheprovider"]
+        cmd += [f"--junitxml={xml}", *[str(p.relative_to(ROOT)) for p in group]]
+        log = (run.out / f"tests-{i}.log").open("w")
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append((i, proc, log, xml))
+    timed_out = []
+    for i, proc, log, _ in procs:
+        left = max(1.0, timeout - (time.monotonic() - start))
+        try:
+            proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            log.write(f"\n[gpu-check] group {i} killed after its {timeout:.0f} s limit\n")
+            timed_out.append(i)
+        log.close()
+    total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed: list[tuple[str, str]] = []
+    rcs = []
+    for _, proc, _, xml in procs:
+        counts, fails = junit_counts(xml)
+        for key in total:
+            total[key] += counts[key]
+        failed += fails
+        rcs.append(proc.returncode)
+    passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    detail = f"{passed} passed, {total['failures'] + total['errors']} failed, {total['skipped']} skipped"
+    if timed_out:
+        detail += f"; groups {timed_out} hit the {timeout:.0f} s limit (their counts are missing)"
+    lines = ["## Test failures\n"] if failed else []
+    lines += [f"- `{name}`: {msg}" for name, msg in failed[:200]]
+    (run.out / "failures.md").write_text("\n".join(lines) + ("\n" if lines else ""))
+    ok = not failed and not timed_out and all(rc in (0, 5) for rc in rcs)
+    run.step("tests", "ok" if ok else "failed", time.monotonic() - start, detail)
+    return ok
+
+
+def benchmarks(run: Run, *, timeout: float, full: bool) -> bool:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--out", str(run.out)] + ([] if full else ["--quick"])
+    rc, seconds = run_logged(cmd, run.out / "bench.log", env=env, timeout=timeout)
+    status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed (rc {rc})")
+    run.step("benchmarks", status, seconds, "quick grid" if not full else "full grid")
+    return rc == 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("GPU_OUT") or str(ROOT / "gpu-check-out"))
+    parser.add_argument("--groups", type=int, default=int(os.environ.get("GPU_CHECK_GROUPS", 6)))
+    parser.add_argument("--build-timeout", type=float, default=300)
+    parser.add_argument("--test-timeout", type=float, default=240, help="seconds for each test group")
+    parser.add_argument("--bench-timeout", type=float, default=150)
+    parser.add_argument("--skip-build", action="store_true", help="use the extension already built")
+    parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument("--full-bench", action="store_true", help="the benchmarks' full grid (slow)")
+    parser.add_argument("--marker", default="gpu", help="pytest -m expression for the test step")
+    parser.add_argument("--files", nargs="*", help="test files (default: every python_tests/test_*.py)")
+    args = parser.parse_args(argv)
+
+    run = Run(Path(args.out).resolve(), probe())
+    if "error" in run.info:
+        run.step("probe", "failed", 0, "python cannot import torch: see machine.json")
+        return 1
+    ok = True
+    if not args.skip_build:
+        ok = build(run, timeout=args.build_timeout)
+        if not ok:
+            return 1
+    files = [ROOT / f for f in args.files] if args.files else None
+    ok = tests(run, groups=args.groups, timeout=args.test_timeout, marker=args.marker, files=files) and ok
+    if args.no_bench or not run.info.get("gpu"):
+        run.step("benchmarks", "skipped", 0, "--no-bench" if args.no_bench else "no GPU")
+    else:
+        ok = benchmarks(run, timeout=args.bench_timeout, full=args.full_bench) and ok
+    slug = device_slug(run.info.get("name", "cpu"))
+    print(f"report: {run.out / 'report.md'} (device {slug})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
