@@ -30,7 +30,7 @@ CUDA_CHECK_VENV ?= .venv-cuda-check
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-report _gpu-report check-cuda-build FORCE
+.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check gpu-report _gpu-report check-cuda-build FORCE
 
 all: test
 
@@ -82,6 +82,15 @@ demo: $(EXT)
 
 bench: $(EXT)
 	$(if $(filter 1,$(CUDA)),MOE_KERNELS_BENCH_DEVICE=cuda) $(PY) bench/run_all.py
+
+# On a GPU machine, offline: build in place against the installed torch (CUDA kernels for the GPU
+# found), the GPU cases of the suite in parallel groups, the GPU benchmarks' quick grid; logs and
+# report.md into GPU_OUT as it goes (bench/gpu_check.py). Uses the Python given as PY (default
+# python3), creates no venv and installs nothing.
+GPU_OUT ?= gpu-check-out
+GPU_PY := $(if $(filter command line environment,$(origin PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_FLAGS)
 
 # On a GPU machine: the CUDA test matrix and the benchmarks on the GPU, summarised in
 # bench/results/gpu-<device name>.md (bench/gpu_report.py).

@@ -55,31 +55,77 @@ def commit() -> str:
         return "unknown"
 
 
-def timeit_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 15, min_time: float = 0.2) -> list[float]:
-    """GPU seconds of `fn()` per run, between CUDA events around each run on the current stream
-    (the launches are asynchronous: host wall-clock time would measure the launch, not the kernel)."""
-    for _ in range(warmup):
-        fn()
+def _capture(fn: Callable[[], object], calls: int):
+    """A CUDA graph of `calls` calls of fn (warmed up on a side stream first, as capture needs), or
+    None when fn cannot be captured (it syncs with the host: .item(), boolean-mask indexing, ...)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    events = []
-    start = time.perf_counter()
-    while len(events) < reps or (time.perf_counter() - start < min_time and len(events) < 1000):
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception:  # noqa: BLE001 (any capture failure means: time it eagerly)
+        torch.cuda.synchronize()
+        return None
+    return graph
+
+
+def timeit_cuda(
+    fn: Callable[[], object], *, calls: int = 20, rounds: int = 15, min_time: float = 0.05, graph: bool = True
+) -> tuple[list[float], str]:
+    """GPU seconds of one call of fn, one figure per round, and how they were taken: "graph" (`calls`
+    calls captured in one CUDA graph, replayed between two CUDA events) or "loop" (`calls` eager
+    calls between the events, where fn cannot be captured). One event pair around many calls:
+    around a single call of a kernel of a few microseconds, the events time the launch, not the
+    kernel. `calls` grows until a round takes `min_time` / rounds."""
+    captured = _capture(fn, calls) if graph else None
+
+    def one_round() -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        fn()
+        if captured is not None:
+            captured.replay()
+        else:
+            for _ in range(calls):
+                fn()
         end.record()
-        events.append((begin, end))
-        if len(events) % 50 == 0:
-            torch.cuda.synchronize()  # keep the host from queueing far ahead of min_time
-    torch.cuda.synchronize()
-    return [b.elapsed_time(e) / 1e3 for b, e in events]
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    if captured is None:
+        for _ in range(3):
+            fn()
+    one_round()
+    first = one_round()
+    if first < min_time / rounds and captured is not None:
+        scale = min(50, int(min_time / rounds / max(first, 1e-7)) + 1)
+        if scale > 1:
+            calls *= scale
+            captured = _capture(fn, calls)
+            one_round()
+    elif first < min_time / rounds:
+        calls *= min(50, int(min_time / rounds / max(first, 1e-7)) + 1)
+    times = [one_round() / calls for _ in range(rounds)]
+    return times, "graph" if captured is not None else "loop"
+
+
+def time_gpu(fn: Callable[[], object], **kwargs) -> tuple[float, str]:
+    """The median of timeit_cuda's rounds (seconds per call) and its method."""
+    times, method = timeit_cuda(fn, **kwargs)
+    return statistics.median(times), method
 
 
 def timeit(fn: Callable[[], object], *, warmup: int = 3, reps: int = 15, min_time: float = 0.2) -> list[float]:
     """Wall-clock seconds of `fn()` over at least `reps` runs and `min_time` seconds (on the GPU:
     timeit_cuda)."""
     if DEVICE == "cuda":
-        return timeit_cuda(fn, warmup=warmup, reps=reps, min_time=min_time)
+        return timeit_cuda(fn, rounds=max(5, reps), min_time=min_time)[0]
     for _ in range(warmup):
         fn()
     times: list[float] = []

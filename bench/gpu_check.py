@@ -19,6 +19,7 @@ with their reason, and skips the benchmarks (the suite's smoke form: test_gpu_ch
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -211,7 +212,11 @@ def tests(run: Run, *, groups: int, timeout: float, marker: str, files: list[Pat
     start = time.monotonic()
     for i, group in enumerate(split(files or test_files(), groups)):
         xml = run.out / f"tests-{i}.xml"
-        cmd = [sys.executable, "-m", "pytest", "-m", marker, "-q", "-rs", "-p", "no:cacheprovider"]
+        # -v: each case's result is in the log as it ends, so a group killed at its limit still says
+        # what ran; pytest-timeout (when installed) stops a hanging case instead of the whole group.
+        cmd = [sys.executable, "-m", "pytest", "-m", marker, "-v", "-rs", "--tb=short", "-p", "no:cacheprovider"]
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            cmd.append(f"--timeout={int(min(120, timeout))}")
         cmd += [f"--junitxml={xml}", *[str(p.relative_to(ROOT)) for p in group]]
         log = (run.out / f"tests-{i}.log").open("w")
         log.write("$ " + " ".join(cmd) + "\n")

@@ -1,0 +1,493 @@
+"""The GPU benchmarks: every op's kernels on a CUDA device against the same torch sequence run eagerly
+and under torch.compile, and against copy_ of the same number of bytes, all measured in one run.
+
+For each op, shape and backend (triton, cuda: whichever the op has), one row of
+
+    op, config, backend, ms, gbps, copy_gbps, vs_torch, vs_compile
+
+into <out>/gpu-<device>.csv (and a markdown table, <out>/bench.md): `ms` the kernel time of one
+call, `gbps` the op's bytes-moved model (below, per case) over `ms`, `copy_gbps` torch's copy_ of
+the same number of bytes (half read, half written: the practical limit for that much traffic,
+measured in the same run), `vs_torch` / `vs_compile` the time of the op's torch sequence (its
+reference, moe_kernels.reference) eager / compiled (dynamic=False) over ours.
+
+Timing (time_gpu in common.py): `calls` calls captured in one CUDA graph and replayed between two
+CUDA events, the median over rounds, so a kernel of a few microseconds is timed and not its launch;
+a function that cannot be captured (the torch sequences with boolean-mask indexing sync with the
+host) is timed as `calls` eager calls between the two events instead, and the row says "loop".
+
+    python3 bench/gpu_bench.py --out DIR [--quick] [--backend triton|cuda] [--ops topk_router ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_gpu  # noqa: E402
+
+import moe_kernels  # noqa: E402
+from moe_kernels import backends, reference  # noqa: E402
+from moe_kernels import ops as K  # noqa: E402
+
+# Where the cases' tensors live: "cuda", or "cpu" for --smoke (each case called once, untimed).
+DEV = "cuda"
+COLUMNS = ["op", "config", "backend", "ms", "gbps", "copy_gbps", "vs_torch", "vs_compile", "method"]
+SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass
+class Case:
+    """One op at one shape: `ours(*args)` (run under each backend), `torch_seq(*args)` the same
+    result by the reference, `bytes_moved` the op's bytes-moved model for that call."""
+
+    op: str
+    config: str
+    bytes_moved: int
+    make: Callable[[], tuple]
+    ours: Callable
+    torch_seq: Callable
+    registered: str = ""  # the backends.py op whose kernels `ours` runs (default: op)
+    compile: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def _grad_of(fn: Callable, *, wrt: int = 0, out: int = 0) -> Callable:
+    """fwd+bwd: fn's output `out` (a tensor or a tuple member) back-propagated with ones into arg `wrt`."""
+
+    def run(*args):
+        result = fn(*args)
+        y = result[out] if isinstance(result, tuple) else result
+        return torch.autograd.grad(y, args[wrt], torch.ones_like(y))
+
+    return run
+
+
+def routers(T: int, dtype: torch.dtype, modes: tuple[str, ...]) -> list[Case]:
+    """topk_router: Mixtral (softmax, E = 8, k = 2), Qwen3-MoE (softmax, E = 128, k = 8),
+    DeepSeek-V3 (sigmoid + bias, 8 groups, top-4 groups, E = 256, k = 8); plus topk_softmax.
+    Forward model: read the logits, write float32 weights and int64 experts; fwd+bwd adds reading
+    the weights' gradient and writing the logits' gradient."""
+    s = SIZE[dtype]
+    models = {
+        "mixtral": (8, 2, dict(renormalize=True)),
+        "qwen3": (128, 8, dict(renormalize=True)),
+        "deepseek-v3": (
+            256,
+            8,
+            dict(scoring="sigmoid", num_groups=8, topk_groups=4, renormalize=True, scaling_factor=2.5),
+        ),
+    }
+    cases = []
+    for name, (E, k, kw) in models.items():
+        for mode in modes:
+            grad = mode == "fwd+bwd"
+
+            def make(E=E, grad=grad, kw=kw):
+                logits = torch.randn(T, E, device=DEV, dtype=dtype, requires_grad=grad)
+                bias = torch.randn(E, device=DEV) * 0.1 if "num_groups" in kw else None
+                return (logits, bias)
+
+            def ours(logits, bias, k=k, kw=kw):
+                return K.topk_router(logits, k, bias=bias, **kw)
+
+            def seq(logits, bias, k=k, kw=kw):
+                return reference.topk_router(logits, k, bias=bias, **_ref_kwargs(kw))
+
+            fwd = T * E * s + T * k * 12
+            moved = fwd + (T * k * 4 + T * E * s if grad else 0)
+            f_ours, f_seq = (_grad_of(ours), _grad_of(seq)) if grad else (ours, seq)
+            config = f"{name} {mode} T={T} E={E} k={k} {str(dtype)[6:]}"
+            cases.append(Case("topk_router", config, moved, make, f_ours, f_seq))
+    for E, k in ((64, 2), (128, 8)):
+        for mode in modes:
+            grad = mode == "fwd+bwd"
+
+            def make(E=E, grad=grad):
+                return (torch.randn(T, E, device=DEV, dtype=dtype, requires_grad=grad),)
+
+            def ours(logits, k=k):
+                return K.topk_softmax(logits, k)
+
+            def seq(logits, k=k):
+                return reference.topk_softmax(logits, k)
+
+            moved = T * E * s + T * k * (s + 8) + ((T * k * s + T * E * s) if grad else 0)
+            f_ours, f_seq = (_grad_of(ours), _grad_of(seq)) if grad else (ours, seq)
+            config = f"{mode} T={T} E={E} k={k} {str(dtype)[6:]}"
+            cases.append(Case("topk_softmax", config, moved, make, f_ours, f_seq))
+    return cases
+
+
+def _ref_kwargs(kw: dict) -> dict:
+    """The public op's keyword defaults, spelled out for the reference (which has no defaults)."""
+    full = dict(scoring="softmax", num_groups=1, topk_groups=None, group_scoring="top2_sum")
+    full.update(renormalize=False, scaling_factor=1.0)
+    full.update(kw)
+    if full["topk_groups"] is None:
+        full["topk_groups"] = full["num_groups"]
+    return full
+
+
+def routing(T: int, E: int, k: int, *, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, int]:
+    """experts [T, k] (k distinct experts per token, by a random top k), their weights, capacity C
+    (capacity factor 1.25)."""
+    scores = torch.rand(T, E, device=DEV)
+    weights, experts = torch.topk(scores, k, dim=1)
+    return experts, weights.softmax(-1), K.capacity_for(T, E, k, 1.25)
+
+
+def maps(T: int, E: int, k: int) -> list[Case]:
+    """capacity_positions: read the ids, write the positions (and the counts)."""
+
+    def make():
+        experts, _, C = routing(T, E, k)
+        return (experts, C)
+
+    def ours(experts, C):
+        return K.capacity_positions(experts, E, C)
+
+    def seq(experts, C):
+        return reference.capacity_positions(experts, E, C)
+
+    return [Case("capacity_positions", f"T={T} E={E} k={k}", T * k * 16 + E * 8, make, ours, seq)]
+
+
+def rows(T: int, d: int, E: int, k: int, modes: tuple[str, ...], dtype=torch.bfloat16) -> list[Case]:
+    """dispatch / combine / permute / unpermute at [T, d], k choices over E experts.
+    Models: dispatch reads x once and writes the whole [E, C, d] buffer (unfilled slots are
+    zeros); combine reads the T k chosen rows and writes y; permute reads x once and writes T k
+    rows; unpermute reads T k rows and writes y. The ids and weights are counted too. fwd+bwd
+    adds the backward's own minimum: the gradient read and the input gradient written."""
+    s = SIZE[dtype]
+    cases = []
+    for mode in modes:
+        grad = mode == "fwd+bwd"
+
+        def make_dispatch(grad=grad):
+            experts, weights, C = routing(T, E, k)
+            positions, _ = reference.capacity_positions(experts, E, C)
+            x = torch.randn(T, d, device=DEV, dtype=dtype, requires_grad=grad)
+            return (x, experts, positions, C)
+
+        def ours_dispatch(x, experts, positions, C):
+            return K.dispatch(x, experts, positions, E, C)
+
+        def seq_dispatch(x, experts, positions, C):
+            return reference.dispatch(x, experts, positions, E, C)
+
+        C = K.capacity_for(T, E, k, 1.25)
+        ids = T * k * 16
+        fwd = T * d * s + E * C * d * s + ids
+        moved = fwd + ((E * C * d * s + T * d * s) if grad else 0)
+        pair = (_grad_of(ours_dispatch), _grad_of(seq_dispatch)) if grad else (ours_dispatch, seq_dispatch)
+        config = f"{mode} T={T} d={d} E={E} k={k} {str(dtype)[6:]}"
+        cases.append(Case("dispatch", config, moved, make_dispatch, *pair))
+
+        def make_combine(grad=grad):
+            experts, weights, C = routing(T, E, k)
+            positions, _ = reference.capacity_positions(experts, E, C)
+            buffer = torch.randn(E, C, d, device=DEV, dtype=dtype, requires_grad=grad)
+            return (buffer, experts, positions, weights.to(dtype))
+
+        fwd = T * k * d * s + T * d * s + ids + T * k * s
+        moved = fwd + ((T * d * s + E * C * d * s) if grad else 0)
+        pair = (_grad_of(K.combine), _grad_of(reference.combine)) if grad else (K.combine, reference.combine)
+        cases.append(Case("combine", config, moved, make_combine, *pair))
+
+        def make_permute(grad=grad):
+            experts, weights, _ = routing(T, E, k)
+            x = torch.randn(T, d, device=DEV, dtype=dtype, requires_grad=grad)
+            return (x, experts)
+
+        def ours_permute(x, experts):
+            return K.permute(x, experts, E)
+
+        def seq_permute(x, experts):
+            return reference.permute(x, experts, E)
+
+        fwd = T * d * s + T * k * d * s + T * k * 24
+        moved = fwd + ((T * k * d * s + T * d * s) if grad else 0)
+        pair = (_grad_of(ours_permute), _grad_of(seq_permute)) if grad else (ours_permute, seq_permute)
+        cases.append(Case("permute", config, moved, make_permute, *pair))
+
+        def make_unpermute(grad=grad):
+            experts, weights, _ = routing(T, E, k)
+            x = torch.randn(T, d, device=DEV, dtype=dtype)
+            _, _, order = reference.permute(x, experts, E)
+            y_sorted = torch.randn(T * k, d, device=DEV, dtype=dtype, requires_grad=grad)
+            return (y_sorted, order, weights.to(dtype), T)
+
+        fwd = T * k * d * s + T * d * s + T * k * (8 + s)
+        moved = fwd + ((T * d * s + T * k * d * s) if grad else 0)
+        pair = (_grad_of(K.unpermute), _grad_of(reference.unpermute)) if grad else (K.unpermute, reference.unpermute)
+        cases.append(Case("unpermute", config, moved, make_unpermute, *pair, registered="unpermute"))
+    return cases
+
+
+def batchwise(T: int, E: int, k: int = 2, dtype=torch.bfloat16) -> list[Case]:
+    """batchwise_mask: each expert keeps its m = T k / E best tokens; read the scores, write a bool mask."""
+    m = max(1, T * k // E)
+
+    def make():
+        return (torch.randn(T, E, device=DEV, dtype=dtype),)
+
+    def ours(scores):
+        return K.batchwise_mask(scores, m)
+
+    def seq(scores):
+        return reference.batchwise_mask(scores, m)
+
+    return [Case("batchwise_mask", f"T={T} E={E} m={m} {str(dtype)[6:]}", T * E * (SIZE[dtype] + 1), make, ours, seq)]
+
+
+def gate_math(T: int, E: int, k: int) -> list[Case]:
+    """load_probabilities, noisy_topk_gate (forward; float32), smooth_step, dselect_k: the ops with
+    no GPU speed goal, one shape each so every kernel's speed is on record."""
+
+    def make3():
+        return tuple(torch.randn(T, E, device=DEV) for _ in range(2)) + (torch.rand(T, E, device=DEV) + 0.1,)
+
+    def ours_lp(clean, noisy, std):
+        return K.load_probabilities(clean, noisy, std, k)
+
+    def seq_lp(clean, noisy, std):
+        return reference.load_probabilities(clean, noisy, std, k)
+
+    def ours_gate(clean, raw, noise):
+        return K.noisy_topk_gate(clean, raw, noise, k)
+
+    def seq_gate(clean, raw, noise):
+        return reference.noisy_topk_gate(clean, raw, noise, k, 1e-2, None)
+
+    n = T * E
+
+    def make_t():
+        return (torch.randn(n, device=DEV),)
+
+    def ours_step(t):
+        return K.smooth_step(t, 1.0)
+
+    def seq_step(t):
+        return reference.smooth_step(t, 1.0)
+
+    B, n_experts, kk = T, 64, 4
+    m = 6
+
+    def make_ds():
+        return (torch.randn(B, kk, device=DEV), torch.randn(B, kk, m, device=DEV))
+
+    def ours_ds(alpha, z):
+        return K.dselect_k(alpha, z, n_experts, 1.0)
+
+    def seq_ds(alpha, z):
+        return reference.dselect_k(alpha, z, n_experts, 1.0)
+
+    cfg = f"T={T} E={E} k={k} float32"
+    return [
+        Case("load_probabilities", cfg, 4 * n * 4, make3, ours_lp, seq_lp),
+        Case("noisy_topk_gate", cfg, 3 * n * 4 + T * k * 12 + E * 4, make3, ours_gate, seq_gate),
+        Case("smooth_step", f"n={n} float32", 8 * n, make_t, ours_step, seq_step),
+        Case(
+            "dselect_k",
+            f"B={B} n={n_experts} k={kk} float32",
+            B * kk * (m + 1) * 4 + B * n_experts * 4,
+            make_ds,
+            ours_ds,
+            seq_ds,
+        ),
+    ]
+
+
+def grid(quick: bool, smoke: bool = False) -> list[Case]:
+    """The quick grid (make gpu-check), the full one (issue 33's shapes), or --smoke's tiny one."""
+    if smoke:
+        return (
+            routers(64, torch.bfloat16, ("fwd", "fwd+bwd"))
+            + maps(64, 16, 2)
+            + rows(32, 16, 8, 2, ("fwd", "fwd+bwd"))
+            + batchwise(64, 8)
+            + gate_math(32, 8, 2)
+        )
+    if quick:
+        return (
+            routers(65536, torch.bfloat16, ("fwd", "fwd+bwd"))
+            + routers(262144, torch.float32, ("fwd",))
+            + maps(65536, 256, 8)
+            + rows(16384, 4096, 64, 8, ("fwd", "fwd+bwd"))
+            + batchwise(65536, 64)
+            + gate_math(16384, 64, 2)
+        )
+    cases: list[Case] = []
+    for T in (16384, 262144, 1048576):
+        for dtype in (torch.bfloat16, torch.float32):
+            cases += routers(T, dtype, ("fwd", "fwd+bwd"))
+    for T, k in ((65536, 2), (65536, 8), (1048576, 2), (1048576, 8)):
+        for E in (8, 64, 256):
+            cases += maps(T, E, k)
+    for d in (2048, 7168):
+        for k in (2, 8):
+            cases += rows(16384 if k == 8 else 65536, d, 64, k, ("fwd", "fwd+bwd"))
+    for T in (65536, 1048576):
+        for E in (64, 256):
+            cases += batchwise(T, E)
+    return cases + gate_math(65536, 64, 2)
+
+
+def gpu_backends(op: str) -> list[str]:
+    """The backends with a kernel of `op` for CUDA tensors in this process, opt-in ones included."""
+    return [b for b in ("triton", "cuda") if backends._available(op, b, "cuda")]
+
+
+def under(backend: str | None, fn: Callable) -> Callable:
+    if backend is None:
+        return fn
+
+    def run(*args):
+        with moe_kernels.use_backend(backend):
+            return fn(*args)
+
+    return run
+
+
+def copy_gbps(nbytes: int, cache: dict) -> float:
+    """GB/s of copy_ moving `nbytes` (half read, half written), float32 tensors."""
+    n = max(1, nbytes // 8)
+    if n not in cache:
+        src, dst = torch.ones(n, device=DEV), torch.empty(n, device=DEV)
+        seconds, _ = time_gpu(lambda: dst.copy_(src))
+        cache[n] = 8 * n / seconds / 1e9
+        del src, dst
+    return cache[n]
+
+
+def run_case(case: Case, chosen: list[str] | None, copies: dict, compile_limit: float) -> list[dict]:
+    args = case.make()
+    torch_s, torch_method = time_gpu(lambda: case.torch_seq(*args))
+    compiled_s = None
+    if case.compile and compile_limit > 0:
+        try:
+            compiled = torch.compile(case.torch_seq, dynamic=False)
+            compiled(*args)
+            compiled_s, _ = time_gpu(lambda: compiled(*args))
+        except Exception as exc:  # a torch sequence torch.compile cannot take: no ratio, the reason printed
+            print(f"  torch.compile of {case.op} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        torch._dynamo.reset()
+    copy = copy_gbps(case.bytes_moved, copies)
+    out = []
+    for backend in gpu_backends(case.registered or case.op):
+        if chosen and backend not in chosen:
+            continue
+        fn = under(backend, case.ours)
+        try:
+            seconds, method = time_gpu(lambda fn=fn: fn(*args))
+        except Exception as exc:
+            print(f"  {case.op} {case.config} [{backend}] failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            torch.cuda.synchronize()
+            continue
+        gbps = case.bytes_moved / seconds / 1e9
+        row = {
+            "op": case.op,
+            "config": case.config,
+            "backend": backend,
+            "ms": f"{seconds * 1e3:.4f}",
+            "gbps": f"{gbps:.1f}",
+            "copy_gbps": f"{copy:.1f}",
+            "vs_torch": f"{torch_s / seconds:.2f}",
+            "vs_compile": f"{compiled_s / seconds:.2f}" if compiled_s else "",
+            "method": method if method == torch_method else f"{method} (torch: {torch_method})",
+        }
+        print(
+            f"  {case.op:<20} {case.config:<44} {backend:<7} {row['ms']:>9} ms {row['gbps']:>8} GB/s "
+            f"({gbps / copy:.0%} of copy) x{row['vs_torch']} torch x{row['vs_compile'] or '-'} compile",
+            flush=True,
+        )
+        out.append(row)
+    return out
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    lines = [
+        f"## Benchmarks on {device}\n",
+        "Kernel time of one call (CUDA-graph replay; `loop`: eager calls between two events), the op's "
+        "bytes-moved model over it, copy_ of as many bytes in the same run, and the torch sequence's "
+        "time (eager, torch.compile) over ours.\n",
+        "| op | config | backend | ms | GB/s | copy_ GB/s | of copy | vs torch | vs compile | timing |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        frac = float(r["gbps"]) / float(r["copy_gbps"])
+        lines.append(
+            f"| {r['op']} | {r['config']} | {r['backend']} | {r['ms']} | {r['gbps']} | {r['copy_gbps']} | "
+            f"{frac:.0%} | {r['vs_torch']} | {r['vs_compile'] or '-'} | {r['method']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def smoke() -> int:
+    """Every case of a tiny grid called once on CPU tensors (ours with this process's backend, and
+    the torch sequence): the cases' inputs, signatures and gradients hold together (test_gpu_check.py)."""
+    global DEV
+    DEV = "cpu"
+    cases = grid(False, smoke=True)
+    for case in cases:
+        args = case.make()
+        case.ours(*args)
+        case.torch_seq(*args)
+    print(f"gpu_bench --smoke: {len(cases)} cases ran once on CPU tensors")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--quick", action="store_true", help="a few shapes per op (make gpu-check)")
+    parser.add_argument("--backend", action="append", choices=("triton", "cuda"), help="time only this backend")
+    parser.add_argument("--ops", nargs="*", help="only these ops")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--smoke", action="store_true", help="every case once on tiny CPU tensors, untimed")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke()
+    if not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device (torch.cuda.is_available() is False): nothing to time")
+        return 0
+    from gpu_check import device_slug
+
+    name = torch.cuda.get_device_name()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / f"gpu-{device_slug(name)}.csv"
+    rows: list[dict] = []
+    copies: dict = {}
+    failed = 0
+    start = time.monotonic()
+    for case in grid(args.quick):
+        if args.ops and case.op not in args.ops:
+            continue
+        try:
+            rows += run_case(case, args.backend, copies, 0 if args.no_compile else 1)
+        except Exception as exc:  # one case's failure (e.g. out of memory) must not lose the others
+            failed += 1
+            print(f"  {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        torch.cuda.empty_cache()
+        with csv_path.open("w", newline="") as f:  # rewritten after every case: a cut-off run keeps its rows
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        (out / "bench.md").write_text(markdown(rows, f"{name}, torch {torch.__version__}, {os.cpu_count()} cores"))
+    print(f"{len(rows)} rows in {time.monotonic() - start:.0f} s -> {csv_path}; {failed} cases failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
