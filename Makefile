@@ -90,6 +90,7 @@ bench: $(EXT)
 GPU_OUT ?= gpu-check-out
 GPU_PY := $(if $(filter command line environment,$(origin PY)),$(PY),python3)
 gpu-check:
+	MAX_JOBS=$(if $(filter command line environment,$(origin MAX_JOBS)),$(MAX_JOBS),$$(nproc)) \
 	$(GPU_PY) bench/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_FLAGS)
 
 # On a GPU machine: the CUDA test matrix and the benchmarks on the GPU, summarised in

@@ -370,18 +370,11 @@ def copy_gbps(nbytes: int, cache: dict) -> float:
     return cache[n]
 
 
-def run_case(case: Case, chosen: list[str] | None, copies: dict, compile_limit: float) -> list[dict]:
+def run_case(case: Case, chosen: list[str] | None, copies: dict) -> list[dict]:
+    """One row per backend of `case`: ours, the torch sequence eager, copy_ of the same bytes
+    (the torch.compile ratio is added by add_compiled, in a second pass)."""
     args = case.make()
     torch_s, torch_method = time_gpu(lambda: case.torch_seq(*args))
-    compiled_s = None
-    if case.compile and compile_limit > 0:
-        try:
-            compiled = torch.compile(case.torch_seq, dynamic=False)
-            compiled(*args)
-            compiled_s, _ = time_gpu(lambda: compiled(*args))
-        except Exception as exc:  # a torch sequence torch.compile cannot take: no ratio, the reason printed
-            print(f"  torch.compile of {case.op} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        torch._dynamo.reset()
     copy = copy_gbps(case.bytes_moved, copies)
     out = []
     for backend in gpu_backends(case.registered or case.op):
@@ -403,16 +396,34 @@ def run_case(case: Case, chosen: list[str] | None, copies: dict, compile_limit: 
             "gbps": f"{gbps:.1f}",
             "copy_gbps": f"{copy:.1f}",
             "vs_torch": f"{torch_s / seconds:.2f}",
-            "vs_compile": f"{compiled_s / seconds:.2f}" if compiled_s else "",
+            "vs_compile": "",
             "method": method if method == torch_method else f"{method} (torch: {torch_method})",
         }
         print(
             f"  {case.op:<20} {case.config:<44} {backend:<7} {row['ms']:>9} ms {row['gbps']:>8} GB/s "
-            f"({gbps / copy:.0%} of copy) x{row['vs_torch']} torch x{row['vs_compile'] or '-'} compile",
+            f"({gbps / copy:.0%} of copy) x{row['vs_torch']} torch",
             flush=True,
         )
         out.append(row)
     return out
+
+
+def add_compiled(case: Case, rows: list[dict]) -> None:
+    """vs_compile of `rows` (the case's rows): torch.compile(dynamic=False) of the torch sequence,
+    its compile (the first call) left out of the timing."""
+    args = case.make()
+    try:
+        compiled = torch.compile(case.torch_seq, dynamic=False)
+        compiled(*args)
+        seconds, _ = time_gpu(lambda: compiled(*args))
+    except Exception as exc:  # a torch sequence torch.compile cannot take: no ratio, the reason printed
+        print(f"  torch.compile of {case.op} {case.config} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return
+    finally:
+        torch._dynamo.reset()
+    for row in rows:
+        row["vs_compile"] = f"{seconds / (float(row['ms']) / 1e3):.2f}"
+        print(f"  {case.op:<20} {case.config:<44} {row['backend']:<7} x{row['vs_compile']} compile", flush=True)
 
 
 def markdown(rows: list[dict], device: str) -> str:
@@ -454,6 +465,9 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", action="append", choices=("triton", "cuda"), help="time only this backend")
     parser.add_argument("--ops", nargs="*", help="only these ops")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument(
+        "--compile-budget", type=float, default=1e9, help="seconds into the run after which no more compiles start"
+    )
     parser.add_argument("--smoke", action="store_true", help="every case once on tiny CPU tensors, untimed")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -468,23 +482,40 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / f"gpu-{device_slug(name)}.csv"
     rows: list[dict] = []
+    by_case: list[tuple[Case, list[dict]]] = []
     copies: dict = {}
     failed = 0
     start = time.monotonic()
-    for case in grid(args.quick):
-        if args.ops and case.op not in args.ops:
-            continue
-        try:
-            rows += run_case(case, args.backend, copies, 0 if args.no_compile else 1)
-        except Exception as exc:  # one case's failure (e.g. out of memory) must not lose the others
-            failed += 1
-            print(f"  {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        torch.cuda.empty_cache()
-        with csv_path.open("w", newline="") as f:  # rewritten after every case: a cut-off run keeps its rows
+
+    def save():  # rewritten after every case: a run cut off keeps its rows
+        with csv_path.open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
             writer.writeheader()
             writer.writerows(rows)
         (out / "bench.md").write_text(markdown(rows, f"{name}, torch {torch.__version__}, {os.cpu_count()} cores"))
+
+    cases = [c for c in grid(args.quick) if not args.ops or c.op in args.ops]
+    for case in cases:
+        try:
+            case_rows = run_case(case, args.backend, copies)
+        except Exception as exc:  # one case's failure (e.g. out of memory) must not lose the others
+            failed += 1
+            print(f"  {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            case_rows = []
+        rows += case_rows
+        by_case.append((case, case_rows))
+        torch.cuda.empty_cache()
+        save()
+    # torch.compile baselines second (each compiles for seconds): every case has its row first.
+    for case, case_rows in by_case:
+        if args.no_compile or not case_rows or not case.compile:
+            continue
+        if time.monotonic() - start > args.compile_budget:
+            print(f"  compile budget ({args.compile_budget:.0f} s) spent: the remaining rows have no vs_compile")
+            break
+        add_compiled(case, case_rows)
+        torch.cuda.empty_cache()
+        save()
     print(f"{len(rows)} rows in {time.monotonic() - start:.0f} s -> {csv_path}; {failed} cases failed")
     return 1 if failed else 0
 

@@ -160,25 +160,42 @@ def test_files() -> list[Path]:
     return sorted((ROOT / "python_tests").glob("test_*.py"))
 
 
-# Files whose GPU cases take longest (many parametrisations, Triton compiles): spread over the groups first.
+# Files whose GPU cases take longest (many parametrisations, Triton compiles, hypothesis): spread
+# over the groups first. SPLIT files go to the groups test function by test function.
 HEAVY = (
     "test_fuzz_ops.py",
+    "test_gpu.py",
     "test_topk_router.py",
     "test_topk_softmax.py",
     "test_dispatch.py",
     "test_load_probabilities.py",
     "test_batchwise_mask.py",
-    "test_gpu.py",
     "test_noisy_topk_gate.py",
+    "test_balanced_assignment.py",
+    "test_nonfinite.py",
 )
+SPLIT = ("test_fuzz_ops.py", "test_gpu.py")
 
 
-def split(files: list[Path], groups: int) -> list[list[Path]]:
-    """Round-robin over the groups, the heavy files first, so every group gets some."""
+def units(files: list[Path]) -> list[str]:
+    """pytest arguments, heavy first: a SPLIT file's test functions one by one, other files whole."""
     ordered = sorted(files, key=lambda p: (p.name not in HEAVY, HEAVY.index(p.name) if p.name in HEAVY else 0, p.name))
-    out: list[list[Path]] = [[] for _ in range(groups)]
-    for i, path in enumerate(ordered):
-        out[i % groups].append(path)
+    out = []
+    for path in ordered:
+        rel = str(path.relative_to(ROOT))
+        if path.name in SPLIT:
+            names = re.findall(r"^def (test_\w+)\(", path.read_text(), re.M)
+            out += [f"{rel}::{name}" for name in names] or [rel]
+        else:
+            out.append(rel)
+    return out
+
+
+def split(files: list[Path], groups: int) -> list[list[str]]:
+    """Round-robin over the groups, the heavy units first, so every group gets some."""
+    out: list[list[str]] = [[] for _ in range(groups)]
+    for i, unit in enumerate(units(files)):
+        out[i % groups].append(unit)
     return [g for g in out if g]
 
 
@@ -204,9 +221,13 @@ def junit_counts(path: Path) -> tuple[dict, list[tuple[str, str]]]:
     return counts, failures
 
 
-def tests(run: Run, *, groups: int, timeout: float, marker: str, files: list[Path] | None = None) -> bool:
-    """The GPU cases (`-m marker`) in parallel groups of files, each under `timeout` seconds."""
-    env = dict(os.environ, MOE_KERNELS_REQUIRE_EXTENSION="1", PYTHONUNBUFFERED="1")
+def tests(
+    run: Run, *, groups: int, timeout: float, marker: str, fuzz_examples: int, files: list[Path] | None = None
+) -> bool:
+    """The GPU cases (`-m marker`) in parallel groups of files, each under `timeout` seconds.
+    The fuzz tests run `fuzz_examples` generated cases per op and backend (CI's CPU run: 500)."""
+    env = dict(os.environ, MOE_KERNELS_REQUIRE_EXTENSION="1", PYTHONUNBUFFERED="1", MOE_KERNELS_INSTAFAIL="1")
+    env.setdefault("MOE_KERNELS_FUZZ_EXAMPLES", str(fuzz_examples))
     env.pop("TRITON_INTERPRET", None)
     procs = []
     start = time.monotonic()
@@ -217,7 +238,7 @@ def tests(run: Run, *, groups: int, timeout: float, marker: str, files: list[Pat
         cmd = [sys.executable, "-m", "pytest", "-m", marker, "-v", "-rs", "--tb=short", "-p", "no:cacheprovider"]
         if importlib.util.find_spec("pytest_timeout") is not None:
             cmd.append(f"--timeout={int(min(120, timeout))}")
-        cmd += [f"--junitxml={xml}", *[str(p.relative_to(ROOT)) for p in group]]
+        cmd += [f"--junitxml={xml}", *group]
         log = (run.out / f"tests-{i}.log").open("w")
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -256,9 +277,13 @@ def tests(run: Run, *, groups: int, timeout: float, marker: str, files: list[Pat
 
 
 def benchmarks(run: Run, *, timeout: float, full: bool) -> bool:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The in-place build is imported from the source tree: nothing is installed.
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--out", str(run.out)] + ([] if full else ["--quick"])
+    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--out", str(run.out)]
+    # quick: the compiles (seconds each) start only in the first two thirds of the time limit.
+    cmd += [] if full else ["--quick", "--compile-budget", str(int(timeout * 2 / 3))]
     rc, seconds = run_logged(cmd, run.out / "bench.log", env=env, timeout=timeout)
     status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed (rc {rc})")
     run.step("benchmarks", status, seconds, "quick grid" if not full else "full grid")
@@ -268,7 +293,8 @@ def benchmarks(run: Run, *, timeout: float, full: bool) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("GPU_OUT") or str(ROOT / "gpu-check-out"))
-    parser.add_argument("--groups", type=int, default=int(os.environ.get("GPU_CHECK_GROUPS", 6)))
+    parser.add_argument("--groups", type=int, default=int(os.environ.get("GPU_CHECK_GROUPS", 8)))
+    parser.add_argument("--fuzz-examples", type=int, default=100, help="generated cases per fuzz test (CI: 500)")
     parser.add_argument("--build-timeout", type=float, default=300)
     parser.add_argument("--test-timeout", type=float, default=240, help="seconds for each test group")
     parser.add_argument("--bench-timeout", type=float, default=150)
@@ -289,7 +315,17 @@ def main(argv=None) -> int:
         if not ok:
             return 1
     files = [ROOT / f for f in args.files] if args.files else None
-    ok = tests(run, groups=args.groups, timeout=args.test_timeout, marker=args.marker, files=files) and ok
+    ok = (
+        tests(
+            run,
+            groups=args.groups,
+            timeout=args.test_timeout,
+            marker=args.marker,
+            fuzz_examples=args.fuzz_examples,
+            files=files,
+        )
+        and ok
+    )
     if args.no_bench or not run.info.get("gpu"):
         run.step("benchmarks", "skipped", 0, "--no-bench" if args.no_bench else "no GPU")
     else:

@@ -11,6 +11,9 @@ The device axis (python_tests/devices.py): tests taking `backend` also run with 
 they name the registered op directly; the CUDA registrations are checked by `make check-cuda-build`.
 """
 
+import os
+import sys
+
 import pytest
 from devices import Backend, gpu_params, redirect
 
@@ -66,3 +69,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs on a CUDA device (make gpu-check runs `pytest -m gpu`)")
     config.addinivalue_line("markers", "slow: long-running (paper reproductions)")
     config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (test_fuzz_ops.py)")
+
+
+def pytest_runtest_logreport(report):
+    """MOE_KERNELS_INSTAFAIL=1 (make gpu-check): a failure's traceback is printed as it happens, so a
+    run stopped at its time limit still says why its failures failed (pytest prints them at the end)."""
+    if report.failed and os.environ.get("MOE_KERNELS_INSTAFAIL") == "1":
+        sys.stdout.write(f"\n[instafail] {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+        sys.stdout.flush()

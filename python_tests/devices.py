@@ -109,7 +109,9 @@ def redirect(backend: Backend, monkeypatch: pytest.MonkeyPatch):
         return original_choose(op, device_type)
 
     def implementation(op: str, tensor: torch.Tensor) -> Callable:
-        impl = getattr(backends._REGISTRY[op], choose(op, tensor.device.type))
+        # choose_for asks the patched choose and keeps its float64 rule: a float64 tensor whose
+        # backend has no float64 path runs the reference (here on the GPU), as it would there.
+        impl = getattr(backends._REGISTRY[op], backends.choose_for(op, tensor))
         return _on(device, impl, tensor.device.type) if tensor.device.type != device else impl
 
     monkeypatch.setattr(backends, "choose", choose)

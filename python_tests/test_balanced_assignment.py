@@ -239,7 +239,7 @@ def test_bad_arguments():
 _NEAR_EQUAL_LARGE = """
 import sys, torch, moe_kernels
 from moe_kernels.ops import balanced_assignment
-s = torch.full((12, 3), 1e6, dtype=torch.float64)
+s = torch.full((12, 3), 1e6, dtype=torch.float64, device=sys.argv[2])
 s[0, 0] += 1e-9
 with moe_kernels.use_backend(sys.argv[1]):
     z = balanced_assignment(s, 4)
@@ -258,7 +258,10 @@ def test_auction_terminates_on_near_equal_large_scores(backend):
     if backend == "triton":
         pytest.skip("balanced_assignment has no Triton kernel")
     run = subprocess.run(
-        [sys.executable, "-c", _NEAR_EQUAL_LARGE, backend], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _NEAR_EQUAL_LARGE, backend, getattr(backend, "device", "cpu")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
     first, counts = run.stdout.split(" ", 1)

@@ -94,8 +94,11 @@ __global__ void topk_softmax_backward_kernel(const scalar_t* __restrict__ grad_w
   const float dot = warp_sum(dot_part);
   const bool masked = vmax == -INFINITY;
   for (int64_t e = lane; e < E; e += kWarp) {
-    const float p = renormalize || masked ? 0.0f : topk_softmax::weight(to_float(x[e * stride_e]), vmax, denom);
-    out[e] = from_float<scalar_t>(-p * dot);
+    // Off the selection the renormalised softmax (and a masked row) does not depend on the logit:
+    // exactly 0, also when dot is NaN (a NaN row), as the reference's autograd gives.
+    const bool off = renormalize || masked;
+    const float p = off ? 0.0f : topk_softmax::weight(to_float(x[e * stride_e]), vmax, denom);
+    out[e] = from_float<scalar_t>(off ? 0.0f : -p * dot);
   }
   __syncwarp();  // the selected entries below overwrite / add to the row written above
   for (int64_t s = lane; s < k; s += kWarp) {

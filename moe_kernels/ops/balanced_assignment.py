@@ -29,9 +29,24 @@ if backends._extension.defines("balanced_assignment"):
         )
 
 
-# The CUDA solver is compile-checked and host-emulated but has never run on a GPU: CUDA tensors
-# use it only when asked (use_backend("cuda") / MOE_KERNELS_BACKEND=cuda), else the reference.
-backends.register("balanced_assignment", torch=reference.balanced_assignment, cpu=_cpp, cuda=_cpp, opt_in=("cuda",))
+def _cuda(scores: torch.Tensor, capacity: int):
+    """The CUDA solver, after a check that every score is finite. The solver does not reject NaN /
+    inf itself (it hits its iteration guard instead), and it synchronises with the host anyway (it
+    reads back its round count), so this check costs no extra sync of note; an opt-in backend."""
+    if scores.numel() and not bool(torch.isfinite(scores).all()):
+        raise ValueError("scores must be finite (no NaN or inf)")
+    return _cpp(scores, capacity)
+
+
+# The CUDA solver is sequential within one block: CUDA tensors use it only when asked
+# (use_backend("cuda") / MOE_KERNELS_BACKEND=cuda), else the reference.
+backends.register(
+    "balanced_assignment",
+    torch=reference.balanced_assignment,
+    cpu=_cpp,
+    cuda=_cuda if _cpp is not None else None,
+    opt_in=("cuda",),
+)
 
 
 def check_scores(name: str, scores, capacity, *, check_finite: bool = False):
@@ -80,9 +95,9 @@ def balanced_assignment(scores: torch.Tensor, capacity: int | None = None, *, re
     float64 rounding). On ties any optimal assignment may be returned; each backend is deterministic.
     Not differentiable (an argmax).
     """
-    # The CPU kernel and the reference reject NaN / inf themselves (no host read here, so
-    # torch.compile(fullgraph=True) works on CPU); the CUDA solver does not, and synchronises anyway.
-    capacity = check_scores("scores", scores, capacity, check_finite=scores.is_cuda)
+    # Every backend rejects NaN / inf itself (no host read here, so torch.compile(fullgraph=True)
+    # works on CPU): the CPU kernel and the reference in their pass, the CUDA backend in _cuda.
+    capacity = check_scores("scores", scores, capacity)
     if not isinstance(return_distances, bool):
         raise TypeError(f"return_distances must be a bool, got {type(return_distances).__name__}")
     experts, value, distances = backends.implementation("balanced_assignment", scores)(scores, capacity)

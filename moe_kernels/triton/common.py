@@ -37,6 +37,36 @@ def take_best(pair, x, cols):
     return best, idx, value, tl.where(hit, NO_PAIR, pair)
 
 
+@triton.jit
+def exp_accurate(x):
+    """e^x of a float32 tensor to a few float32 ulps, down to the subnormals. tl.exp computes
+    2^(x log2 e) in hardware; rounding x log2 e at |x| ~ 85 alone costs ~3e-6 relative (the
+    product's ulp is 2^-17), so the tail of a sigmoid score missed the 1e-6 relative accuracy
+    every backend holds them to. Here: x = n ln 2 + r (n an integer, ln 2 in two parts so r is
+    exact), e^r by tl.exp (|r| <= 0.35: its product's rounding is ~6e-8), times 2^n built from
+    the exponent bits in two halves (so 2^n below the normals still scales correctly)."""
+    n = tl.floor(x * 1.4426950408889634 + 0.5)
+    n = tl.minimum(tl.maximum(n, -252.0), 254.0)  # past these e^x is 0 / inf anyway
+    n = tl.where(n != n, 0.0, n)  # NaN x: any integer (the result is x), so the casts below are defined
+    r = x - n * 0.693145751953125 - n * 1.428606765330187e-06  # ln 2 = hi + lo, hi exact in 16 bits
+    n1 = tl.floor(n * 0.5)
+    n2 = n - n1
+    s1 = ((n1.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    s2 = ((n2.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    y = tl.exp(r) * s1 * s2
+    y = tl.where(x < -104.0, 0.0, y)  # below half the smallest subnormal
+    y = tl.where(x > 89.0, float("inf"), y)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def sigmoid_accurate(x):
+    """1 / (1 + e^-x) of a float32 tensor, relative error of a few ulps also in the far negative
+    tail (e^x / (1 + e^x) there, with exp_accurate), where scores are returned as weights."""
+    e = exp_accurate(-tl.abs(x))
+    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
 def row_tile_config(num_rows: int, row_width: int, tile: int, per_thread: int):
     """Launch shape of the kernels that hold whole rows in registers: (grid, BLOCK_ROWS,
     BLOCK_WIDTH, num_warps). BLOCK_WIDTH is row_width rounded up to a power of two; a program takes

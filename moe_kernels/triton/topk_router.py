@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels import reference
-from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, sigmoid_accurate, take_best
 
 MAX_EXPERTS = 2048
 MAX_GROUPS = 64
@@ -49,7 +49,7 @@ def topk_router_kernel(
 
     # Phase 1: scores. softmax: the row max by rank (NaN first); an all -inf row gets scores 0.
     if SIGMOID:
-        scores = tl.where(valid, tl.sigmoid(x), 0.0)
+        scores = tl.where(valid, sigmoid_accurate(x), 0.0)
     else:
         _b, _i, vmax, _p = take_best(tl.where(valid, rank_pair(x, cols), NO_PAIR), x, cols)
         masked_row = vmax == float("-inf")
