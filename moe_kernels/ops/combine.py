@@ -74,10 +74,13 @@ def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor
     """
     _validate.tensor("buffer", buffer, dim=3, shape="[E, C, d]", dtypes=_validate.FLOAT_DTYPES)
     E, C, _ = buffer.shape
-    _validate.routing_indices("experts", experts, high=E)
-    _validate.routing_indices("positions", positions, shape=experts.shape, high=max(C, 1))
+    _validate.routing_indices("experts", experts)
+    _validate.routing_indices("positions", positions, shape=experts.shape)
     _validate.tensor("weights", weights, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
     if weights.shape != experts.shape:
         raise ValueError(f"weights must be [T, k] = {list(experts.shape)}, got {tuple(weights.shape)}")
     _validate.same_device(buffer=buffer, experts=experts, positions=positions, weights=weights)
+    if _validate.host_readable("combine", buffer, experts, positions):
+        _validate.index_range("experts", experts, E)
+        _validate.index_range("positions", positions, max(C, 1))
     return backends.implementation("combine", buffer)(buffer, experts, positions, weights)
