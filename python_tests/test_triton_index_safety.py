@@ -1,12 +1,14 @@
 """The Triton launchers with out-of-range ids (issue 15, item 1, GPU part): never an access out of
 bounds and no host sync; a choice whose expert id is outside [0, E) (or whose position is outside
-[0, C)) is dropped, exactly as if it were -1 (empty). Raw ops, as the public ops never pass such
-ids (they range-check CPU tensors). Run in the interpreter pass; on a GPU the same launchers run."""
+[0, C)) is dropped, exactly as if it were -1 (empty). The raw ops, and the public ops on the
+"triton" backend, which read no value to range-check it (only the host backends "cpu" / "torch"
+raise; issue 30): forward and backward. Run in the interpreter pass; on a GPU the same launchers
+run."""
 
 import pytest
 import torch
 
-import moe_kernels  # noqa: F401  (registers the moe_kernels_triton ops)
+import moe_kernels  # registers the moe_kernels_triton ops
 from moe_kernels import backends
 
 pytestmark = pytest.mark.triton
@@ -76,3 +78,79 @@ def test_unpermute_ignores_out_of_range_order(bad):
     g = torch.randn(T, d)
     for a, b in zip(ops.unpermute_backward(g, y_sorted, poisoned, w), ops.unpermute_backward(g, y_sorted, empty, w)):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- public ops on the Triton backend
+
+
+def _forward_and_grads(call, leaves, *args):
+    """(outputs, gradients of sum(outputs * fixed weights) with respect to leaves), detached."""
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = call(*leaves, *args)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    diff = [o for o in outs if o.requires_grad]
+    g = torch.Generator().manual_seed(7)
+    grads = torch.autograd.grad(diff, leaves, [torch.randn(o.shape, generator=g) for o in diff])
+    return [o.detach() for o in outs], list(grads)
+
+
+def _assert_same(a, b):
+    for u, v in zip([*a[0], *a[1]], [*b[0], *b[1]], strict=True):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("where", ["experts", "positions"])
+def test_public_capacity_ops_drop_out_of_range_choices(bad, where):
+    _ops()
+    from moe_kernels.ops import capacity_positions, combine, dispatch
+
+    experts, x = inputs()
+    with moe_kernels.use_backend("triton"):
+        positions, _ = capacity_positions(experts, E, C)
+        poisoned_e, poisoned_p, empty_p = experts.clone(), positions.clone(), positions.clone()
+        (poisoned_e if where == "experts" else poisoned_p)[2, 1] = bad
+        empty_p[2, 1] = -1
+        if where == "experts":
+            empty_e = experts.clone()
+            empty_e[2, 1] = -1
+            assert all(map(torch.equal, capacity_positions(poisoned_e, E, C), capacity_positions(empty_e, E, C)))
+        run_dispatch = lambda x_, e, p: dispatch(x_, e, p, E, C)  # noqa: E731
+        _assert_same(
+            _forward_and_grads(run_dispatch, [x], poisoned_e, poisoned_p),
+            _forward_and_grads(run_dispatch, [x], experts, empty_p),
+        )
+        buffer, w = torch.randn(E, C, d), torch.rand(T, k)
+        run_combine = lambda b, w_, e, p: combine(b, e, p, w_)  # noqa: E731
+        _assert_same(
+            _forward_and_grads(run_combine, [buffer, w], poisoned_e, poisoned_p),
+            _forward_and_grads(run_combine, [buffer, w], experts, empty_p),
+        )
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_public_permute_drops_out_of_range_experts(bad):
+    _ops()
+    from moe_kernels.ops import permute
+
+    experts, x = inputs()
+    poisoned, empty = experts.clone(), experts.clone()
+    poisoned[3, 1], empty[3, 1] = bad, -1
+    with moe_kernels.use_backend("triton"):
+        run = lambda x_, e: permute(x_, e, E)  # noqa: E731
+        _assert_same(_forward_and_grads(run, [x], poisoned), _forward_and_grads(run, [x], empty))
+
+
+@pytest.mark.parametrize("bad", [T * k, 10**6, -5])
+def test_public_unpermute_ignores_out_of_range_order(bad):
+    ops = _ops()
+    from moe_kernels.ops import unpermute
+
+    experts, x = inputs()
+    y_sorted, _, order = ops.permute(x, experts, E)
+    poisoned, empty = order.clone(), order.clone()
+    poisoned[0], empty[0] = bad, -1
+    with moe_kernels.use_backend("triton"):
+        run = lambda y, w, o: unpermute(y, o, w, T)  # noqa: E731
+        w = torch.rand(T, k)
+        _assert_same(_forward_and_grads(run, [y_sorted, w], poisoned), _forward_and_grads(run, [y_sorted, w], empty))

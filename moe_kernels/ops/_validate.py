@@ -1,6 +1,9 @@
-"""Argument checks shared by the public ops: cheap (no device sync) and explicit."""
+"""Argument checks shared by the public ops: cheap (no device sync) and explicit. Values are read
+only on the host backends (host_readable)."""
 
 import torch
+
+from moe_kernels import backends
 
 ROUTING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -32,25 +35,44 @@ def integer(name: str, value, *, low: int | None = None, high: int | None = None
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def routing_indices(name: str, value, *, shape: tuple[int, int] | None = None, high: int | None = None):
-    """An int64 [T, k] index tensor (experts or positions), -1 allowed as "empty".
-
-    Values are range-checked against [-1, high) only where that costs no device sync (CPU
-    tensors, outside torch.compile tracing); the kernels never read or write out of bounds anyway.
-    """
+def routing_indices(name: str, value, *, shape: tuple[int, int] | None = None):
+    """An int64 [T, k] index tensor (experts or positions), -1 allowed as "empty". Checks the type
+    and shape only: the values with index_range, where host_readable allows."""
     tensor(name, value, dim=2, shape="[T, k]", dtypes=(torch.int64,))
     if shape is not None and tuple(value.shape) != tuple(shape):
         raise ValueError(f"{name} must be [T, k] = {list(shape)}, got shape {tuple(value.shape)}")
-    if high is not None and value.numel() and backends_can_read(value):
-        lo, hi = int(value.min()), int(value.max())
-        if lo < -1 or hi >= high:
-            raise ValueError(f"{name} values must be in [-1, {high}), got min {lo} max {hi}")
     return value
 
 
-def backends_can_read(value: torch.Tensor) -> bool:
-    """True when reading a value of `value` costs no device sync and is not being traced."""
-    return value.device.type == "cpu" and not torch.compiler.is_compiling() and not _is_fake(value)
+def index_range(name: str, value: torch.Tensor, high: int) -> None:
+    """Every value of the int64 index tensor in [-1, high), a ValueError naming `name` otherwise.
+
+    Reads the values: call only where host_readable is True. The GPU backends never read them
+    (a device sync) and their kernels drop an out-of-range id instead (docs/reliability.md).
+    """
+    if value.numel():
+        lo, hi = int(value.min()), int(value.max())
+        if lo < -1 or hi >= high:
+            raise ValueError(f"{name} values must be in [-1, {high}), got min {lo} max {hi}")
+
+
+HOST_BACKENDS = ("cpu", "torch")
+
+
+def host_readable(op: str, value: torch.Tensor, *others: torch.Tensor) -> bool:
+    """True when `op` may read values of its arguments to check them at no cost: `value` (the
+    tensor its backend is chosen by) and the `others` to be read are real CPU tensors outside
+    torch.compile tracing, and the backend chosen for `value` is a host one ("cpu" or "torch").
+
+    Never for "triton" / "cuda": their path reads no value back (a device sync per op per layer,
+    and CUDA-graph capture fails on it), not even for the CPU tensors the Triton interpreter runs,
+    which stand for the GPU path in the tests. Those kernels drop out-of-range ids instead.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    if any(_is_fake(t) or t.device.type != "cpu" for t in (value, *others)):
+        return False  # e.g. a 'meta' or CUDA argument: same_device names it
+    return backends.choose_for(op, value) in HOST_BACKENDS
 
 
 def _is_fake(value: torch.Tensor) -> bool:

@@ -76,10 +76,12 @@ def capacity_positions(experts: torch.Tensor, num_experts: int, capacity: int, *
     """
     _validate.integer("num_experts", num_experts, low=1)
     _validate.integer("capacity", capacity, low=0)
-    _validate.routing_indices("experts", experts, high=num_experts)
+    _validate.routing_indices("experts", experts)
     if priority is not None:
         _validate.tensor("priority", priority, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
         if priority.shape != experts.shape:
             raise ValueError(f"priority must be [T, k] = {list(experts.shape)}, got {tuple(priority.shape)}")
     _validate.same_device(experts=experts, priority=priority)
+    if _validate.host_readable("capacity_positions", experts):
+        _validate.index_range("experts", experts, num_experts)
     return backends.implementation("capacity_positions", experts)(experts, num_experts, capacity, priority=priority)

@@ -45,14 +45,15 @@ if backends.triton_importable():
         E, C, _ = buffer.shape
         # To the buffer: the weighted gather of grad_y into each kept slot (a weighted dispatch).
         grad_buffer = _triton_module.dispatch(grad_y, experts, positions, E, C, weights)
-        # To the weights: <grad_y[t], buffer[slot]>, in float32 (float64 for float64).
+        # To the weights: <grad_y[t], buffer[slot]>, in float32 (float64 for float64), over the
+        # choices the forward kept (kept_slots: an out-of-range id is dropped, never indexed).
         acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
-        kept = positions >= 0
         if C == 0:  # nothing kept
             return grad_buffer, None, None, torch.zeros_like(weights)
-        rows = buffer[experts.clamp(min=0), positions.clamp(min=0)]  # [T, k, d]
+        slot = _triton_module.kept_slots(experts, positions, E, C).view(experts.shape)
+        rows = buffer.reshape(E * C, buffer.shape[2])[slot.clamp(min=0)]  # [T, k, d]
         dots = (rows.to(acc) * grad_y.to(acc).unsqueeze(1)).sum(-1)
-        grad_weights = torch.where(kept, dots, 0.0).to(weights.dtype)
+        grad_weights = torch.where(slot >= 0, dots, 0.0).to(weights.dtype)
         return grad_buffer, None, None, grad_weights
 
     _triton.register_autograd(_triton_backward, setup_context=_setup_context)
@@ -73,10 +74,13 @@ def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor
     """
     _validate.tensor("buffer", buffer, dim=3, shape="[E, C, d]", dtypes=_validate.FLOAT_DTYPES)
     E, C, _ = buffer.shape
-    _validate.routing_indices("experts", experts, high=E)
-    _validate.routing_indices("positions", positions, shape=experts.shape, high=max(C, 1))
+    _validate.routing_indices("experts", experts)
+    _validate.routing_indices("positions", positions, shape=experts.shape)
     _validate.tensor("weights", weights, dim=2, shape="[T, k]", dtypes=_validate.FLOAT_DTYPES)
     if weights.shape != experts.shape:
         raise ValueError(f"weights must be [T, k] = {list(experts.shape)}, got {tuple(weights.shape)}")
     _validate.same_device(buffer=buffer, experts=experts, positions=positions, weights=weights)
+    if _validate.host_readable("combine", buffer, experts, positions):
+        _validate.index_range("experts", experts, E)
+        _validate.index_range("positions", positions, max(C, 1))
     return backends.implementation("combine", buffer)(buffer, experts, positions, weights)

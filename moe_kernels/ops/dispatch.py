@@ -69,9 +69,12 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, nu
     _validate.tensor("x", x, dim=2, shape="[T, d]", dtypes=_validate.FLOAT_DTYPES)
     _validate.integer("num_experts", num_experts, low=1)
     _validate.integer("capacity", capacity, low=0)
-    _validate.routing_indices("experts", experts, high=num_experts)
-    _validate.routing_indices("positions", positions, shape=experts.shape, high=max(capacity, 1))
+    _validate.routing_indices("experts", experts)
+    _validate.routing_indices("positions", positions, shape=experts.shape)
     if experts.shape[0] != x.shape[0]:
         raise ValueError(f"experts must be [T, k] with T = x.shape[0] = {x.shape[0]}, got {tuple(experts.shape)}")
     _validate.same_device(x=x, experts=experts, positions=positions)
+    if _validate.host_readable("dispatch", x, experts, positions):
+        _validate.index_range("experts", experts, num_experts)
+        _validate.index_range("positions", positions, max(capacity, 1))
     return backends.implementation("dispatch", x)(x, experts, positions, num_experts, capacity)

@@ -67,6 +67,15 @@ if backends._extension.has_kernel("noisy_topk_gate", "CPU"):
         )
 
 
+def _check_mask_values(mask: torch.Tensor, clean_logits: torch.Tensor) -> None:
+    """A non-bool [T] mask must hold only 0 and 1: a ValueError otherwise. A host read, so only
+    where the gate runs on a host backend (it follows load_probabilities' choice for the logits);
+    on the GPU backends any value is taken as a token weight, unchecked."""
+    if _validate.host_readable("load_probabilities", clean_logits, mask):
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError("mask must be bool or hold only 0 and 1 (1 = a real token)")
+
+
 def noisy_topk_gate(
     clean_logits: torch.Tensor,
     raw_noise_stddev: torch.Tensor,
@@ -91,7 +100,8 @@ def noisy_topk_gate(
       k: experts per token, 1 <= k <= E.
       noise_epsilon: float added to the softplus (the authors' code uses 1e-2).
       mask: optional [T] bool / 0-1 tensor, True for a real token: masked tokens add nothing to
-        load (they are still routed). Not differentiated.
+        load (they are still routed). Not differentiated. Other values are a ValueError on the
+        host backends; the GPU backends read no value to check it.
 
     Returns:
       (weights [T, k] in clean_logits' dtype, experts [T, k] int64, load [E] float32, float64 for float64).
@@ -116,10 +126,9 @@ def noisy_topk_gate(
         _validate.tensor("mask", mask, dim=1, shape=f"[T] = [{T}]")
         if mask.shape != (T,):
             raise ValueError(f"mask must be [T] = [{T}], got shape {tuple(mask.shape)}")
-        if mask.dtype != torch.bool and mask.numel() and _validate.backends_can_read(mask):
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError("mask must be bool or hold only 0 and 1 (1 = a real token)")
     _validate.same_device(clean_logits=clean_logits, raw_noise_stddev=raw_noise_stddev, noise=noise, mask=mask)
+    if mask is not None and mask.dtype != torch.bool and mask.numel():
+        _check_mask_values(mask, clean_logits)
     if _cpp is not None and backends.choose_for("load_probabilities", clean_logits) == "cpu":
         token_weights = None if mask is None else mask.detach().to(torch.float32)
         weights, top, load = _cpp(clean_logits, raw_noise_stddev, noise, k, float(noise_epsilon), token_weights)

@@ -99,10 +99,12 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
     """
     _validate.tensor("x", x, dim=2, shape="[T, d]", dtypes=_validate.FLOAT_DTYPES)
     _validate.integer("num_experts", num_experts, low=1)
-    _validate.routing_indices("experts", experts, high=num_experts)
+    _validate.routing_indices("experts", experts)
     if experts.shape[0] != x.shape[0]:
         raise ValueError(f"experts must be [T, k] with T = x.shape[0] = {x.shape[0]}, got {tuple(experts.shape)}")
     _validate.same_device(x=x, experts=experts)
+    if _validate.host_readable("permute", x, experts):
+        _validate.index_range("experts", experts, num_experts)
     return backends.implementation("permute", x)(x, experts, num_experts)
 
 
@@ -125,10 +127,17 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
             f"got weights {tuple(weights.shape)}, order {tuple(order.shape)}, y_sorted {tuple(y_sorted.shape)}"
         )
     _validate.same_device(y_sorted=y_sorted, order=order, weights=weights)
-    if order.numel() and _validate.backends_can_read(order):  # no device sync: CPU, not traced
-        lo, hi = int(order.min()), int(order.max())
-        if lo < -1 or hi >= T * k:
-            raise ValueError(f"order values must be in [-1, T*k = {T * k}) (from permute), got min {lo} max {hi}")
-        if int(torch.bincount(order[order >= 0], minlength=T * k).max()) > 1:
-            raise ValueError("order must be permute's order: a choice t*k+s appears in it more than once")
+    if order.numel() and _validate.host_readable("unpermute", y_sorted, order):
+        _check_order(order, T * k)
     return backends.implementation("unpermute", y_sorted)(y_sorted, order, weights, num_tokens)
+
+
+def _check_order(order: torch.Tensor, n: int) -> None:
+    """order [n] int64 must hold -1 or distinct values in [0, n): a ValueError otherwise. Reads the
+    values (and masks them), so only where host_readable is True; the Triton launcher ignores an
+    entry outside [0, n) instead (docs/reliability.md)."""
+    lo, hi = int(order.min()), int(order.max())
+    if lo < -1 or hi >= n:
+        raise ValueError(f"order values must be in [-1, T*k = {n}) (from permute), got min {lo} max {hi}")
+    if int(torch.bincount(order[order >= 0], minlength=n).max()) > 1:
+        raise ValueError("order must be permute's order: a choice t*k+s appears in it more than once")

@@ -86,10 +86,16 @@ def kept_slots(experts, positions, E, C):
 
 
 def slot_sources(slot, S):
-    """[S] int64: the choice that fills each slot, -1 for empty slots (slots are unique)."""
-    source = torch.full((S,), -1, dtype=torch.int64, device=slot.device)
-    kept = slot >= 0
-    return source.index_put((slot[kept],), torch.arange(slot.numel(), device=slot.device)[kept])
+    """[S] int64: the choice that fills each slot, -1 for empty slots (slots are unique).
+
+    slot: [T * k] int64 from kept_slots (-1 or a slot in [0, S)). Every choice is scattered, the
+    unkept ones into a spare slot S that is cut off: no boolean mask, whose data-dependent
+    shape would read the mask's count back to the host (a device sync).
+    """
+    target = torch.where(slot >= 0, slot, S)
+    choices = torch.arange(slot.numel(), device=slot.device)
+    source = torch.full((S + 1,), -1, dtype=torch.int64, device=slot.device)
+    return source.scatter(0, target, choices)[:S]
 
 
 def acc_dtype(dtype):

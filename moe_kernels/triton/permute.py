@@ -10,11 +10,23 @@ from moe_kernels.triton import capacity_positions as _positions
 from moe_kernels.triton import dispatch as _rows
 
 
+def scatter_valid(index: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64 out with out[index[i]] = values[i] where valid[i], -1 elsewhere.
+
+    index, values, valid: one shape; index must be in [0, n) where valid. The invalid entries are
+    scattered into a spare element n that is cut off: no boolean-mask indexing, whose
+    data-dependent shape would read the mask's count back to the host (a device sync).
+    """
+    target = torch.where(valid, index, n).reshape(-1)
+    out = torch.full((n + 1,), -1, dtype=torch.int64, device=index.device)
+    return out.scatter(0, target, values.reshape(-1))[:n]
+
+
 def rows_of_choices(order: torch.Tensor, n: int) -> torch.Tensor:
-    """[n] int64: the row of each choice (the inverse of order), -1 for choices without a row."""
+    """[n] int64: the row of each choice (the inverse of order), -1 for choices without a row.
+    order: [R] int64 from permute; an entry outside [0, n) is ignored."""
     valid = (order >= 0) & (order < n)
-    rows = torch.arange(order.numel(), device=order.device)
-    return torch.full((n,), -1, dtype=torch.int64, device=order.device).index_put((order[valid],), rows[valid])
+    return scatter_valid(order, torch.arange(order.numel(), device=order.device), valid, n)
 
 
 @torch.library.custom_op("moe_kernels_triton::permute", mutates_args=())
@@ -38,7 +50,7 @@ def permute(
     # without indexing offsets out of range (docs/reliability.md).
     valid = (e >= 0) & (e < num_experts)
     row = torch.where(valid, offsets[e.clamp(0, max(num_experts - 1, 0))] + rank.reshape(-1), -1)
-    order = torch.full((n,), -1, dtype=torch.int64, device=x.device).index_put((row[valid],), flat[valid])
+    order = scatter_valid(row, flat, valid, n)
     return _rows.gather_rows(x, order, k, None), offsets, order
 
 
