@@ -4,8 +4,9 @@
 #
 # On a GPU machine, `make CUDA=1 test|demo|bench` does the same in .venv-cuda with the registry's
 # torch 2.13.0 CUDA build and builds the CUDA kernels too (nvcc of the same CUDA major as torch;
-# archs from MOE_KERNELS_CUDA_ARCHS or TORCH_CUDA_ARCH_LIST, see setup.py). `make gpu-report` runs
-# the CUDA test matrix and the benchmarks on the GPU. `make check-cuda-build` checks, without a GPU,
+# archs from MOE_KERNELS_CUDA_ARCHS or TORCH_CUDA_ARCH_LIST, see setup.py). On a GPU machine that
+# already has a CUDA torch (no internet needed), `make gpu-check PY=python3` builds, tests and
+# benchmarks there without a venv. `make check-cuda-build` checks, without a GPU,
 # that the CUDA build compiles, links and registers every CUDA kernel (slow: not in `make test`).
 PYTHON ?= python3
 CUDA   ?= 0
@@ -30,7 +31,7 @@ CUDA_CHECK_VENV ?= .venv-cuda-check
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check gpu-report _gpu-report check-cuda-build FORCE
+.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check check-cuda-build FORCE
 
 all: test
 
@@ -92,15 +93,6 @@ GPU_PY := $(if $(filter command line environment,$(origin PY)),$(PY),python3)
 gpu-check:
 	MAX_JOBS=$(if $(filter command line environment,$(origin MAX_JOBS)),$(MAX_JOBS),$$(nproc)) \
 	$(GPU_PY) bench/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_FLAGS)
-
-# On a GPU machine: the CUDA test matrix and the benchmarks on the GPU, summarised in
-# bench/results/gpu-<device name>.md (bench/gpu_report.py).
-gpu-report:
-	$(MAKE) CUDA=1 build
-	$(MAKE) CUDA=1 _gpu-report
-
-_gpu-report: $(EXT)
-	MOE_KERNELS_CUDA=1 MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) bench/gpu_report.py
 
 # Without a GPU: a venv with the registry's CUDA torch 2.13.0, the CUDA build of a copy of this
 # tree (the tree's own .so and build/ stay untouched), then the suite on CPU, which includes the

@@ -20,7 +20,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, measure, report  # noqa: E402
+from common import RESULTS, measure, parse_args, report  # noqa: E402
 
 from moe_kernels.ops import balanced_assignment  # noqa: E402
 
@@ -95,7 +95,7 @@ def quality(s, capacity, z, best):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     grid = [(1024, 16)] if args.quick else [(4096, 64), (8192, 64), (16384, 128)]
     providers = {
         "moe_kernels": (lambda s, c: balanced_assignment(s, c), {}),

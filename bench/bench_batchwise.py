@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_notes, measure, measure_compiled, report  # noqa: E402
+from common import compile_notes, measure, measure_compiled, parse_args, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -52,7 +52,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)  # the same scores every run (torch's default seed differs per process)

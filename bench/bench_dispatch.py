@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, compile_notes, compile_sequence, measure, peak_memory_mb, report  # noqa: E402
+from common import RESULTS, compile_notes, compile_sequence, measure, parse_args, peak_memory_mb, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -107,7 +107,7 @@ def main():
         "--einsum-limit-gflop", type=float, default=20.0, help="skip einsum when one einsum exceeds this (2*T*T*k*d)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     if args.threads:
         torch.set_num_threads(args.threads)
     grid = (

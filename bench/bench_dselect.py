@@ -19,6 +19,7 @@ from common import (  # noqa: E402
     copy_pass,
     measure,
     measure_compiled,
+    parse_args,
     report,
 )
 
@@ -42,7 +43,7 @@ PROVIDERS = {
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     grid = [(512, 16, 2)] if args.quick else [(4096, n, k) for n in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['dselect_k']}")
     rows, notes, bandwidth = [], [], []

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit, machine, report  # noqa: E402
+from common import commit, machine, parse_args, report  # noqa: E402
 
 WORLDS = (1, 2, 4)
 
@@ -94,7 +94,7 @@ def run(world, cfg):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a small batch and few repetitions (smoke test)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     cfg = {
         "T": 1024,
         "d": 64,

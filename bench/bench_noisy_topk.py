@@ -26,6 +26,7 @@ from common import (  # noqa: E402
     compile_sequence,
     copy_pass,
     measure,
+    parse_args,
     report,
 )
 
@@ -80,7 +81,7 @@ PROVIDERS = {"moe_kernels": fused, "plain torch": plain_torch}
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     grid = [(4096, 64, 2)] if args.quick else [(16384, E, k) for E in (16, 64, 256) for k in (2, 4)]
     print(f"backend: {moe_kernels.backends()['load_probabilities']}")
     rows, notes, bandwidth = [], [], []

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_notes, compile_sequence, measure_interleaved, report  # noqa: E402
+from common import compile_notes, compile_sequence, measure_interleaved, parse_args, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels.ops import topk_router  # noqa: E402
@@ -90,7 +90,7 @@ def grid(quick):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="two small configurations (smoke test)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     print(f"backend: {moe_kernels.backends()['topk_router']}")
     rows, notes = [], []
     for family, T, E, k, G, topk_group in grid(args.quick):

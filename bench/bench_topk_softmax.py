@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_sequence, measure_interleaved, report  # noqa: E402
+from common import compile_sequence, measure_interleaved, parse_args, report  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import reference  # noqa: E402
@@ -43,7 +43,7 @@ PROVIDERS = {
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     grid = (
         [(4096, 8, 2, True), (4096, 8, 2, False)]
         if args.quick

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import measure, report  # noqa: E402
+from common import measure, parse_args, report  # noqa: E402
 
 from moe_kernels.integrations import transformers_experts  # noqa: E402
 from moe_kernels.integrations.transformers import apply_moe_kernels  # noqa: E402
@@ -58,7 +58,7 @@ def block(family, d, E, k, d_ff, implementation):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small blocks (smoke test)")
-    args = parser.parse_args()
+    args = parse_args(parser)
     T, d, E, d_ff = (256, 64, 16, 32) if args.quick else (4096, 1024, 64, 256)
     ks = (2,) if args.quick else (2, 8)
     families = ("mixtral", "deepseek_v3") if args.quick else tuple(BLOCKS)

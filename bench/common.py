@@ -24,11 +24,27 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(os.environ.get("MOE_KERNELS_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
-# MOE_KERNELS_BENCH_DEVICE=cuda (make CUDA=1 bench, make gpu-report): the benchmarks' tensors are
+# MOE_KERNELS_BENCH_DEVICE=cuda (make CUDA=1 bench): the benchmarks' tensors are
 # created on the GPU (torch's default device) and timed with CUDA events (timeit_cuda).
 DEVICE = os.environ.get("MOE_KERNELS_BENCH_DEVICE", "cpu")
 if DEVICE != "cpu":
     torch.set_default_device(DEVICE)
+
+
+def parse_args(parser):
+    """parser.parse_args() with the option every benchmark takes: --backend NAME times our ops on
+    that backend (MOE_KERNELS_BACKEND for the process; moe_kernels.backends validates it per op,
+    so a backend without a kernel of the op, or not for this device, is an error naming the valid
+    ones). The baselines call torch or moe_kernels.reference directly and are not affected."""
+    parser.add_argument(
+        "--backend",
+        choices=("cpu", "triton", "cuda", "torch"),
+        help="time our ops on this backend (default: the one moe_kernels.backends picks)",
+    )
+    args = parser.parse_args()
+    if args.backend:
+        os.environ["MOE_KERNELS_BACKEND"] = args.backend
+    return args
 
 
 def machine() -> str:
