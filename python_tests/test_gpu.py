@@ -493,59 +493,65 @@ def _free_bytes() -> int:
     return free
 
 
-@gpu
-@pytest.mark.parametrize("gpu_backend", GPU_BACKENDS)
-def test_dispatch_combine_beyond_int32_offsets(gpu_backend):
-    """bf16 x [T, d] with T * d = 2**31 + 2**18 elements (4.3 GB), E = 4, k = 1: token t goes to
-    expert t % E, slot t // E, except every 1000th slot, dropped. The buffer is x's rows
-    permuted (its last row, (E-1, C-1), is token T-1 at element offset (T-1) * d > 2**31); combine
-    brings them back weighted. Sampled rows (the first, the last and random ones between) are
-    compared with what the indices say; the full reference would need another 13 GB."""
-    for op in ("dispatch", "combine"):
-        if not backends._available(op, gpu_backend, "cuda"):
-            pytest.skip(f"{op} has no {gpu_backend} kernel for cuda tensors")
-    if _free_bytes() < 24 * 2**30:
-        pytest.skip(f"needs ~24 GiB of free GPU memory, {_free_bytes() / 2**30:.1f} GiB free")
-    E, d = 4, 4096
-    T = 2**19 + 64
+def dispatch_combine_rows(device, backend: str, T: int, d: int, E: int, *, drop_every: int = 1000) -> None:
+    """bf16 x [T, d], k = 1: token t goes to expert t % E, slot t // E, except every
+    `drop_every`-th slot, dropped. The buffer is x's rows permuted (its last row, (E-1, C-1), is
+    token T-1, at element offset (T-1) * d); combine brings them back weighted. Sampled rows (the
+    first, the last, random ones and dropped ones) are compared with what the indices say, not
+    with the reference (at T d > 2**31 that would need another 13 GB)."""
+    device = torch.device(device)
+    assert T % E == 0 and T > drop_every * E + 3
     C = T // E
-    assert T * d > 2**31 and E * C * d > 2**31
-    device = torch.device("cuda")
     x = buffer = y = None
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(T, d, generator=gen, device=device, dtype=torch.bfloat16)
         t = torch.arange(T, device=device)
         experts = (t % E).view(T, 1)
-        positions = torch.where((t // E) % 1000 == 0, -1, t // E).view(T, 1)
-        weights = (1 + (t % 3).float() / 4).view(T, 1)  # 1, 1.25, 1.5: exact in bf16 products' float32
-        with moe_kernels.use_backend(gpu_backend):
+        positions = torch.where((t // E) % drop_every == 0, -1, t // E).view(T, 1)
+        weights = torch.exp2((t % 3).float() - 1).view(T, 1)  # 0.5, 1, 2: w * x exact in bf16
+        with moe_kernels.use_backend(backend):
             buffer = ops.dispatch(x, experts, positions, E, C)
             y = ops.combine(buffer, experts, positions, weights)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         assert buffer.shape == (E, C, d) and y.shape == (T, d)
         sample = torch.cat(
             [
                 torch.arange(8),
                 torch.arange(T - 8, T),
                 torch.randint(0, T, (64,), generator=torch.Generator().manual_seed(1)),
-                torch.tensor([0, 1000 * E, 1000 * E + 3]),  # dropped tokens' slots
+                torch.tensor([0, drop_every * E, drop_every * E + 3]),  # dropped tokens
             ]
         ).to(device)
-        e_s, p_s = experts[sample, 0], (sample // E)
         kept = positions[sample, 0] >= 0
-        rows = buffer[e_s, p_s]  # [n, d]
+        assert bool(kept[8:16].all()) and not bool(kept[-3:].any())  # the last tokens kept; dropped ones
+        rows = buffer[experts[sample, 0], sample // E]  # [n, d]: each token's slot, kept or not
         expected_rows = torch.where(kept[:, None], x[sample], 0.0)
-        assert torch.equal(rows, expected_rows), "dispatch: sampled buffer rows are not their tokens' rows"
-        last = buffer[E - 1, C - 1]
-        assert torch.equal(last, x[T - 1]), "dispatch: the buffer's last row is not token T-1"
-        # combine: one kept choice, so y[t] = bf16(w[t] * float(x[t])) exactly; dropped tokens get 0.
+        assert torch.equal(rows, expected_rows), "dispatch: sampled buffer rows are not their tokens' rows (or 0)"
+        assert torch.equal(buffer[E - 1, C - 1], x[T - 1]), "dispatch: the buffer's last row is not token T-1"
+        # combine: one kept choice and a power-of-two weight, so y[t] = w[t] x[t] exactly; dropped: 0.
         expected_y = torch.where(kept[:, None], (weights[sample] * x[sample].float()).to(torch.bfloat16), 0.0)
         assert torch.equal(y[sample], expected_y), "combine: sampled rows differ from w * x (or 0 if dropped)"
-        assert torch.equal(y[T - 1], (weights[T - 1] * x[T - 1].float()).to(torch.bfloat16))
     finally:
         del x, buffer, y
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@gpu
+@pytest.mark.parametrize("gpu_backend", GPU_BACKENDS)
+def test_dispatch_combine_beyond_int32_offsets(gpu_backend):
+    """bf16 x [T, d] with T * d = 2**31 + 2**18 elements (4.3 GB), E = 4 (dispatch_combine_rows):
+    the buffer's last rows and combine's last tokens sit past element offset 2**31."""
+    for op in ("dispatch", "combine"):
+        if not backends._available(op, gpu_backend, "cuda"):
+            pytest.skip(f"{op} has no {gpu_backend} kernel for cuda tensors")
+    if _free_bytes() < 24 * 2**30:
+        pytest.skip(f"needs ~24 GiB of free GPU memory, {_free_bytes() / 2**30:.1f} GiB free")
+    T, d, E = 2**19 + 64, 4096, 4
+    assert T * d > 2**31 and (T - 1) * d > 2**31
+    dispatch_combine_rows("cuda", gpu_backend, T, d, E)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,48 +578,53 @@ def _excused_rows(logits: torch.Tensor, bias: torch.Tensor, a: torch.Tensor, b: 
     return group_near | ok_pos.all(dim=1)
 
 
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_routers_agree_deepseek_v3(dtype):
-    """T = 65536, E = 256, k = 8, sigmoid scores + a correction bias, 8 groups of which 4 are
-    eligible (scored by their two best choice values), renormalised, times 2.5: Triton, CUDA and
-    the C++ kernel (on a CPU copy) pick the same experts in the same order. bf16 logits and a bias
-    in steps of 1/64 make many exact ties, which every backend gives to the lower index. Rows
-    may differ only at near ties (gap < 1e-6) of the float64 choice values, and must be rare."""
-    for backend in GPU_BACKENDS:
-        if not backends._available("topk_router", backend, "cuda"):
-            pytest.skip(f"topk_router has no {backend} kernel for cuda tensors")
-    T, E, k = 65536, 256, 8
+def deepseek_routers_agree(runs: list[tuple[str, str]], T: int, dtype: torch.dtype) -> None:
+    """DeepSeek-V3's router (E = 256, k = 8) on the same [T, E] logits and bias for every
+    (backend, device) of `runs`; each must pick the first run's experts in the same order, but for
+    rows with a near tie of the float64 choice values (_excused_rows), at most max(1, T / 1000) of
+    them; the weights of the rows where all agree to float32 tolerance. bf16 logits and a bias in
+    steps of 1/64 make many exact ties, which every backend must give to the lower index."""
+    E, k = 256, 8
     logits_cpu = torch.randn(T, E, generator=_gen(30)).to(dtype)
     bias_cpu = _deepseek_bias(30, E, "cpu")
-    logits, bias = logits_cpu.cuda(), bias_cpu.cuda()
     results = {}
-    for backend in GPU_BACKENDS:
+    for backend, device in runs:
         with moe_kernels.use_backend(backend):
-            w, e = ops.topk_router(logits, k, bias=bias, **DEEPSEEK_V3)
-        results[backend] = (w.cpu(), e.cpu())
-    if backends._available("topk_router", "cpu", "cpu"):
-        with moe_kernels.use_backend("cpu"):
-            results["cpu"] = ops.topk_router(logits_cpu, k, bias=bias_cpu, **DEEPSEEK_V3)
-    base_w, base_e = results["triton"]
+            w, e = ops.topk_router(logits_cpu.to(device), k, bias=bias_cpu.to(device), **DEEPSEEK_V3)
+        results[f"{backend} on {device}"] = (w.cpu(), e.cpu())
+    (base_name, (base_w, base_e)), *others = results.items()
     assert base_e.shape == (T, k) and base_e.dtype == torch.int64 and base_w.dtype == torch.float32
     all_same = torch.ones(T, dtype=torch.bool)
-    for backend, (_, e) in results.items():
-        if backend == "triton":
-            continue
+    for name, (_, e) in others:
         differ = (e != base_e).any(dim=1)
         if bool(differ.any()):
             rows = differ.nonzero()[:, 0]
             excused = _excused_rows(logits_cpu[rows], bias_cpu, base_e[rows], e[rows])
             bad = rows[~excused]
             assert bad.numel() == 0, (
-                f"{backend} vs triton: experts differ on {bad.numel()} rows without a near tie, e.g. row "
+                f"{name} vs {base_name}: experts differ on {bad.numel()} rows without a near tie, e.g. row "
                 f"{int(bad[0])}: {e[bad[0]].tolist()} vs {base_e[bad[0]].tolist()}"
             )
-            assert rows.numel() <= T // 1000, f"{backend} vs triton: {rows.numel()} rows differ at near ties"
+            limit = max(1, T // 1000)
+            assert rows.numel() <= limit, f"{name} vs {base_name}: {rows.numel()} rows differ at near ties"
         all_same &= ~differ
-    for backend, (w, _) in results.items():
-        assert_close(w[all_same], base_w[all_same], msg=f"{backend} vs triton weights")
+    for name, (w, _) in others:
+        assert_close(w[all_same], base_w[all_same], msg=f"{name} vs {base_name}: weights")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_routers_agree_deepseek_v3(dtype):
+    """T = 65536, E = 256, k = 8, sigmoid scores + a correction bias, 8 groups of which 4 are
+    eligible (scored by their two best choice values), renormalised, times 2.5: Triton, CUDA and
+    the C++ kernel (on a CPU copy) pick the same experts in the same order (deepseek_routers_agree)."""
+    for backend in GPU_BACKENDS:
+        if not backends._available("topk_router", backend, "cuda"):
+            pytest.skip(f"topk_router has no {backend} kernel for cuda tensors")
+    runs = [("triton", "cuda"), ("cuda", "cuda")]
+    if backends._available("topk_router", "cpu", "cpu"):
+        runs.append(("cpu", "cpu"))
+    deepseek_routers_agree(runs, 65536, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -676,6 +687,22 @@ def test_smoke_other_device_report_on_cpu(kernel_backend):
     report = other_device_report(kernel_backend, "cpu", "cpu", CASE_IDS, T_SMOKE)
     assert [r["case"] for r in report] == CASE_IDS
     assert all(r["status"] in ("ok", "skip") for r in report), report
+
+
+def test_smoke_dispatch_combine_rows_on_cpu(kernel_backend):
+    for op in ("dispatch", "combine"):
+        if not backends._available(op, kernel_backend, "cpu"):
+            pytest.skip(f"{op} has no {kernel_backend} kernel for cpu tensors")
+    dispatch_combine_rows("cpu", kernel_backend, 4160, 8, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_smoke_routers_agree_on_cpu(kernel_backend, dtype):
+    """The agreement check of test_routers_agree_deepseek_v3, the pass's kernel against the reference."""
+    if not backends._available("topk_router", kernel_backend, "cpu"):
+        pytest.skip(f"topk_router has no {kernel_backend} kernel for cpu tensors")
+    T = 256 if INTERPRETING else 2048  # the interpreter runs ~8 ms a row
+    deepseek_routers_agree([("torch", "cpu"), (kernel_backend, "cpu")], T, dtype)
 
 
 def test_smoke_excused_rows():
