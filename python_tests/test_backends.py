@@ -91,3 +91,25 @@ def test_opt_in_backend_runs_only_when_forced(monkeypatch):
 def test_register_rejects_unknown_opt_in():
     with pytest.raises(ValueError, match="opt_in"):
         backends.register("no_such_op", torch=lambda: None, opt_in=("gpu",))
+
+
+@pytest.mark.parametrize("op", ["capacity_positions", "dispatch", "combine"])
+def test_dispatch_family_reaches_its_cuda_kernels(op, monkeypatch):
+    """The kernels of csrc/cuda/dispatch.cu are the "cuda" backend of their ops (a CUDA build
+    faked here): chosen when forced, next after triton by default, not opt-in; dispatch and
+    combine have no float64 CUDA path, so float64 data on CUDA runs the reference."""
+    if not _extension.defines(op):
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    import types
+
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)
+    monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
+    entry = backends._REGISTRY[op]
+    assert entry.cuda is getattr(torch.ops.moe_kernels, op) or op == "capacity_positions"
+    assert entry.cuda is not None and "cuda" not in entry.opt_in
+    with moe_kernels.use_backend("cuda"):
+        assert backends.choose(op, "cuda") == "cuda"
+        f64 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float64)  # no GPU needed
+        assert backends.choose_for(op, f64) == ("cuda" if op == "capacity_positions" else "torch")
+    monkeypatch.setattr(backends, "triton_importable", lambda: False)
+    assert backends.choose(op, "cuda") == "cuda"

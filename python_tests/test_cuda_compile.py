@@ -140,6 +140,24 @@ def test_every_cuda_kernel_is_registered():
     assert not unregistered, f"ops with CUDA kernels in the sources but no CUDA registration: {unregistered}"
 
 
+def test_every_cuda_kernel_is_reachable():
+    """Every op with a CUDA kernel in the sources is reachable from the public ops: a public op
+    registers a `cuda=` implementation with moe_kernels.backends (so use_backend("cuda") and the
+    default order can choose it), and a helper op (`<op>_backward`, called by <op>'s autograd
+    formula, which the extension op carries on every device) belongs to a public op that does.
+    Needs no GPU: a compiled, registered kernel that no op passes to backends.register is dead."""
+    from moe_kernels import _extension, backends
+
+    if not _extension.LOADED:
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    unreachable = {}
+    for op, where in cuda_ops_in_source().items():
+        public = op if op in backends._REGISTRY else op.removesuffix("_backward")
+        if public not in backends._REGISTRY or backends._REGISTRY[public].cuda is None:
+            unreachable[op] = where
+    assert not unreachable, f"CUDA kernels no op can reach (no cuda= in backends.register): {unreachable}"
+
+
 def unregistered_cuda_ops(has_kernel) -> dict[str, str]:
     """The ops of cuda_ops_in_source() without a CUDA kernel by `has_kernel(op, dispatch_key)`."""
     return {op: where for op, where in cuda_ops_in_source().items() if not has_kernel(op, "CUDA")}

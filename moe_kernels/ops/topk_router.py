@@ -143,9 +143,11 @@ if backends.triton_importable():
     _triton = _kernel_call(_triton_module.topk_router)
 
 _cuda = None
-if backends._extension.has_kernel("topk_router", "CUDA"):
-    # The CUDA kernel keeps the eligible groups in a 64-bit mask (csrc/include/moe_kernels/
-    # topk_router_row.h): a grouped call with more groups runs the reference on the device.
+if _cpp is not None:
+    # Defined wherever the op is (one schema for both devices): backends.py runs it only where the
+    # extension registered the CUDA kernel, as for the other ops. The CUDA kernel keeps the
+    # eligible groups in a 64-bit mask (csrc/include/moe_kernels/topk_router_row.h): a grouped
+    # call with more groups runs the reference on the device.
     _CUDA_MAX_GROUPS = 64
 
     def _cuda(logits, k, *, num_groups, topk_groups, **kwargs):
