@@ -140,7 +140,13 @@ if backends.triton_importable():
     from moe_kernels.triton import topk_router as _triton_module
 
     _triton_module.topk_router.register_autograd(_backward_torch, setup_context=_setup_context)
-    _triton = _kernel_call(_triton_module.topk_router)
+    _triton_call = _kernel_call(_triton_module.topk_router)
+
+    def _triton(logits, k, *, num_groups, **kwargs):
+        if not _triton_module.supports(logits.shape[1], num_groups):  # past the kernel: cuda, else the reference
+            return backends.fallback("topk_router", "triton", logits)(logits, k, num_groups=num_groups, **kwargs)
+        return _triton_call(logits, k, num_groups=num_groups, **kwargs)
+
 
 _cuda = None
 if _cpp is not None:

@@ -176,8 +176,14 @@ def launch_config(num_rows: int, num_selector_entries: int, backward: bool = Fal
     return grid, block_b, num_warps
 
 
+def supports(num_experts: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.dselect_k asks
+    backends.fallback (the reference: dselect_k has no CUDA kernel) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS
+
+
 def _check_size(num_experts: int):
-    if num_experts > MAX_EXPERTS:
+    if not supports(num_experts):
         raise ValueError(
             f"dselect_k: the Triton kernel supports at most {MAX_EXPERTS} experts, got {num_experts}; "
             "use MOE_KERNELS_BACKEND=cpu or torch"

@@ -12,6 +12,14 @@ from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_
 MAX_EXPERTS = 4096
 _TILE = 1024  # elements per program when E is small
 _PER_THREAD = 8
+
+
+def supports(num_experts: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.load_probabilities asks
+    backends.fallback (the CUDA kernel, else the reference) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS
+
+
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 
 
@@ -92,7 +100,7 @@ def load_probabilities(
     """Triton launch; arguments as moe_kernels.ops.load_probabilities (validated there).
     Returns (P [T, E], top [T, k+1] int64)."""
     T, E = noisy_logits.shape
-    if E > MAX_EXPERTS:
+    if not supports(E):
         raise ValueError(
             f"load_probabilities: the Triton kernel supports at most {MAX_EXPERTS} experts, got E={E}; "
             "use MOE_KERNELS_BACKEND=torch"

@@ -15,6 +15,12 @@ _TILE = 1024  # values per program when E is small
 _PER_THREAD = 8
 
 
+def supports(num_experts: int, num_groups: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.topk_router asks
+    backends.fallback (the CUDA kernel, else the reference) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS and num_groups <= MAX_GROUPS
+
+
 @triton.jit
 def topk_router_kernel(
     logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
@@ -138,7 +144,7 @@ def topk_router(
             scaling_factor=scaling_factor,
         )
     T, E = logits.shape
-    if E > MAX_EXPERTS or num_groups > MAX_GROUPS:
+    if not supports(E, num_groups):
         raise ValueError(
             f"topk_router: the Triton kernel supports E <= {MAX_EXPERTS} and num_groups <= {MAX_GROUPS}, "
             f"got E={E}, num_groups={num_groups}; use MOE_KERNELS_BACKEND=torch"

@@ -15,6 +15,12 @@ _TILE = 1024  # logits per program when E is small
 _PER_THREAD = 8
 
 
+def supports(num_experts: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.topk_softmax asks
+    backends.fallback (the CUDA kernel, else the reference) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS
+
+
 @triton.jit
 def topk_softmax_kernel(
     logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
@@ -72,7 +78,7 @@ def launch_config(num_tokens: int, num_experts: int):
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.topk_softmax (validated there)."""
     T, E = logits.shape
-    if E > MAX_EXPERTS:
+    if not supports(E):
         raise ValueError(
             f"topk_softmax: the Triton kernel supports at most {MAX_EXPERTS} experts, got E={E}; "
             "use MOE_KERNELS_BACKEND=cuda or torch"
