@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best
 
 # Registers per program as in topk_softmax: BLOCK_T x BLOCK_E elements, at most 8 per thread.
 MAX_EXPERTS = 4096
@@ -94,6 +94,7 @@ def max_registers(num_warps: int) -> int | None:
 
 
 @torch.library.custom_op("moe_kernels_triton::load_probabilities", mutates_args=())
+@on_tensor_device
 def load_probabilities(
     clean_logits: torch.Tensor, noisy_logits: torch.Tensor, noise_stddev: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels import reference
-from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best
 
 MAX_EXPERTS = 2048
 MAX_GROUPS = 64
@@ -117,6 +117,7 @@ def launch_config(num_tokens: int, num_experts: int):
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
+@on_tensor_device
 def topk_router(
     logits: torch.Tensor,
     k: int,

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best
 
 # One program holds BLOCK_T x BLOCK_E logits in registers (a float and two int64 keys each);
 # at most 8 per thread keeps them there (checked by ptxas in the AOT test), so a row of E logits
@@ -75,6 +75,7 @@ def launch_config(num_tokens: int, num_experts: int):
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_softmax", mutates_args=())
+@on_tensor_device
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.topk_softmax (validated there)."""
     T, E = logits.shape
