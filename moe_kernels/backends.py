@@ -16,6 +16,13 @@ default: all of them). A float64 tensor whose chosen backend has none runs the r
 or not, so every op takes float64 everywhere (gradcheck on the public functions); backends() says
 which ops do that ("cpu float64" / "cuda float64").
 
+Kernel limits: a kernel that cannot take a valid input (the Triton routers past the sizes their
+rows-in-registers tiles hold: topk_softmax / load_probabilities E > 4096, topk_router E > 2048 or
+more than 64 groups, dselect_k more than 1024 experts) hands the call on with `fallback(op,
+"triton", tensor)`: the next backend of the device's default order that has a kernel here ("cuda"
+for CUDA tensors where the extension has it), else the reference; forced or not, like float64, so
+a valid input is never an error. Under TRITON_INTERPRET=1 on CPU tensors that is the reference.
+
 A kernel registered as opt-in (`register(..., opt_in=("cuda",))`: compiled here but never run on
 its device) is used only when forced; the default order skips it.
 
@@ -152,6 +159,24 @@ def choose_for(op: str, tensor: torch.Tensor) -> str:
 def implementation(op: str, tensor: torch.Tensor) -> Callable:
     """The callable to run `op` on inputs living on `tensor`'s device (and of its dtype)."""
     return getattr(_REGISTRY[op], choose_for(op, tensor))
+
+
+def fallback(op: str, past: str, tensor: torch.Tensor) -> Callable:
+    """The implementation of `op` for `tensor` when backend `past` was chosen but its kernel cannot
+    take this input (a Triton kernel past its size limits; the module docstring): the first backend
+    after `past` in the default order of `tensor`'s device that has a kernel here (opt-in ones
+    skipped, the float64 rule kept), else the reference. Asked by the implementation of `past`
+    itself, so the limits live with the kernel and the choice stays here."""
+    device_type = tensor.device.type
+    order = _ORDER.get(device_type, ("torch",))
+    entry = _REGISTRY[op]
+    for name in order[order.index(past) + 1 :] if past in order else ():
+        if name == "torch" or name in entry.opt_in or not _available(op, name, device_type):
+            continue
+        if tensor.dtype == torch.float64 and name not in entry.float64:
+            continue
+        return getattr(entry, name)
+    return entry.torch
 
 
 def extension_kernel(op: str, tensor: torch.Tensor):

@@ -99,6 +99,8 @@ def sample_routing(
     """Draw the experts and the surrogate weights of estimator `name` (see the module docstring).
 
     log_p: [n, k] router log-probabilities (only read, detached). capacity: default ceil(n / k).
+    Every tensor is made on log_p's device; `generator`, if given, must be a generator of that
+    device (torch.Generator(device=log_p.device)), as torch's samplers require.
     """
     if name not in ESTIMATORS:
         raise ValueError(f"unknown estimator {name!r}; valid: {ESTIMATORS}")
@@ -107,17 +109,18 @@ def sample_routing(
     lp = log_p.detach().double()
     p = lp.exp()
     q = proposal(lp, tau, use_sinkhorn)
-    rows = torch.arange(n)
+    device = log_p.device
+    rows = torch.arange(n, device=device)
     if name.startswith("sample"):
         if name == "sample":
             z = torch.multinomial(q.float(), 1, generator=generator).squeeze(1)
-            skip = torch.ones(n, dtype=torch.float64)
-            kept = torch.ones(n, dtype=torch.bool)
+            skip = torch.ones(n, dtype=torch.float64, device=device)
+            kept = torch.ones(n, dtype=torch.bool, device=device)
         else:
             z, kept, skip = skip_sample(q, capacity, generator=generator)
             if name == "sample_skip":
                 skip = kept.double()
-        iw = p[rows, z] / q[rows, z] if importance_weights else torch.ones(n, dtype=torch.float64)
+        iw = p[rows, z] / q[rows, z] if importance_weights else torch.ones(n, dtype=torch.float64, device=device)
         norm = float(kept.sum()) if name == "sample_skip" else float(n)
         return RoutingSample(z, skip * iw, max(norm, 1.0))
     z, q_cond = gumbel_matching(lp, tau, capacity, generator=generator)
@@ -127,7 +130,7 @@ def sample_routing(
         denom = proposal(lp, tau, True)[rows, z]
     else:
         denom = q[rows, z]
-    iw = p[rows, z] / denom if importance_weights else torch.ones(n, dtype=torch.float64)
+    iw = p[rows, z] / denom if importance_weights else torch.ones(n, dtype=torch.float64, device=device)
     return RoutingSample(z, iw, float(n))
 
 

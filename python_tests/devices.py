@@ -93,7 +93,8 @@ def redirect(backend: Backend, monkeypatch: pytest.MonkeyPatch):
 
     Patches the two questions the ops ask moe_kernels.backends: `choose(op, "cpu")` answers for the
     device (so a forced GPU backend is valid), and `implementation(op, cpu_tensor)` returns the
-    device implementation wrapped by `_on`. A test whose op has no kernel of that backend is
+    device implementation (by `choose_for`: float64 without a float64 kernel runs the reference,
+    on the device) wrapped by `_on`. A test whose op has no kernel of that backend is
     skipped, with the op named. A no-op for CPU backends."""
     if backend.device == "cpu":
         yield
@@ -109,8 +110,8 @@ def redirect(backend: Backend, monkeypatch: pytest.MonkeyPatch):
         return original_choose(op, device_type)
 
     def implementation(op: str, tensor: torch.Tensor) -> Callable:
-        # choose_for asks the patched choose and keeps its float64 rule: a float64 tensor whose
-        # backend has no float64 path runs the reference (here on the GPU), as it would there.
+        # choose_for (not choose): a float64 tensor whose backend has no float64 path runs the
+        # reference, as backends.implementation does (choose_for calls the patched choose).
         impl = getattr(backends._REGISTRY[op], backends.choose_for(op, tensor))
         return _on(device, impl, tensor.device.type) if tensor.device.type != device else impl
 

@@ -91,3 +91,53 @@ def test_opt_in_backend_runs_only_when_forced(monkeypatch):
 def test_register_rejects_unknown_opt_in():
     with pytest.raises(ValueError, match="opt_in"):
         backends.register("no_such_op", torch=lambda: None, opt_in=("gpu",))
+
+
+@pytest.mark.parametrize("op", ["capacity_positions", "dispatch", "combine"])
+def test_dispatch_family_reaches_its_cuda_kernels(op, monkeypatch):
+    """The kernels of csrc/cuda/dispatch.cu are the "cuda" backend of their ops (a CUDA build
+    faked here): chosen when forced, next after triton by default, not opt-in; dispatch and
+    combine have no float64 CUDA path, so float64 data on CUDA runs the reference."""
+    if not _extension.defines(op):
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    import types
+
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)
+    monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
+    entry = backends._REGISTRY[op]
+    assert entry.cuda is getattr(torch.ops.moe_kernels, op) or op == "capacity_positions"
+    assert entry.cuda is not None and "cuda" not in entry.opt_in
+    with moe_kernels.use_backend("cuda"):
+        assert backends.choose(op, "cuda") == "cuda"
+        f64 = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float64)  # no GPU needed
+        assert backends.choose_for(op, f64) == ("cuda" if op == "capacity_positions" else "torch")
+    monkeypatch.setattr(backends, "triton_importable", lambda: False)
+    assert backends.choose(op, "cuda") == "cuda"
+
+
+def test_fallback_past_a_kernels_limits(monkeypatch):
+    """backends.fallback: the next backend of the device's default order with a kernel here (the
+    float64 rule and opt-in kept), else the reference; on CPU tensors (the interpreter's Triton)
+    the reference."""
+    import types
+
+    from moe_kernels import reference
+
+    def cuda_tensor(dtype=torch.float32):  # choose_for / fallback read only these (no GPU needed)
+        return types.SimpleNamespace(device=torch.device("cuda"), dtype=dtype)
+
+    for op in ("topk_softmax", "topk_router", "load_probabilities", "dselect_k"):
+        assert backends.fallback(op, "triton", torch.zeros(2, 3)) is backends._REGISTRY[op].torch
+    assert backends.fallback("topk_softmax", "triton", torch.zeros(2, 3)) is reference.topk_softmax
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)  # a CUDA build
+    for op in ("topk_softmax", "topk_router", "load_probabilities"):
+        if backends._REGISTRY[op].cuda is None:
+            pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+        assert backends.fallback(op, "triton", cuda_tensor()) is backends._REGISTRY[op].cuda
+    assert backends.fallback("dselect_k", "triton", cuda_tensor()) is backends._REGISTRY["dselect_k"].torch
+    f64 = cuda_tensor(torch.float64)  # topk_softmax's CUDA kernel has no float64 path; topk_router's has
+    assert backends.fallback("topk_softmax", "triton", f64) is backends._REGISTRY["topk_softmax"].torch
+    assert backends.fallback("topk_router", "triton", f64) is backends._REGISTRY["topk_router"].cuda
+    assert backends.fallback("balanced_assignment", "triton", cuda_tensor()) is reference.balanced_assignment  # opt-in
+    with moe_kernels.use_backend("triton"):  # forced or not
+        assert backends.fallback("topk_softmax", "triton", cuda_tensor()) is backends._REGISTRY["topk_softmax"].cuda

@@ -89,6 +89,42 @@ def test_cuda_glue_syntax(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
 
 
+def glue_functions(text: str) -> dict[str, str]:
+    """The functions of csrc/cuda_ops.cpp, name -> body: the outermost braces that are neither a
+    namespace nor a TORCH_LIBRARY_IMPL block (comments stripped first)."""
+    text = re.sub(r"//[^\n]*", "", text)
+    bodies, stack = {}, []
+    for m in re.finditer(r"[{}]", text):
+        if m.group() == "{":
+            head = text[: m.start()].rstrip()
+            block = re.search(r"(namespace\s*\w*|TORCH_LIBRARY_IMPL\([^)]*\))$", head)
+            in_function = any(kind == "function" for kind, _ in stack)
+            stack.append(("other" if block or in_function else "function", m.start()))
+        else:
+            kind, start = stack.pop()
+            if kind == "function":
+                name = re.search(r"(\w+)\s*\([^;{}]*\)\s*(const\s*)?$", text[:start].rstrip(), re.S)
+                bodies[name.group(1) if name else f"?{start}"] = text[start : m.end()]
+    return bodies
+
+
+def test_cuda_glue_guards_the_device_and_uses_its_stream():
+    """Every function of csrc/cuda_ops.cpp that launches a kernel (check_launch(<op>_cuda(...)))
+    first sets the inputs' device (c10::cuda::CUDAGuard) and launches on that device's current
+    stream (getCurrentCUDAStream() after the guard), so tensors on cuda:1 run there while cuda:0 is
+    current. A source check: cuda_ops.cpp is only built by a CUDA torch."""
+    bodies = glue_functions((ROOT / "csrc" / "cuda_ops.cpp").read_text())
+    launching = {name: body for name, body in bodies.items() if "check_launch(" in body and "_cuda(" in body}
+    assert len(launching) >= 10, sorted(bodies)  # the scan sees the launching functions
+    bad = {}
+    for name, body in launching.items():
+        guard = body.find("CUDAGuard guard(")
+        stream = body.find("getCurrentCUDAStream()")
+        if guard < 0 or stream < 0 or stream < guard:
+            bad[name] = "no CUDAGuard before the launch's getCurrentCUDAStream()"
+    assert not bad, bad
+
+
 def cuda_ops_in_source() -> dict[str, str]:
     """Every op the CUDA sources say has a CUDA kernel, with where it was found: each
     csrc/cuda/<op>.cu (one stem per op), each m.impl("<op>", ...) of csrc/cuda_ops.cpp, and each
@@ -138,6 +174,24 @@ def test_every_cuda_kernel_is_registered():
         pytest.skip("the extension was built without CUDA kernels (MOE_KERNELS_CUDA=1 makes that an error)")
     unregistered = unregistered_cuda_ops(_extension.has_kernel)
     assert not unregistered, f"ops with CUDA kernels in the sources but no CUDA registration: {unregistered}"
+
+
+def test_every_cuda_kernel_is_reachable():
+    """Every op with a CUDA kernel in the sources is reachable from the public ops: a public op
+    registers a `cuda=` implementation with moe_kernels.backends (so use_backend("cuda") and the
+    default order can choose it), and a helper op (`<op>_backward`, called by <op>'s autograd
+    formula, which the extension op carries on every device) belongs to a public op that does.
+    Needs no GPU: a compiled, registered kernel that no op passes to backends.register is dead."""
+    from moe_kernels import _extension, backends
+
+    if not _extension.LOADED:
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    unreachable = {}
+    for op, where in cuda_ops_in_source().items():
+        public = op if op in backends._REGISTRY else op.removesuffix("_backward")
+        if public not in backends._REGISTRY or backends._REGISTRY[public].cuda is None:
+            unreachable[op] = where
+    assert not unreachable, f"CUDA kernels no op can reach (no cuda= in backends.register): {unreachable}"
 
 
 def unregistered_cuda_ops(has_kernel) -> dict[str, str]:

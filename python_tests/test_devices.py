@@ -92,3 +92,20 @@ def test_redirect_skips_ops_without_a_kernel_of_the_backend():
     with pytest.MonkeyPatch.context() as mp, redirect(Backend("triton", "cuda"), mp), moe_kernels.use_backend("triton"):
         assert backends.choose("topk_softmax", "cpu") == "triton"  # answered for cuda tensors
     assert backends.choose("topk_softmax", "cpu") != "triton" or backends.triton_interpreting()  # undone
+
+
+def test_redirect_keeps_the_float64_rule(monkeypatch):
+    """A GPU case hands a float64 tensor whose op has no float64 kernel on that backend to the
+    reference (on the device), as backends.implementation does: the CUDA topk_softmax kernel has
+    no float64 path, so a float64 cuda:cuda case must not reach it."""
+    import devices
+
+    from moe_kernels import _extension, reference
+
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)  # a CUDA build, here
+    monkeypatch.setattr(devices, "_on", lambda device, impl, home: impl)  # no GPU to copy to
+    with redirect(Backend("cuda", "cuda"), monkeypatch), moe_kernels.use_backend("cuda"):
+        entry = backends._REGISTRY["topk_softmax"]
+        assert backends.implementation("topk_softmax", torch.zeros(2, 3, dtype=torch.float64)) is entry.torch
+        assert backends.implementation("topk_softmax", torch.zeros(2, 3)) is entry.cuda
+    assert entry.torch is reference.topk_softmax

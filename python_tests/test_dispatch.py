@@ -222,24 +222,33 @@ def test_round_trip_keeps_kept_tokens(backend):
     assert all_dropped.any() and (y[all_dropped] == 0).all(), "a dropped token's output must be zero"
 
 
-def test_noncontiguous_inputs(backend):
-    T, E, k, d = 9, 5, 2, 7
-    experts = routing_choices("empties", T, E, k).t().contiguous().t()  # column-major
+def noncontiguous_inputs(T=9, E=5, k=2, d=7):
+    """Column-major experts / positions / x / weights / priority (positions for capacity 2)."""
+    experts = routing_choices("empties", T, E, k).t().contiguous().t()
     positions, counts = reference.capacity_positions(experts.contiguous(), E, 2)
-    positions = positions.t().contiguous().t()
-    x = torch.randn(d, T).t()
-    w = torch.rand(k, T).t()
-    priority = torch.rand(k, T).t()
-    with use(backend, CAPACITY_OPS + DROPLESS_OPS):
+    return experts, positions.t().contiguous().t(), torch.randn(d, T).t(), torch.rand(k, T).t(), torch.rand(k, T).t()
+
+
+def test_noncontiguous_inputs(backend):
+    # The capacity ops alone, so a backend without permute kernels (cuda) still runs them.
+    T, E = 9, 5
+    experts, positions, x, w, priority = noncontiguous_inputs(T, E)
+    with use(backend):
         got = capacity_positions(experts, E, 2, priority=priority)
         buffer = dispatch(x, experts, positions, E, 2)
         y = combine(buffer.transpose(0, 1).contiguous().transpose(0, 1), experts, positions, w)
-        xs, off, order = permute(x, experts, E)
-        yu = unpermute(xs.t().contiguous().t(), order, w, T)
     ref = reference.capacity_positions(experts.contiguous(), E, 2, priority=priority.contiguous())
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert torch.equal(buffer, reference.dispatch(x.contiguous(), experts, positions, E, 2))
     assert_close(y, reference.combine(buffer, experts, positions, w))
+
+
+def test_noncontiguous_inputs_dropless(backend):
+    T, E = 9, 5
+    experts, _, x, w, _ = noncontiguous_inputs(T, E)
+    with use(backend, DROPLESS_OPS):
+        xs, off, order = permute(x, experts, E)
+        yu = unpermute(xs.t().contiguous().t(), order, w, T)
     assert_close(yu, reference.unpermute(xs, order, w, T))
 
 

@@ -258,3 +258,18 @@ def test_bad_arguments(alpha, z, n, gamma, error):
 def test_bad_return_selectors():
     with pytest.raises(TypeError, match="return_selectors"):
         dselect_k(torch.randn(2), torch.randn(2, 1), 2, 1.0, return_selectors=1)
+
+
+def test_past_the_triton_kernel_limit(backend):
+    """n = 1100 experts is past the Triton kernel's 1024: valid input, handed on
+    (backends.fallback: the reference, dselect_k has no CUDA kernel), never an error."""
+    alpha, z = (t.requires_grad_() for t in inputs(3, 2, 1100, seed=4))
+    gates = run(backend, alpha, z, 1100, 1.0)
+    ref = reference.dselect_k(alpha, z, 1100, 1.0)
+    assert gates.shape == (3, 1100)
+    assert_close(gates, ref)
+    if backend == "triton" and backend.device == "cpu":  # the interpreter: the reference itself
+        assert torch.equal(gates, ref)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(gates, (alpha, z), g), torch.autograd.grad(ref, (alpha, z), g), strict=True):
+        assert_close(a, b)

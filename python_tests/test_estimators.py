@@ -1,9 +1,14 @@
 """The REINFORCE surrogates: unbiasedness of the router gradient against exact enumeration on a
 tiny problem (Monte Carlo, within 4 sigma per component), bias of the biased ones, the baseline."""
 
+import contextlib
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
+import moe_kernels
 from moe_kernels import estimators
 
 
@@ -108,3 +113,46 @@ def test_gating_loss():
     f_param = torch.rand(6, dtype=torch.float64, requires_grad=True)
     estimators.gating_loss(log_p.detach(), s, f_param, 0.0).backward()
     assert torch.equal(f_param.grad == 0, s.weights == 0)
+
+
+class OneDevice(TorchFunctionMode):
+    """Records every torch call whose tensor arguments sit on more than one device."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixed = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {a.device for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        if len(devices) > 1:
+            self.mixed.append((getattr(func, "__name__", str(func)), sorted(map(str, devices))))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("solver", ["default", "torch"])
+@pytest.mark.parametrize("name", estimators.ESTIMATORS)
+def test_sample_routing_stays_on_the_input_device(name, solver):
+    """Every tensor sample_routing makes is on log_p's device. Checked on the CPU: with 'meta' as
+    the default device, a tensor made without device= lands on meta, and any torch call mixing it
+    with the CPU inputs is recorded (on a GPU the same tensor would be a CPU tensor next to CUDA
+    ones: an error, or a silent copy). The outputs must be on log_p's device."""
+    log_p = torch.log_softmax(torch.randn(10, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4)), -1)
+
+    def backend():  # "torch": the reference solvers (sinkhorn, balanced_assignment) too
+        return moe_kernels.use_backend("torch") if solver == "torch" else contextlib.nullcontext()
+
+    for importance_weights in (True, False):
+        for use_sinkhorn in (False, True):
+            mode = OneDevice()
+            with backend(), torch.device("meta"), mode:
+                s = estimators.sample_routing(
+                    name,
+                    log_p,
+                    capacity=4,
+                    use_sinkhorn=use_sinkhorn,
+                    importance_weights=importance_weights,
+                    generator=torch.Generator(device="cpu").manual_seed(0),
+                )
+            assert not mode.mixed, (importance_weights, use_sinkhorn, mode.mixed)
+            assert s.experts.device == s.weights.device == log_p.device

@@ -420,3 +420,28 @@ def test_renormalized_runs_past_1024_rows(E, k):
     assert_close(w, w_ref)
     assert_close(w_softmax, ws_ref)
     assert torch.equal(w[1030], torch.zeros(k)) and not torch.signbit(w[1030]).any()
+
+
+@pytest.mark.parametrize(
+    "E, k, kwargs",
+    [
+        (2056, 4, dict(renormalize=True)),  # E past the Triton kernel's 2048
+        (130, 4, dict(scoring="sigmoid", bias=True, num_groups=65, topk_groups=3, group_scoring="max")),  # 65 groups
+        (130, 4, dict(num_groups=65)),  # 65 groups, no group limit
+    ],
+    ids=["E2056", "groups65_limited", "groups65"],
+)
+def test_past_the_triton_kernel_limits(backend, E, k, kwargs):
+    """Sizes the Triton kernel's tiles do not hold are valid input: the op hands them on
+    (backends.fallback: the CUDA kernel for CUDA tensors, the reference under the interpreter),
+    never an error; forward and backward as the reference's."""
+    kw = kwargs_for(E, kwargs, seed=E)
+    logits = torch.randn(6, E, generator=torch.Generator().manual_seed(E)).requires_grad_()
+    w, e = run(backend, logits, k, **kw)
+    rw, re = reference.topk_router(logits, k, **kw)
+    assert_same_selection(e, re, logits.detach(), k, kw)
+    assert_close(w, rw)
+    if backend == "triton" and backend.device == "cpu":  # the interpreter: the reference itself
+        assert torch.equal(e, re) and torch.equal(w, rw)
+    g = torch.randn_like(rw)
+    assert_close(torch.autograd.grad(w, logits, g)[0], torch.autograd.grad(rw, logits, g)[0])

@@ -446,3 +446,19 @@ def test_torch_compile_fullgraph(kernel_backend):
             route, fullgraph=True, backend="aot_eager" if kernel_backend == "triton" else "inductor"
         )
         assert_close(compiled(x), route(x))
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_past_the_triton_kernel_limit(backend, renormalize):
+    """E = 4100 is past the Triton kernel's 4096: valid input, handed on (backends.fallback: the
+    CUDA kernel for CUDA tensors, the reference under the interpreter), never an error."""
+    logits = torch.randn(5, 4100, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    with moe_kernels.use_backend(backend):
+        w, e = topk_softmax(logits, 3, renormalize)
+    rw, re = reference.topk_softmax(logits, 3, renormalize)
+    assert torch.equal(e, re)
+    assert_close(w, rw)
+    if backend == "triton" and backend.device == "cpu":  # the interpreter: the reference itself
+        assert torch.equal(w, rw)
+    g = torch.randn_like(rw)
+    assert_close(torch.autograd.grad(w, logits, g)[0], torch.autograd.grad(rw, logits, g)[0])

@@ -1,8 +1,9 @@
 """moe_kernels.ops.capacity_positions: the slot of every (token, choice) in its expert's buffer.
 
 Implementations: reference (moe_kernels/reference/capacity_positions.py), C++ CPU
-(csrc/cpu/capacity_positions.cpp), Triton
-(moe_kernels/triton/capacity_positions.py). backends.py chooses among them.
+(csrc/cpu/capacity_positions.cpp), Triton (moe_kernels/triton/capacity_positions.py), CUDA
+(csrc/cuda/dispatch.cu, registered in csrc/cuda_ops.cpp: the fill order sorted by torch, then one
+block per expert scanning it). backends.py chooses among them.
 """
 
 import math
@@ -32,7 +33,9 @@ if backends.triton_importable():
         return _triton_module.capacity_positions(experts, num_experts, capacity, priority)
 
 
-backends.register("capacity_positions", torch=reference.capacity_positions, cpu=_cpp, triton=_triton)
+# The extension op is one schema with a CPU and (CUDA builds) a CUDA kernel: `_cpp` serves both
+# backends; backends.py uses each only where the extension registered that device's kernel.
+backends.register("capacity_positions", torch=reference.capacity_positions, cpu=_cpp, triton=_triton, cuda=_cpp)
 
 __all__ = ["capacity_for", "capacity_positions"]
 

@@ -2,7 +2,9 @@
 
 Implementations: reference (moe_kernels/reference/combine.py), C++ CPU (csrc/cpu/combine.cpp, with
 its backward combine_backward: grad_buffer a weighted gather, grad_weights row dot products), Triton
-(moe_kernels/triton/dispatch.py). backends.py chooses among them.
+(moe_kernels/triton/dispatch.py), CUDA (csrc/cuda/dispatch.cu: combine and combine_backward,
+registered in csrc/cuda_ops.cpp under the same schemas, so the autograd formula below serves both
+devices; float32 / float16 / bfloat16). backends.py chooses among them.
 """
 
 import torch
@@ -58,7 +60,9 @@ if backends.triton_importable():
 
     _triton.register_autograd(_triton_backward, setup_context=_setup_context)
 
-backends.register("combine", torch=reference.combine, cpu=_cpp, triton=_triton)
+# The CUDA kernel has no float64 path (csrc/cuda_ops.cpp): a float64 buffer on CUDA runs the
+# reference where "cuda" is chosen (backends.choose_for).
+backends.register("combine", torch=reference.combine, cpu=_cpp, triton=_triton, cuda=_cpp, float64=("cpu", "triton"))
 
 
 def combine(buffer: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor):

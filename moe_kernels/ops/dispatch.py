@@ -1,8 +1,10 @@
 """moe_kernels.ops.dispatch: scatter tokens into the [E, C, d] expert buffers.
 
 Implementations: reference (moe_kernels/reference/dispatch.py), C++ CPU (csrc/cpu/dispatch.cpp, with
-its backward dispatch_backward, the gather-sum), Triton
-(moe_kernels/triton/dispatch.py). backends.py chooses among them.
+its backward dispatch_backward, the gather-sum), Triton (moe_kernels/triton/dispatch.py), CUDA
+(csrc/cuda/dispatch.cu: dispatch and dispatch_backward, registered in csrc/cuda_ops.cpp under the
+same schemas, so the autograd formula below serves both devices; float32 / float16 / bfloat16).
+backends.py chooses among them.
 """
 
 import torch
@@ -53,7 +55,9 @@ if backends.triton_importable():
 
     _triton_module.dispatch.register_autograd(_triton_backward, setup_context=_triton_setup_context)
 
-backends.register("dispatch", torch=reference.dispatch, cpu=_cpp, triton=_triton)
+# The CUDA kernel has no float64 path (csrc/cuda_ops.cpp): float64 x on CUDA runs the reference
+# where "cuda" is chosen (backends.choose_for).
+backends.register("dispatch", torch=reference.dispatch, cpu=_cpp, triton=_triton, cuda=_cpp, float64=("cpu", "triton"))
 
 
 def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, num_experts: int, capacity: int):

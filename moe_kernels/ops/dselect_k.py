@@ -68,10 +68,15 @@ _triton = None
 if backends.triton_importable():
     from moe_kernels.triton import dselect_k as _triton_module
 
-    _triton = _triton_module.dselect_k
-    _triton.register_autograd(
+    _triton_module.dselect_k.register_autograd(
         _make_backward(lambda: torch.ops.moe_kernels_triton.dselect_k_backward), setup_context=_setup_context
     )
+
+    def _triton(alpha, z, num_experts, gamma, return_selectors):
+        if not _triton_module.supports(num_experts):  # past the kernel's size: the reference (no CUDA kernel)
+            return backends.fallback("dselect_k", "triton", alpha)(alpha, z, num_experts, gamma, return_selectors)
+        return _triton_module.dselect_k(alpha, z, num_experts, gamma, return_selectors)
+
 
 # No kernel has a float64 path: float64 alpha runs the reference (backends.choose_for).
 backends.register("dselect_k", torch=_reference, cpu=_cpp, triton=_triton, float64=())

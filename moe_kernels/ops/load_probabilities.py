@@ -95,8 +95,14 @@ _triton = None
 if backends.triton_importable():
     from moe_kernels.triton import load_probabilities as _triton_module
 
-    _triton = _triton_module.load_probabilities
-    _triton.register_autograd(_backward, setup_context=_setup_context)
+    _triton_module.load_probabilities.register_autograd(_backward, setup_context=_setup_context)
+
+    def _triton(clean_logits, noisy_logits, noise_stddev, k):
+        if not _triton_module.supports(noisy_logits.shape[1]):  # past the kernel's E: cuda, else the reference
+            return backends.fallback("load_probabilities", "triton", noisy_logits)(
+                clean_logits, noisy_logits, noise_stddev, k
+            )
+        return _triton_module.load_probabilities(clean_logits, noisy_logits, noise_stddev, k)
 
 
 def _reference(clean_logits, noisy_logits, noise_stddev, k):

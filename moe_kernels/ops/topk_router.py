@@ -140,12 +140,20 @@ if backends.triton_importable():
     from moe_kernels.triton import topk_router as _triton_module
 
     _triton_module.topk_router.register_autograd(_backward_torch, setup_context=_setup_context)
-    _triton = _kernel_call(_triton_module.topk_router)
+    _triton_call = _kernel_call(_triton_module.topk_router)
+
+    def _triton(logits, k, *, num_groups, **kwargs):
+        if not _triton_module.supports(logits.shape[1], num_groups):  # past the kernel: cuda, else the reference
+            return backends.fallback("topk_router", "triton", logits)(logits, k, num_groups=num_groups, **kwargs)
+        return _triton_call(logits, k, num_groups=num_groups, **kwargs)
+
 
 _cuda = None
-if backends._extension.has_kernel("topk_router", "CUDA"):
-    # The CUDA kernel keeps the eligible groups in a 64-bit mask (csrc/include/moe_kernels/
-    # topk_router_row.h): a grouped call with more groups runs the reference on the device.
+if _cpp is not None:
+    # Defined wherever the op is (one schema for both devices): backends.py runs it only where the
+    # extension registered the CUDA kernel, as for the other ops. The CUDA kernel keeps the
+    # eligible groups in a 64-bit mask (csrc/include/moe_kernels/topk_router_row.h): a grouped
+    # call with more groups runs the reference on the device.
     _CUDA_MAX_GROUPS = 64
 
     def _cuda(logits, k, *, num_groups, topk_groups, **kwargs):

@@ -110,8 +110,13 @@ _triton = None
 if backends.triton_importable():
     from moe_kernels.triton import topk_softmax as _triton_module
 
-    _triton = _triton_module.topk_softmax
-    _triton.register_autograd(_backward, setup_context=_setup_context)
+    _triton_module.topk_softmax.register_autograd(_backward, setup_context=_setup_context)
+
+    def _triton(logits, k, renormalize):
+        if not _triton_module.supports(logits.shape[1]):  # past the kernel's E: cuda, else the reference
+            return backends.fallback("topk_softmax", "triton", logits)(logits, k, renormalize)
+        return _triton_module.topk_softmax(logits, k, renormalize)
+
 
 # No kernel has a float64 path: float64 logits run the reference (backends.choose_for).
 backends.register("topk_softmax", torch=reference.topk_softmax, cpu=_cpp, triton=_triton, cuda=_cpp, float64=())

@@ -249,9 +249,8 @@ def balanced_assignment(scores: torch.Tensor, capacity: int):
     z, value, dist = (
         solve(s, capacity) if n else ([], 0.0, [[0.0 if a == b else math.inf for b in range(k)] for a in range(k)])
     )
-    D = torch.tensor([row[:k] for row in dist[:k]], dtype=torch.float64).reshape(k, k)
     return (
         torch.tensor(z, dtype=torch.int64, device=scores.device),
         torch.tensor(value, dtype=torch.float64, device=scores.device),
-        D.to(scores.device),
+        torch.tensor([row[:k] for row in dist[:k]], dtype=torch.float64, device=scores.device).reshape(k, k),
     )

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import rank_pair
+from moe_kernels.triton.common import on_tensor_device, rank_pair
 
 _BLOCK_T = 256  # tokens per tile: BLOCK_T x 16 bin comparisons per histogram step
 _NUM_WARPS = 4
@@ -83,6 +83,7 @@ def batchwise_mask_kernel(
 
 
 @torch.library.custom_op("moe_kernels_triton::batchwise_mask", mutates_args=())
+@on_tensor_device
 def batchwise_mask(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.batchwise_mask (validated there)."""
     T, E = scores.shape

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton.common import on_tensor_device
+
 _BLOCK = 1024  # choices per scan step
 
 
@@ -45,6 +47,7 @@ def fill_order(experts: torch.Tensor, priority: torch.Tensor | None) -> torch.Te
 
 
 @torch.library.custom_op("moe_kernels_triton::capacity_positions", mutates_args=())
+@on_tensor_device
 def capacity_positions(
     experts: torch.Tensor, num_experts: int, capacity: int, priority: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,9 @@
-"""Triton helpers shared by the kernels: the ranking order every backend uses."""
+"""Triton helpers shared by the kernels: the ranking order every backend uses, the launch shape of
+the row kernels, and the device every launch runs on."""
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -76,3 +80,23 @@ def row_tile_config(num_rows: int, row_width: int, tile: int, per_thread: int):
     block_r = max(1, min(tile // block_w, triton.next_power_of_2(max(num_rows, 1))))
     num_warps = min(16, max(1, block_r * block_w // (32 * per_thread)))
     return (triton.cdiv(num_rows, block_r),), block_r, block_w, num_warps
+
+
+def on_tensor_device(launcher):
+    """Decorator of every function that launches a kernel (python_tests/test_triton_launch_device.py
+    checks): runs it with the current CUDA device set to the device of its first tensor argument.
+
+    A Triton launch goes to the current device and its current stream, not the tensors' device, so
+    inputs on cuda:1 while cuda:0 is current would run on the wrong GPU. Under TRITON_INTERPRET=1
+    the tensors are on the CPU: nothing is set. Sits under @torch.library.custom_op (the schema is
+    inferred through functools.wraps)."""
+
+    @functools.wraps(launcher)
+    def launch(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tensor is None or tensor.device.type != "cuda":
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return launcher(*args, **kwargs)
+
+    return launch

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton.common import on_tensor_device
+
 # 8 rows x 128 columns per program, 4 warps: under triton 3.7.1 (torch 2.13.0's), 16 rows made
 # ptxas spill in combine_kernel for sm_90; 8 rows need about 50 registers on sm_80 and sm_90.
 _BLOCK_ROWS = 8
@@ -107,6 +109,7 @@ def _grid(rows, d):
     return (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(d, _BLOCK_D))
 
 
+@on_tensor_device
 def gather_rows(x: torch.Tensor, source: torch.Tensor, k: int, weights: torch.Tensor | None) -> torch.Tensor:
     """out [S, d]: out[r] = weights[source[r]] * x[source[r] // k] (weight 1 if None), 0 where -1."""
     S, d = source.numel(), x.shape[1]
@@ -130,6 +133,7 @@ def gather_rows(x: torch.Tensor, source: torch.Tensor, k: int, weights: torch.Te
     return out
 
 
+@on_tensor_device
 def gather_sum(src: torch.Tensor, row: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out [T, d]: out[t] = sum over s with row[t*k+s] >= 0 of weights[t, s] * src[row[t*k+s]]."""
     T, k = weights.shape

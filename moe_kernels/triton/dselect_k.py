@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import row_tile_config
+from moe_kernels.triton.common import on_tensor_device, row_tile_config
 from moe_kernels.triton.smooth_step import _params, smooth_step_chain, smooth_step_value
 
 # 2^m selector entries of BLOCK_B rows in registers: at most 1024 per program and 8 per thread in
@@ -176,8 +176,14 @@ def launch_config(num_rows: int, num_selector_entries: int, backward: bool = Fal
     return grid, block_b, num_warps
 
 
+def supports(num_experts: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.dselect_k asks
+    backends.fallback (the reference: dselect_k has no CUDA kernel) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS
+
+
 def _check_size(num_experts: int):
-    if num_experts > MAX_EXPERTS:
+    if not supports(num_experts):
         raise ValueError(
             f"dselect_k: the Triton kernel supports at most {MAX_EXPERTS} experts, got {num_experts}; "
             "use MOE_KERNELS_BACKEND=cpu or torch"
@@ -185,6 +191,7 @@ def _check_size(num_experts: int):
 
 
 @torch.library.custom_op("moe_kernels_triton::dselect_k", mutates_args=())
+@on_tensor_device
 def dselect_k(
     alpha: torch.Tensor, z: torch.Tensor, num_experts: int, gamma: float, return_selectors: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,6 +231,7 @@ def _(alpha, z, num_experts, gamma, return_selectors):
 
 
 @torch.library.custom_op("moe_kernels_triton::dselect_k_backward", mutates_args=())
+@on_tensor_device
 def dselect_k_backward(
     grad_gates: torch.Tensor,
     grad_selectors: torch.Tensor | None,

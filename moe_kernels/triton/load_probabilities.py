@@ -6,12 +6,20 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best
 
 # Registers per program as in topk_softmax: BLOCK_T x BLOCK_E elements, at most 8 per thread.
 MAX_EXPERTS = 4096
 _TILE = 1024  # elements per program when E is small
 _PER_THREAD = 8
+
+
+def supports(num_experts: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.load_probabilities asks
+    backends.fallback (the CUDA kernel, else the reference) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS
+
+
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 
 
@@ -86,13 +94,14 @@ def max_registers(num_warps: int) -> int | None:
 
 
 @torch.library.custom_op("moe_kernels_triton::load_probabilities", mutates_args=())
+@on_tensor_device
 def load_probabilities(
     clean_logits: torch.Tensor, noisy_logits: torch.Tensor, noise_stddev: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.load_probabilities (validated there).
     Returns (P [T, E], top [T, k+1] int64)."""
     T, E = noisy_logits.shape
-    if E > MAX_EXPERTS:
+    if not supports(E):
         raise ValueError(
             f"load_probabilities: the Triton kernel supports at most {MAX_EXPERTS} experts, got E={E}; "
             "use MOE_KERNELS_BACKEND=torch"

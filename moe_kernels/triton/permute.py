@@ -8,6 +8,7 @@ import torch
 
 from moe_kernels.triton import capacity_positions as _positions
 from moe_kernels.triton import dispatch as _rows
+from moe_kernels.triton.common import on_tensor_device
 
 
 def scatter_valid(index: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
@@ -30,6 +31,7 @@ def rows_of_choices(order: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("moe_kernels_triton::permute", mutates_args=())
+@on_tensor_device
 def permute(
     x: torch.Tensor, experts: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.reference.smooth_step import smooth_step_coefficients
+from moe_kernels.triton.common import on_tensor_device
 
 _BLOCK = 1024
 
@@ -72,6 +73,7 @@ def _params(gamma: float):
 
 
 @torch.library.custom_op("moe_kernels_triton::smooth_step", mutates_args=())
+@on_tensor_device
 def smooth_step(t: torch.Tensor, gamma: float) -> torch.Tensor:
     """Triton launch; arguments as moe_kernels.ops.smooth_step (validated there)."""
     x = t.contiguous()
@@ -87,6 +89,7 @@ def _(t, gamma):
 
 
 @torch.library.custom_op("moe_kernels_triton::smooth_step_backward", mutates_args=())
+@on_tensor_device
 def smooth_step_backward(grad: torch.Tensor, t: torch.Tensor, gamma: float) -> torch.Tensor:
     """d loss / d t from d loss / d S(t); grad has t's shape."""
     x = t.contiguous()

@@ -7,12 +7,18 @@ import triton
 import triton.language as tl
 
 from moe_kernels import reference
-from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, sigmoid_accurate, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, sigmoid_accurate, take_best
 
 MAX_EXPERTS = 2048
 MAX_GROUPS = 64
 _TILE = 1024  # values per program when E is small
 _PER_THREAD = 8
+
+
+def supports(num_experts: int, num_groups: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.topk_router asks
+    backends.fallback (the CUDA kernel, else the reference) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS and num_groups <= MAX_GROUPS
 
 
 @triton.jit
@@ -111,6 +117,7 @@ def launch_config(num_tokens: int, num_experts: int):
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
+@on_tensor_device
 def topk_router(
     logits: torch.Tensor,
     k: int,
@@ -138,7 +145,7 @@ def topk_router(
             scaling_factor=scaling_factor,
         )
     T, E = logits.shape
-    if E > MAX_EXPERTS or num_groups > MAX_GROUPS:
+    if not supports(E, num_groups):
         raise ValueError(
             f"topk_router: the Triton kernel supports E <= {MAX_EXPERTS} and num_groups <= {MAX_GROUPS}, "
             f"got E={E}, num_groups={num_groups}; use MOE_KERNELS_BACKEND=torch"

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best
 
 # One program holds BLOCK_T x BLOCK_E logits in registers (a float and two int64 keys each);
 # at most 8 per thread keeps them there (checked by ptxas in the AOT test), so a row of E logits
@@ -13,6 +13,12 @@ from moe_kernels.triton.common import NO_PAIR, rank_pair, row_tile_config, take_
 MAX_EXPERTS = 4096
 _TILE = 1024  # logits per program when E is small
 _PER_THREAD = 8
+
+
+def supports(num_experts: int) -> bool:
+    """Whether the kernel takes this size; past it moe_kernels.ops.topk_softmax asks
+    backends.fallback (the CUDA kernel, else the reference) and the raw op raises."""
+    return num_experts <= MAX_EXPERTS
 
 
 @triton.jit
@@ -69,10 +75,11 @@ def launch_config(num_tokens: int, num_experts: int):
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_softmax", mutates_args=())
+@on_tensor_device
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.topk_softmax (validated there)."""
     T, E = logits.shape
-    if E > MAX_EXPERTS:
+    if not supports(E):
         raise ValueError(
             f"topk_softmax: the Triton kernel supports at most {MAX_EXPERTS} experts, got E={E}; "
             "use MOE_KERNELS_BACKEND=cuda or torch"
