@@ -321,7 +321,6 @@ def grid(quick: bool, smoke: bool = False) -> list[Case]:
     if quick:
         return (
             routers(65536, torch.bfloat16, ("fwd", "fwd+bwd"))
-            + routers(262144, torch.float32, ("fwd",))
             + maps(65536, 256, 8)
             + rows(16384, 4096, 64, 8, ("fwd", "fwd+bwd"))
             + batchwise(65536, 64)

@@ -295,9 +295,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("GPU_OUT") or str(ROOT / "gpu-check-out"))
     parser.add_argument("--groups", type=int, default=int(os.environ.get("GPU_CHECK_GROUPS", 8)))
     parser.add_argument("--fuzz-examples", type=int, default=100, help="generated cases per fuzz test (CI: 500)")
-    parser.add_argument("--build-timeout", type=float, default=300)
-    parser.add_argument("--test-timeout", type=float, default=240, help="seconds for each test group")
-    parser.add_argument("--bench-timeout", type=float, default=150)
+    # Defaults sized on an H100 with 16 cores (bench/results/gpu-nvidia-h100-80gb-hbm3.md): build
+    # 42 s, the test groups 146 s; the whole run stays under 10 minutes even at every limit.
+    parser.add_argument("--build-timeout", type=float, default=180)
+    parser.add_argument("--test-timeout", type=float, default=200, help="seconds for each test group")
+    parser.add_argument("--bench-timeout", type=float, default=200)
     parser.add_argument("--skip-build", action="store_true", help="use the extension already built")
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--full-bench", action="store_true", help="the benchmarks' full grid (slow)")

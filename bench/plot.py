@@ -251,7 +251,8 @@ def write_index(results: Path = RESULTS) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    paths = [Path(a) for a in argv] or sorted(RESULTS.glob("*.csv"))
+    # gpu-<device>.csv (make gpu-check) has its own columns and its table in gpu-<device>.md: no plot.
+    paths = [Path(a) for a in argv] or sorted(p for p in RESULTS.glob("*.csv") if not p.name.startswith("gpu-"))
     for path in paths:
         print(f"plot: {plot_csv(path)}")
     print(f"index: {write_index(paths[0].parent if argv else RESULTS)}")

@@ -66,7 +66,11 @@ def test_topk_softmax(backend, renormalize):
         w, e = topk_softmax(x, 3, renormalize)
         assert w.dtype == F64
         rw, re = reference.topk_softmax(x, 3, renormalize)
-        assert torch.equal(e, re) and torch.equal(w, rw)
+        assert torch.equal(e, re)
+        if getattr(backend, "device", "cpu") == "cpu":
+            assert torch.equal(w, rw)
+        else:  # the reference on the GPU: its float64 exp may differ from the CPU's in the last bits
+            torch.testing.assert_close(w, rw, rtol=1e-14, atol=0)
         assert torch.autograd.gradcheck(lambda t: topk_softmax(t, 3, renormalize)[0], (x,))
 
 

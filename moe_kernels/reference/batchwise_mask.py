@@ -3,6 +3,8 @@ Appendix F (000_9a6c7e46ac45e7a4.txt): the specification the kernels are tested 
 
 import torch
 
+from moe_kernels.reference.ranking import descending_order
+
 
 def batchwise_mask(scores: torch.Tensor, m: int):
     """M_batchwise(X, m) (eq 18): every expert keeps the m largest scores of its column.
@@ -26,9 +28,8 @@ def batchwise_mask(scores: torch.Tensor, m: int):
     mask = torch.zeros(T, E, dtype=torch.bool, device=scores.device)
     expert_tokens = torch.empty(E, m, dtype=torch.int64, device=scores.device)
     for i in range(E):
-        # A stable descending sort is the plain statement of "by score, then by lower index"
-        # (torch.sort puts NaN first when descending and treats -0.0 == +0.0).
-        order = torch.sort(x[:, i], descending=True, stable=True).indices
+        # By score, then by lower index; NaN first, -0.0 == +0.0 (reference/ranking.py).
+        order = descending_order(x[:, i], dim=0)
         chosen = torch.sort(order[:m]).values
         expert_tokens[i] = chosen
         mask[chosen, i] = True

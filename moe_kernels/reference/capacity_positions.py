@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from moe_kernels.reference.ranking import descending_order
+
 
 def capacity_for(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 0) -> int:
     """max(min_capacity, ceil(capacity_factor * T * k / E)): the GShard / Switch capacity."""
@@ -19,14 +21,14 @@ def _fill_order(experts: torch.Tensor, priority: torch.Tensor | None) -> torch.T
 
     Default (GShard / Switch "position" policy): every token's first choice before any second
     choice, and within one choice index by token index. With `priority`, by descending priority,
-    ties in the default order (NaN priorities last, as torch.sort places them).
+    ties in the default order (NaN priorities last).
     """
     T, k = experts.shape
     default = torch.arange(T * k, device=experts.device).view(T, k).t().reshape(-1)  # s-major
     if priority is None:
         return default
     p = priority.t().reshape(-1).float()  # float32 comparisons, as every kernel makes them
-    return default[torch.sort(-p, stable=True).indices]
+    return default[descending_order(p, dim=0, nan_last=True)]
 
 
 def capacity_positions(experts: torch.Tensor, num_experts: int, capacity: int, *, priority=None):

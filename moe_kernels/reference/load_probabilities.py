@@ -6,6 +6,8 @@ x W_g and noise_stddev is Softplus(x W_noise).
 
 import torch
 
+from moe_kernels.reference.ranking import descending_order
+
 
 def load_probabilities(
     clean_logits: torch.Tensor, noisy_logits: torch.Tensor, noise_stddev: torch.Tensor, k: int, *, return_topk=False
@@ -41,7 +43,7 @@ def load_probabilities(
     T, E = noisy.shape
 
     # The ranking: a stable descending sort (NaN first, ties to the lower index).
-    order = torch.sort(noisy, dim=-1, descending=True, stable=True).indices
+    order = descending_order(noisy)
     top = order[:, : k + 1]
     selected = torch.zeros(T, E, dtype=torch.bool, device=noisy.device)
     selected.scatter_(1, order[:, :k], True)

@@ -8,6 +8,8 @@ docs/routers.md maps each family's router to its call.
 
 import torch
 
+from moe_kernels.reference.ranking import descending_order
+
 SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORINGS = ("top2_sum", "max")
 
@@ -26,11 +28,6 @@ def router_scores(x: torch.Tensor, scoring: str) -> torch.Tensor:
     return torch.where(masked, 0.0, torch.softmax(torch.where(masked, 0.0, x), dim=-1))
 
 
-def descending_order(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Indices by descending value, equal values by lower index, NaN above every number."""
-    return torch.sort(values, dim=dim, descending=True, stable=True)[1]
-
-
 def eligible_experts(choice: torch.Tensor, num_groups: int, topk_groups: int, group_scoring: str) -> torch.Tensor:
     """[T, E] bool: the experts of the topk_groups best groups of each row.
 
@@ -40,7 +37,7 @@ def eligible_experts(choice: torch.Tensor, num_groups: int, topk_groups: int, gr
     """
     T, E = choice.shape
     grouped = choice.view(T, num_groups, E // num_groups)
-    ranked = torch.sort(grouped, dim=-1, descending=True, stable=True)[0]
+    ranked = grouped.gather(-1, descending_order(grouped))
     group_score = ranked[..., 0] if group_scoring == "max" else ranked[..., 0] + ranked[..., 1]
     best_groups = descending_order(group_score)[:, :topk_groups]
     eligible = torch.zeros(T, num_groups, dtype=torch.bool, device=choice.device).scatter(1, best_groups, True)

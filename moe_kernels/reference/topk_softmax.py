@@ -2,6 +2,8 @@
 
 import torch
 
+from moe_kernels.reference.ranking import descending_order
+
 
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
     """Select the k largest logits of each row and weight them by a softmax.
@@ -18,7 +20,7 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
       experts: [T, k] int64, by descending logit; equal logits go to the lower expert index.
 
     Conventions every backend follows:
-      - NaN ranks above every number (as in torch.sort), so a row with a NaN selects it and its
+      - NaN ranks above every number (reference/ranking.py), so a row with a NaN selects it and its
         weights are NaN.
       - -0.0 and +0.0 are equal (a tie, broken by index).
       - A row whose largest selected logit is -inf (a fully masked token) gets weights 0.
@@ -26,7 +28,8 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(compute)
     # A stable descending sort is the plain statement of "by value, then by lower index".
-    values, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    order = descending_order(x)
+    values = x.gather(1, order)
     experts = order[:, :k]
     row_max = values[:, :1]
     masked = row_max == float("-inf")
