@@ -141,3 +141,19 @@ def test_fallback_past_a_kernels_limits(monkeypatch):
     assert backends.fallback("balanced_assignment", "triton", cuda_tensor()) is reference.balanced_assignment  # opt-in
     with moe_kernels.use_backend("triton"):  # forced or not
         assert backends.fallback("topk_softmax", "triton", cuda_tensor()) is backends._REGISTRY["topk_softmax"].cuda
+
+
+def test_measured_gpu_order(monkeypatch):
+    """capacity_positions takes its CUDA kernel first on CUDA tensors (measured faster on an H100);
+    the other ops keep Triton first; CPU tensors are unaffected."""
+    if not _extension.defines("capacity_positions"):
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)  # a CUDA build
+    monkeypatch.setattr(backends, "triton_importable", lambda: True)
+    monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
+    assert backends.default_order("capacity_positions", "cuda")[0] == "cuda"
+    assert backends.choose("capacity_positions", "cuda") == "cuda"
+    assert backends.choose("dispatch", "cuda") == "triton"
+    assert backends.choose("capacity_positions", "cpu") == "cpu"
+    with moe_kernels.use_backend("triton"):
+        assert backends.choose("capacity_positions", "cuda") == "triton"
