@@ -8,6 +8,18 @@ NO_PAIR = tl.constexpr(-9223372036854775808)
 
 
 @triton.jit
+def to_float32(x):
+    """x (float32 / float16 / bfloat16) as float32, exactly. bfloat16 is float32's upper half, so
+    its bits shifted up are the float32: the same instruction on the GPU as the conversion, and
+    exact in the interpreter too, whose bfloat16 -> float32 conversion (triton 3.7,
+    runtime/interpreter.py _convert_float) renormalises a denormal's mantissa without its
+    exponent, turning e.g. 1.0e-39 into 4.4e-39 (so denormal scores ranked wrongly on CPU)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def rank_pair(x, cols):
     """int64 keys ordering (value, index) as every backend does: larger value, then lower index.
 
