@@ -104,6 +104,19 @@ def test_noisy_topk_gate(backend, where, v):
     compare(backend, lambda c, r: noisy_topk_gate(c, r, noise, 2), clean, raw)
 
 
+def test_noisy_topk_gate_nan_raw_off_the_top(backend):
+    """Issue 34, defect 4: a NaN raw_noise_stddev at an element neither selected nor a threshold
+    (four NaN noisy logits rank first; k = 2 reads three of them) still gets d noise = NaN, as the
+    reference's d noise = d H * stddev = 0 * NaN (the fused kernel wrote 0 off its top k+1)."""
+    clean = torch.tensor([[0.4, 0.1, -1.1, 2.1, 0.3, -0.2], [0.0, 1.0, 2.0, 3.0, -1.0, 0.5]])
+    raw = torch.zeros(2, 6)
+    raw[0, :4] = NAN
+    noise = torch.full((2, 6), 0.5)
+    _, (_, g_raw, g_noise) = compare(backend, lambda c, r, n: noisy_topk_gate(c, r, n, 2), clean, raw, noise)
+    assert torch.isnan(g_noise[0, 3]) and torch.isnan(g_raw[0, 3]), "the gradient at a NaN input is NaN"
+    assert not torch.isnan(g_noise[1]).any()
+
+
 def test_softplus_tail_decides_the_ranking(backend):
     # H = 0 + 1 * Softplus(raw) with noise_epsilon 0: Softplus(-87) < Softplus(-86) < Softplus(-85)
     # (~e^raw, normal floats). A softplus flushed to 0 below e^-80 would tie them and pick expert 0.

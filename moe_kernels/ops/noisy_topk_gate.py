@@ -35,8 +35,11 @@ def _backward(ctx, grad_weights, grad_top, grad_load):
     )
     g_noise = None
     if ctx.needs_input_grad[2]:
-        # d noise is nonzero only at the k+1 elements whose noisy logits the gate reads.
+        # d noise = d H * stddev: nonzero only at the k+1 elements whose noisy logits the gate
+        # reads, and NaN wherever raw_noise_stddev is NaN (0 * NaN elsewhere too, as the
+        # reference: a NaN input's gradient is NaN, docs/reliability.md).
         g_noise = torch.zeros(T, E, dtype=torch.float32, device=noise.device)
+        g_noise.masked_fill_(torch.isnan(raw_noise_stddev), float("nan"))
         g_noise.scatter_add_(1, top.clamp(min=0), torch.where(top >= 0, g_noise_top, 0.0))
         g_noise = g_noise.to(noise.dtype)
     return g_clean, g_raw, g_noise, None, None, None
