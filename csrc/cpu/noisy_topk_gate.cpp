@@ -344,9 +344,14 @@ void backward_rows(const float* grad_weights,  // [T, k] float32
           continue;
         }
         const int64_t e = top_row[j];
+        const float z = at<scalar_t>(noise, t, e), s = stddev[i * E + e];
+        // noise * stddev = -inf (an infinite stddev, negative noise): H = -inf for every large
+        // stddev, a constant, so noise and stddev get the limit 0 through H, not gh * inf (NaN
+        // at gh = 0), as the reference's noise term (docs/reliability.md).
+        const bool constant = s == INFINITY && z < 0.0f;
         gc[i * E + e] += gh[j];
-        gs[i * E + e] += gh[j] * at<scalar_t>(noise, t, e);
-        g_noise_top[t * (k + 1) + j] = gh[j] * stddev[i * E + e];
+        gs[i * E + e] += constant ? 0.0f : gh[j] * z;
+        g_noise_top[t * (k + 1) + j] = constant ? 0.0f : gh[j] * s;
       }
     }
     write_gradients<scalar_t>(gc.data(), gs.data(), sigmoid.data(), n * E, g_clean + t0 * E, g_raw + t0 * E);
