@@ -79,6 +79,16 @@ def _check_mask_values(mask: torch.Tensor, clean_logits: torch.Tensor) -> None:
             raise ValueError("mask must be bool or hold only 0 and 1 (1 = a real token)")
 
 
+def check_noise_epsilon(noise_epsilon) -> float:
+    """noise_epsilon as a float: a TypeError unless a real number, a ValueError unless finite and
+    >= 0. Shared with NoisyTopKGate, which checks it when it is built."""
+    if isinstance(noise_epsilon, bool) or not isinstance(noise_epsilon, (int, float)):
+        raise TypeError(f"noise_epsilon must be a float, got {type(noise_epsilon).__name__}")
+    if not math.isfinite(noise_epsilon) or noise_epsilon < 0:
+        raise ValueError(f"noise_epsilon must be a finite number >= 0, got {noise_epsilon}")
+    return float(noise_epsilon)
+
+
 def noisy_topk_gate(
     clean_logits: torch.Tensor,
     raw_noise_stddev: torch.Tensor,
@@ -121,10 +131,7 @@ def noisy_topk_gate(
     if E < 1:
         raise ValueError(f"clean_logits must be [T, E] with E >= 1, got shape {tuple(clean_logits.shape)}")
     _validate.integer("k", k, low=1, high=E, what=f" (E = {E} experts)")
-    if isinstance(noise_epsilon, bool) or not isinstance(noise_epsilon, (int, float)):
-        raise TypeError(f"noise_epsilon must be a float, got {type(noise_epsilon).__name__}")
-    if not math.isfinite(noise_epsilon) or noise_epsilon < 0:
-        raise ValueError(f"noise_epsilon must be a finite number >= 0, got {noise_epsilon}")
+    check_noise_epsilon(noise_epsilon)
     if mask is not None:
         _validate.tensor("mask", mask, dim=1, shape=f"[T] = [{T}]")
         if mask.shape != (T,):
