@@ -281,6 +281,9 @@ def check_bad_input_on_one_rank(group, dropless):
     except (ValueError, RemoteRankError) as e:
         expected = ValueError if rank == 1 else RemoteRankError
         assert type(e) is expected, f"rank {rank} raised {type(e).__name__}: {e}"
+        # Issue 34, defect 7: the peers name the rank that failed (the capacity all-reduce named
+        # rank 0 on every rank).
+        assert rank == 1 or "rank(s) [1] " in str(e), f"rank {rank}: {e}"
         message = f"{type(e).__name__} after {time.perf_counter() - start:.2f}s"
     x = torch.randn(4, D, dtype=torch.float64)  # the group is still usable
     y, _ = expert_parallel_moe(x, r, w1, w2, group, dropless=dropless)
@@ -577,6 +580,8 @@ PLANS = {
         ("moe_capacity_equal_tokens", check_moe_layer,
          {"token_counts": [6, 6, 6, 6], "num_experts": 8, "kind": "batched", "capacity_factor": 1.0, "seed": 6}),
         ("moe_checkpoint_batched", check_moe_checkpoint, {"num_experts": 8, "kind": "batched"}),
+        ("bad_input_capacity", check_bad_input_on_one_rank, {"dropless": False}),
+        ("bad_input_dropless", check_bad_input_on_one_rank, {"dropless": True}),
         ("rank_dies", check_rank_dies, {}),
     ],
 }  # fmt: skip

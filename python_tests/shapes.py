@@ -48,6 +48,20 @@ def adversarial_logits(kind: str, T: int, E: int, dtype=torch.float32, seed: int
 
 ADVERSARIAL_KINDS = ["random", "ties", "all_equal", "neg_inf", "all_neg_inf", "signed_zero", "large"]
 
+
+def subnormal_values(dtype, seed: int = 0) -> torch.Tensor:
+    """[n] denormals of `dtype` (a spread of them, both signs), +-0 and the smallest normals,
+    shuffled: scores and logits that rank by their last bits (issue 34: the Triton interpreter read
+    bfloat16 denormals wrongly, so they ranked unlike the reference)."""
+    tiny = torch.finfo(dtype).tiny
+    steps = torch.tensor([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 100, 120, 127], dtype=torch.float64) / 128
+    if dtype == torch.float32:
+        steps = torch.cat([steps, torch.tensor([2.0**-23, 2.0**-20])])
+    magnitudes = torch.cat([steps * tiny, torch.tensor([tiny, 2 * tiny, 0.0])])
+    values = torch.cat([magnitudes, -magnitudes]).to(dtype)
+    return values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(seed))]
+
+
 # Capacity routing (issue 3): (T, E, k, d).
 DISPATCH_SHAPES = [
     (1, 1, 1, 4),  # one token, one expert

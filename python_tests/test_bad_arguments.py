@@ -117,3 +117,118 @@ def test_dispatch_refuses_two_choices_on_one_slot():
         dropped = clash.clone()
         dropped[1, 0] = -1  # a dropped choice holds no slot: fine
         moe_kernels.ops.dispatch(x, experts, dropped, 2, 3)
+
+
+# ---------------------------------------------------------------- issue 34, defect 6
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda L, t: moe_kernels.ops.load_probabilities(L, t, t.abs(), 1), "clean_logits"),
+        (lambda L, t: moe_kernels.ops.load_probabilities(t, L, t.abs(), 1), "noisy_logits"),
+        (lambda L, t: moe_kernels.ops.load_probabilities(t, t, L, 1), "noise_stddev"),
+        (lambda L, t: balanced_assignment(L, 1), "scores"),
+        (lambda L, t: moe_kernels.ops.threshold_mask(L, t[0]), "scores"),
+        (lambda L, t: moe_kernels.ops.threshold_mask(t, L[0]), "thresholds"),
+    ],
+)
+def test_python_list_is_a_type_error_naming_the_argument(call, name):
+    L = [[0.1, 0.2], [0.3, 0.4]]
+    with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor"):
+        call(L, torch.tensor(L))
+
+
+def _gates_with_d16():
+    from moe_kernels.compat.torchtitan import Linear, TokenChoiceTopKRouter
+    from moe_kernels.gates import BalancedAssignmentGate, BatchwiseGate, SinkhornGate
+
+    titan = TokenChoiceTopKRouter.Config(num_experts=4, gate=Linear.Config(in_features=16, out_features=4), top_k=2)
+    return {
+        "batchwise": BatchwiseGate(16, 4, 2),
+        "balanced_assignment": BalancedAssignmentGate(16, 4),
+        "sinkhorn": SinkhornGate(16, 4),
+        "torchtitan": titan.build(),
+    }
+
+
+@pytest.mark.parametrize("gate", ["batchwise", "balanced_assignment", "sinkhorn", "torchtitan"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gate_with_the_wrong_d_names_x(gate, masked):
+    """A wrong feature size is a ValueError naming x and the expected shape, not the router
+    matmul's RuntimeError."""
+    module = _gates_with_d16()[gate]
+    x = torch.randn(6, 8)
+    if masked and gate == "torchtitan":
+        pytest.skip("torchtitan's router takes no mask")
+    kwargs = {"mask": torch.ones(6, dtype=torch.bool)} if masked else {}
+    with pytest.raises(ValueError, match=r"^x(_TD)? must be \[.*\] with (d_model|D) = 16.*got \(6, 8\)"):
+        module(x, **kwargs)
+    module(torch.randn(6, 16), **kwargs)  # the right size still works
+
+
+def _construct(name):
+    from moe_kernels.gates import (
+        AuxLossFreeGate,
+        BalancedAssignmentGate,
+        BatchwiseGate,
+        NoisyTopKGate,
+        SinkhornGate,
+        TopKGate,
+    )
+
+    return {
+        "balanced_float_experts": lambda: BalancedAssignmentGate(16, 2.5),
+        "balanced_float_d": lambda: BalancedAssignmentGate(16.0, 4),
+        "batchwise_float_experts": lambda: BatchwiseGate(16, 2.5, 1),
+        "sinkhorn_float_experts": lambda: SinkhornGate(16, 2.5),
+        "topk_negative_jitter": lambda: TopKGate(16, 4, 2, jitter=-1),
+        "topk_nan_jitter": lambda: TopKGate(16, 4, 2, jitter=float("nan")),
+        "moe_negative_min_capacity": lambda: moe_kernels.MoE(8, 4, 16, min_capacity=-1),
+        "moe_float_min_capacity": lambda: moe_kernels.MoE(8, 4, 16, min_capacity=1.5),
+        "moe_zero_d_hidden": lambda: moe_kernels.MoE(8, 4, 0),
+        "noisy_negative_epsilon": lambda: NoisyTopKGate(16, 4, 2, noise_epsilon=-1),
+        "noisy_nan_epsilon": lambda: NoisyTopKGate(16, 4, 2, noise_epsilon=float("nan")),
+        "aux_loss_free_groups_not_dividing": lambda: AuxLossFreeGate(16, 16, 2, num_groups=3),
+        "aux_loss_free_topk_groups": lambda: AuxLossFreeGate(16, 16, 2, num_groups=4, topk_groups=5),
+        "aux_loss_free_scoring": lambda: AuxLossFreeGate(16, 16, 2, scoring="tanh"),
+    }[name]
+
+
+@pytest.mark.parametrize(
+    "name, error, match",
+    [
+        ("balanced_float_experts", TypeError, "num_experts must be an int"),
+        ("balanced_float_d", TypeError, "d_model must be an int"),
+        ("batchwise_float_experts", TypeError, "num_experts must be an int"),
+        ("sinkhorn_float_experts", TypeError, "num_experts must be an int"),
+        ("topk_negative_jitter", ValueError, r"jitter must be a finite number in \[0, 1\]"),
+        ("topk_nan_jitter", ValueError, r"jitter must be a finite number in \[0, 1\]"),
+        ("moe_negative_min_capacity", ValueError, r"min_capacity must be in \[0, inf\]"),
+        ("moe_float_min_capacity", TypeError, "min_capacity must be an int"),
+        ("moe_zero_d_hidden", ValueError, r"d_hidden must be in \[1, inf\]"),
+        ("noisy_negative_epsilon", ValueError, "noise_epsilon must be a finite number >= 0"),
+        ("noisy_nan_epsilon", ValueError, "noise_epsilon must be a finite number >= 0"),
+        ("aux_loss_free_groups_not_dividing", ValueError, "num_groups must divide"),
+        ("aux_loss_free_topk_groups", ValueError, r"topk_groups must be in \[1, 4\]"),
+        ("aux_loss_free_scoring", ValueError, "scoring must be one of"),
+    ],
+)
+def test_bad_construction_raises_at_construction(name, error, match):
+    """Arguments that used to be accepted silently, or fail only at the first forward (or with an
+    error that does not name them): refused when the module is built, naming the argument."""
+    with pytest.raises(error, match=match):
+        _construct(name)()
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, float("nan")])
+def test_moe_mask_values(value):
+    """MoE(x, mask=...) with a non-bool mask: only 0 and 1 (a 0.5 used to become True, while
+    noisy_topk_gate refuses it), checked where the mask is a CPU tensor (no device read)."""
+    moe = moe_kernels.MoE(8, 4, 16)
+    x = torch.randn(4, 8)
+    mask = torch.ones(4)
+    mask[1] = value
+    with pytest.raises(ValueError, match="mask must be bool or hold only 0 and 1"):
+        moe(x, mask=mask)
+    moe(x, mask=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    moe(x, mask=torch.tensor([1, 0, 1, 1]))
+    moe(x, mask=torch.tensor([True, False, True, True]))

@@ -5,7 +5,14 @@ import contextlib
 
 import pytest
 import torch
-from shapes import ADVERSARIAL_KINDS, BATCHWISE_SHAPES, DTYPES, SMALL_BATCHWISE_SHAPES, adversarial_logits
+from shapes import (
+    ADVERSARIAL_KINDS,
+    BATCHWISE_SHAPES,
+    DTYPES,
+    SMALL_BATCHWISE_SHAPES,
+    adversarial_logits,
+    subnormal_values,
+)
 
 import moe_kernels
 from moe_kernels import reference
@@ -94,6 +101,19 @@ def test_ties_go_to_lower_token(backend):
     mask, tokens = run(backend, scores, 2)
     assert tokens.tolist() == [[1, 2], [0, 4]]  # expert 1: NaN first, then the first of the zeros
     assert mask.tolist() == [[False, True], [True, False], [True, False], [False, False], [False, True]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_subnormal_scores(backend, dtype):
+    """Issue 34, defect 3: denormal scores rank by their values on every backend (the Triton
+    kernel, in the interpreter, read bfloat16 denormals as other numbers)."""
+    v = subnormal_values(dtype)
+    scores = torch.stack([v, v.flip(0), v.roll(5)], 1)  # [T, 3]
+    for m in (1, 3, v.numel() // 2):
+        mask, tokens = run(backend, scores, m)
+        want_mask, want_tokens = reference.batchwise_mask(scores, m)
+        assert torch.equal(tokens, want_tokens), (m, tokens, want_tokens)
+        assert torch.equal(mask, want_mask)
 
 
 def test_neg_inf_still_counts(backend):

@@ -104,6 +104,69 @@ def test_noisy_topk_gate(backend, where, v):
     compare(backend, lambda c, r: noisy_topk_gate(c, r, noise, 2), clean, raw)
 
 
+def test_noisy_topk_gate_nan_raw_off_the_top(backend):
+    """Issue 34, defect 4: a NaN raw_noise_stddev at an element neither selected nor a threshold
+    (four NaN noisy logits rank first; k = 2 reads three of them) still gets d noise = NaN, as the
+    reference's d noise = d H * stddev = 0 * NaN (the fused kernel wrote 0 off its top k+1)."""
+    clean = torch.tensor([[0.4, 0.1, -1.1, 2.1, 0.3, -0.2], [0.0, 1.0, 2.0, 3.0, -1.0, 0.5]])
+    raw = torch.zeros(2, 6)
+    raw[0, :4] = NAN
+    noise = torch.full((2, 6), 0.5)
+    _, (_, g_raw, g_noise) = compare(backend, lambda c, r, n: noisy_topk_gate(c, r, n, 2), clean, raw, noise)
+    assert torch.isnan(g_noise[0, 3]) and torch.isnan(g_raw[0, 3]), "the gradient at a NaN input is NaN"
+    assert not torch.isnan(g_noise[1]).any()
+
+
+# noise_stddev (or noise_epsilon = 0 and raw_noise_stddev) whose z = (clean - threshold) / stddev is
+# infinite or so large that the normal density is 0: the gradient is the limit, 0 (issue 34, defect 5).
+FLAT_STDDEVS = [0.0, 1e-45, 1e-30, 1e-20, 1e-9]
+
+
+@pytest.mark.parametrize("s", FLAT_STDDEVS + [1e30, INF])
+def test_load_probabilities_flat_z_has_gradient_zero(backend, s):
+    """Issue 34, defect 5: Phi is flat where its density phi(z) is 0 (an infinite z, or past ~13
+    standard deviations in float32); the gradients there are the limit 0 on every backend, where
+    the reference's autograd gave 0 * inf = NaN (dz/ds = -z / s overflows; 0 / 0 at s = 0)."""
+    clean = torch.tensor([[0.4, 0.1, -1.1, 2.1, 0.3], [0.0, 1.0, 2.0, 3.0, -0.5]])
+    noisy = clean + 0.05
+    std = torch.ones(2, 5)
+    std[0] = s
+    _, g = compare(backend, lambda c, h, st: load_probabilities(c, h, st, 2), clean, noisy, std)
+    for grad in g:
+        assert torch.isfinite(grad).all(), g
+
+
+@pytest.mark.parametrize("raw_value", [-INF, -200.0, -100.0, -60.0])
+def test_noisy_topk_gate_zero_or_tiny_stddev(backend, raw_value):
+    """Issue 34, defect 5: noise_epsilon = 0 and a raw_noise_stddev whose softplus is 0 or tiny:
+    the gradient is the limit (0 where the load term is flat), not NaN, on every backend."""
+    clean = torch.tensor([[0.4, 0.1, -1.1, 2.1, 0.3], [0.0, 1.0, 2.0, 3.0, -0.5]])
+    raw = torch.zeros(2, 5)
+    raw[0, 1] = raw[0, 4] = raw_value
+    noise = torch.full((2, 5), 0.3)
+    noise[0, 1] = -0.5
+    _, g = compare(backend, lambda c, r, n: noisy_topk_gate(c, r, n, 2, noise_epsilon=0.0), clean, raw, noise)
+    for grad in g:
+        assert torch.isfinite(grad).all(), g
+
+
+def test_noisy_topk_gate_infinite_stddev_negative_noise(backend):
+    """Issue 34, defect 5: raw_noise_stddev = +inf with negative noise gives the noisy logit -inf
+    (for every large enough stddev: a constant), so d noise and d raw there are the limit 0, not
+    d H * inf = NaN; off the top k+1 (row 0) and as the (k+1)-th of a row with only k finite
+    noisy logits (row 1)."""
+    clean = torch.tensor([[0.4, 0.1, -1.1, 2.1, 0.3], [0.0, 1.0, 2.0, 3.0, -0.5]])
+    raw = torch.zeros(2, 5)
+    noise = torch.full((2, 5), 0.3)
+    raw[0, 2] = INF
+    noise[0, 2] = -0.5
+    raw[1, :3] = INF
+    noise[1, :3] = -1.0
+    _, g = compare(backend, lambda c, r, n: noisy_topk_gate(c, r, n, 2), clean, raw, noise)
+    for grad in g:
+        assert torch.isfinite(grad).all(), g
+
+
 def test_softplus_tail_decides_the_ranking(backend):
     # H = 0 + 1 * Softplus(raw) with noise_epsilon 0: Softplus(-87) < Softplus(-86) < Softplus(-85)
     # (~e^raw, normal floats). A softplus flushed to 0 below e^-80 would tie them and pick expert 0.

@@ -115,6 +115,44 @@ def test_adversarial(backend, router, kind):
     assert_close(w[same], w_ref[same])
 
 
+# torch.sigmoid(x) = 1 / (1 + e^-x) in float32 is exactly 0 below this (e^-x overflows); the
+# float32 just above it, -88.72283172607422, still gives a denormal (docs/reliability.md, Tails).
+SIGMOID_ZERO_BELOW = -88.72283172607422
+
+
+@pytest.mark.parametrize(
+    "k, kwargs", [(3, dict(bias=True)), (2, dict(num_groups=2, topk_groups=1))], ids=["bias", "groups"]
+)
+def test_sigmoid_scores_vanish_where_torch_sigmoid_does(backend, k, kwargs):
+    """Issue 34, defect 2: the reference's torch.sigmoid gives 0 below x = -88.7228 in float32;
+    the kernels kept denormal scores down to x = -104, so with a bias or groups (which rank the
+    scores) such experts ranked by their logits where the reference ties them at 0 (the lower
+    index first, the lower group first)."""
+    kw = dict(kwargs, bias=torch.zeros(4) if kwargs.get("bias") else None)
+    logits = torch.tensor(
+        [
+            [-95.0, -90.0, 0.0, -1.0],  # bias: two zero scores, expert 0 third
+            [-95.0, -90.0, -100.0, -89.0],  # groups: both group scores 0, group 0 first
+            [-1.0, -2.0, -95.0, -89.5],
+            [SIGMOID_ZERO_BELOW - 1e-5, -100.0, -3.0, -4.0],  # the first float below the boundary: 0
+            [SIGMOID_ZERO_BELOW, -100.0, -3.0, -95.0],  # the last float above it: a denormal
+        ]
+    )
+    got_w, got_e = run(backend, logits, k, scoring="sigmoid", **kw)
+    want_w, want_e = reference.topk_router(logits, k, scoring="sigmoid", **kw)
+    assert torch.equal(got_e, want_e)
+    assert torch.equal(got_w == 0, want_w == 0)
+    assert_close(got_w, want_w)
+    # Every float32 in the tail: 0 exactly where torch.sigmoid is 0 (the denormals above the
+    # boundary within a few of their ulps of torch's).
+    x = torch.cat([torch.linspace(-106.0, -86.0, 2047), torch.tensor([SIGMOID_ZERO_BELOW])]).view(-1, 8)
+    w, e = run(backend, x, 8, scoring="sigmoid", bias=torch.zeros(8))
+    scores = torch.zeros_like(x).scatter(1, e, w)
+    want = torch.sigmoid(x)
+    assert torch.equal(scores == 0, want == 0), x[(scores == 0) != (want == 0)]
+    assert (scores - want).abs().max() <= 4 * 2.0**-149 + 1e-6 * want.abs().max()
+
+
 def test_non_contiguous(backend):
     base = torch.randn(40, 128, generator=torch.Generator().manual_seed(1))
     views = {64: [base[:, :64], base.t().contiguous().t()[:, 64:], base[::2, ::2]], 8: [base[::3, ::16]]}

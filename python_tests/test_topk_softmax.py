@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from shapes import ADVERSARIAL_KINDS, DTYPES, SMALL_TOPK_SHAPES, TOPK_SHAPES, adversarial_logits
+from shapes import ADVERSARIAL_KINDS, DTYPES, SMALL_TOPK_SHAPES, TOPK_SHAPES, adversarial_logits, subnormal_values
 from tolerances import assert_close, assert_lowp_close
 
 import moe_kernels
@@ -151,6 +151,21 @@ def test_float_compare_edges(backend, k):
             w, e = run(backend, logits, k, renormalize)
             w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
             assert torch.equal(e, e_ref), (E, e, e_ref)
+            assert_close(w, w_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_subnormal_logits(backend, dtype):
+    """Issue 34, defect 3: denormal logits rank by their values on every backend (the Triton
+    kernel, in the interpreter, read bfloat16 denormals as other numbers)."""
+    v = subnormal_values(dtype)
+    E = v.numel()
+    logits = torch.stack([v.roll(s) for s in range(0, E, 3)])  # every value at many positions
+    for k in (1, 3, E):
+        for renormalize in (True, False):
+            w, e = run(backend, logits, k, renormalize)
+            w_ref, e_ref = reference.topk_softmax(logits, k, renormalize)
+            assert torch.equal(e, e_ref), (k, e, e_ref)
             assert_close(w, w_ref)
 
 

@@ -44,7 +44,16 @@ MK_VEC_INLINE float round_to(float x) {
   return (float)(scalar_t)x;
 }
 
-// noise_stddev = Softplus(raw) + eps, as torch's `softplus(raw) + eps`.
+// noise_epsilon as torch's `softplus(raw) + noise_epsilon` adds it to a float16 / bfloat16 tensor:
+// the Python float rounded to the tensor's dtype first (double -> float -> scalar_t, as c10's
+// conversion of the wrapped scalar). Adding the float32 eps instead gave a stddev one 16-bit ulp
+// off for 0.2-0.9 % of the 16-bit raws in [-8, 8] (~8 % of a uniform grid there): ties flipped.
+template <typename scalar_t>
+float epsilon_as(double noise_epsilon) {
+  return (float)(scalar_t)(float)noise_epsilon;
+}
+
+// noise_stddev = Softplus(raw) + eps, as torch's `softplus(raw) + eps` (eps from epsilon_as).
 template <typename scalar_t>
 MK_VEC_INLINE float stddev_of(float raw, float eps) {
   return round_to<scalar_t>(round_to<scalar_t>(vec_math::softplus(raw)) + eps);
@@ -194,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noisy_topk_gate_cpu(const at::Ten
     scalar_t* wp = weights.mutable_data_ptr<scalar_t>();
     int64_t* tp = top.mutable_data_ptr<int64_t>();
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      forward_blocks<scalar_t>(c, r, n, tw_ptr, (float)noise_epsilon, begin, end, T, E, k, wp, tp, partial.data());
+      forward_blocks<scalar_t>(c, r, n, tw_ptr, epsilon_as<scalar_t>(noise_epsilon), begin, end, T, E, k, wp, tp, partial.data());
     });
   });
   std::vector<double> sum(E, 0.0);
@@ -335,9 +344,14 @@ void backward_rows(const float* grad_weights,  // [T, k] float32
           continue;
         }
         const int64_t e = top_row[j];
+        const float z = at<scalar_t>(noise, t, e), s = stddev[i * E + e];
+        // noise * stddev = -inf (an infinite stddev, negative noise): H = -inf for every large
+        // stddev, a constant, so noise and stddev get the limit 0 through H, not gh * inf (NaN
+        // at gh = 0), as the reference's noise term (docs/reliability.md).
+        const bool constant = s == INFINITY && z < 0.0f;
         gc[i * E + e] += gh[j];
-        gs[i * E + e] += gh[j] * at<scalar_t>(noise, t, e);
-        g_noise_top[t * (k + 1) + j] = gh[j] * stddev[i * E + e];
+        gs[i * E + e] += constant ? 0.0f : gh[j] * z;
+        g_noise_top[t * (k + 1) + j] = constant ? 0.0f : gh[j] * s;
       }
     }
     write_gradients<scalar_t>(gc.data(), gs.data(), sigmoid.data(), n * E, g_clean + t0 * E, g_raw + t0 * E);
@@ -373,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noisy_topk_gate_backward_cpu(
     const int64_t grain = std::max<int64_t>(1, 16384 / E);
     at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
       backward_rows<scalar_t>(gw.const_data_ptr<float>(), gl.const_data_ptr<float>(), tw_ptr, c, r, n,
-                              tp.const_data_ptr<int64_t>(), (float)noise_epsilon, begin, end, E, k,
+                              tp.const_data_ptr<int64_t>(), epsilon_as<scalar_t>(noise_epsilon), begin, end, E, k,
                               g_clean.mutable_data_ptr<scalar_t>(), g_raw.mutable_data_ptr<scalar_t>(),
                               g_noise_top.mutable_data_ptr<float>());
     });

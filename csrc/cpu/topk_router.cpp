@@ -107,11 +107,13 @@ double exp_sum(const double* v, int64_t n, double vmax, double* exps) {
   return total;
 }
 
-MK_VEC_INLINE float sigmoid_of(float x) { return vec_math::sigmoid(x); }
+// Sigmoid scores as torch.sigmoid (the reference) gives them: 0 below x = -88.7228 in float32
+// (vec_math::sigmoid_torch), 1 / (1 + e^-x) in float64.
+MK_VEC_INLINE float sigmoid_of(float x) { return vec_math::sigmoid_torch(x); }
 inline double sigmoid_of(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 MK_VECTORISE MK_ROW_CLONES void sigmoid_row(const float* __restrict x, int64_t n, float* __restrict p) {
-  for (int64_t e = 0; e < n; ++e) p[e] = vec_math::sigmoid(x[e]);
+  for (int64_t e = 0; e < n; ++e) p[e] = vec_math::sigmoid_torch(x[e]);
 }
 void sigmoid_row(const double* x, int64_t n, double* p) {
   for (int64_t e = 0; e < n; ++e) p[e] = sigmoid_of(x[e]);
@@ -189,7 +191,7 @@ MK_VECTORISE MK_ROW_CLONES void group_scores_f32(const float* __restrict choice,
 MK_VECTORISE MK_ROW_CLONES void slot_scores(const float* __restrict value, const float* __restrict vmax, int64_t slots,
                                             int scoring, float* __restrict w) {
   if (scoring == kSigmoid) {
-    for (int64_t j = 0; j < slots; ++j) w[j] = vec_math::sigmoid(value[j]);
+    for (int64_t j = 0; j < slots; ++j) w[j] = vec_math::sigmoid_torch(value[j]);
   } else {
     // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
     for (int64_t j = 0; j < slots; ++j) w[j] = vmax[j] == -INFINITY ? 0.0f : term_exp(value[j] - vmax[j]);

@@ -131,11 +131,23 @@ MK_VEC_INLINE float softplus(float x) {
   return (x > 0.0f ? x : 0.0f) + log1p_unit(y);
 }
 
-// d Softplus / dx = sigmoid(x), from the same y = e^-|x|.
+// d Softplus / dx = sigmoid(x), from the same y = e^-|x|. Keeps the denormals down to x = -104,
+// as torch's softplus backward (z / (z + 1), z = e^x) does.
 MK_VEC_INLINE float sigmoid(float x) {
   const float y = exp_full(x < 0.0f ? x : -x);
   return (x >= 0.0f ? 1.0f : y) / (1.0f + y);
 }
+
+// The largest float32 x for which torch.sigmoid(x) = 1 / (1 + e^-x) is not 0: below it e^-x
+// overflows float32 (-x > ln FLT_MAX = 88.7228391), so torch gives exactly 0 there (measured on
+// CPU, vectorised and scalar paths alike), where sigmoid() above still has denormals down to
+// -104. -0x1.62e42ep6f = -88.72283172607422f.
+constexpr float kSigmoidLastNonzero = -88.72283172607422f;
+
+// torch.sigmoid's float32 values, tail included: sigmoid() (denormals between e^-87.3 and
+// e^-88.72, as torch's 1 / (1 + e^-x)), exactly 0 below kSigmoidLastNonzero. The router's scores
+// (ranked with a bias or groups, where distinct denormals and torch's 0s rank differently).
+MK_VEC_INLINE float sigmoid_torch(float x) { return x < kSigmoidLastNonzero ? 0.0f : sigmoid(x); }
 
 // Phi(z) = erfc(-z / sqrt 2) / 2 with the erfc formula of load_probabilities::fast_erfc
 // (Numerical Recipes, fractional error < 1.2e-7) and exp above. +-inf give exactly 1 / 0, NaN

@@ -130,6 +130,11 @@ class TokenChoiceTopKRouter(nn.Module):
             )
 
     def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
+        D = getattr(self.gate, "in_features", None)  # known for a Linear gate
+        if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2 or (D is not None and x_TD.shape[1] != D):
+            shape = tuple(x_TD.shape) if isinstance(x_TD, torch.Tensor) else type(x_TD).__name__
+            want = "[T, D]" if D is None else f"[T, D] with D = {D} (the gate's in_features)"
+            raise ValueError(f"x_TD must be {want}, got {shape}")
         # torchtitan's float32 autocast. torch disables a float32 autocast on CPU with a warning
         # at every call; enabled=False there is the same context without the warning.
         device = x_TD.device.type

@@ -3,21 +3,28 @@
 import torch
 
 
-def check_sizes(d_model, num_experts, k):
-    for name, value in (("d_model", d_model), ("num_experts", num_experts), ("k", k)):
+def check_sizes(d_model, num_experts, k=None):
+    """d_model, num_experts (and k, unless None) ints: a TypeError naming the first that is not,
+    a ValueError unless d_model, num_experts >= 1 and 1 <= k <= num_experts."""
+    values = (("d_model", d_model), ("num_experts", num_experts)) + ((("k", k),) if k is not None else ())
+    for name, value in values:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if d_model < 1 or num_experts < 1:
         raise ValueError(f"d_model and num_experts must be >= 1, got {d_model}, {num_experts}")
-    if not 1 <= k <= num_experts:
+    if k is not None and not 1 <= k <= num_experts:
         raise ValueError(f"k must be in [1, num_experts = {num_experts}], got {k}")
 
 
-def check_input(x, d_model, mask):
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != d_model:
+def check_input(x, d_model, mask, *, any_leading=False):
+    """x [T, d_model] ([..., d_model] with any_leading) and mask None or [T]: a ValueError naming
+    x and the expected shape, or the mask, before the router's matmul would raise its own error.
+    With any_leading the mask is the caller's to check once x is flattened (route_real_tokens)."""
+    if not isinstance(x, torch.Tensor) or (x.dim() < 1 if any_leading else x.dim() != 2) or x.shape[-1] != d_model:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be [T, d_model] with d_model = {d_model}, got {shape}")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (x.shape[0],)):
+        want = "[..., d_model]" if any_leading else "[T, d_model]"
+        raise ValueError(f"x must be {want} with d_model = {d_model}, got {shape}")
+    if not any_leading and mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (x.shape[0],)):
         raise ValueError(f"mask must be [T] = [{x.shape[0]}]")
 
 

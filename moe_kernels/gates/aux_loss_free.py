@@ -12,6 +12,7 @@ from torch import nn
 from moe_kernels import losses
 from moe_kernels.gates._common import check_input, check_sizes
 from moe_kernels.ops import topk_router
+from moe_kernels.ops.topk_router import check_options
 from moe_kernels.routing import Routing
 
 
@@ -82,8 +83,10 @@ class AuxLossFreeGate(nn.Module):
             num_groups=num_groups,
             topk_groups=topk_groups,
             renormalize=bool(renormalize),
-            scaling_factor=float(scaling_factor),
+            scaling_factor=scaling_factor,
         )
+        check_options(num_experts, k, **self.router)  # here, not at the first forward
+        self.router["scaling_factor"] = float(scaling_factor)
         self.bias_update_rate, self.seq_balance_weight = float(bias_update_rate), float(seq_balance_weight)
         self.seq_len = seq_len
         self.w_router = nn.Parameter(torch.randn(d_model, num_experts) * init_std)

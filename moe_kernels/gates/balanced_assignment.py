@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from moe_kernels.gates._common import route_real_tokens
+from moe_kernels.gates._common import check_input, check_sizes, route_real_tokens
 from moe_kernels.ops import balanced_assignment, gumbel_matching
 from moe_kernels.routing import Routing
 
@@ -34,17 +34,21 @@ class BalancedAssignmentGate(nn.Module):
 
     def __init__(self, d_model: int, num_experts: int, tau: float = 1.0, capacity: int | None = None):
         super().__init__()
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        check_sizes(d_model, num_experts)
+        if isinstance(tau, bool) or not isinstance(tau, int | float):
+            raise TypeError(f"tau must be a float, got {type(tau).__name__}")
         if not tau >= 0:
             raise ValueError(f"tau must be >= 0, got {tau}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"capacity must be None or an int >= 1, got {capacity!r}")
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.num_experts = num_experts
+        self.d_model, self.num_experts = d_model, num_experts
         self.tau = tau
         self.capacity = capacity
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         """Routing of x [T, d]; padding tokens (mask [T] bool False) are not routed (route_real_tokens)."""
+        check_input(x, self.d_model, mask, any_leading=True)
         if mask is not None:
             return route_real_tokens(self.forward, x.reshape(-1, x.shape[-1]), mask)
         logits = self.router(x)

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from moe_kernels.gates._common import route_real_tokens
+from moe_kernels.gates._common import check_input, check_sizes, route_real_tokens
 from moe_kernels.gates.sparse_mask import sparse_gates
 from moe_kernels.losses import batchwise_threshold_loss
 from moe_kernels.ops import batchwise_mask, threshold_mask
@@ -78,13 +78,12 @@ class BatchwiseGate(nn.Module):
 
     def __init__(self, d_model: int, num_experts: int, k: int, threshold_loss_weight: float = 1e-2, mode: str = "auto"):
         super().__init__()
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        check_sizes(d_model, num_experts)
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
             raise ValueError(f"k must be an int in [1, num_experts = {num_experts}], got {k!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.num_experts = num_experts
+        self.d_model, self.num_experts = d_model, num_experts
         self.k = k
         self.threshold_loss_weight = threshold_loss_weight
         self.mode = mode
@@ -98,6 +97,7 @@ class BatchwiseGate(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         """Routing of x [T, d]; padding tokens (mask [T] bool False) are not routed (route_real_tokens)."""
+        check_input(x, self.d_model, mask, any_leading=True)
         if mask is not None:
             return route_real_tokens(self.forward, x.reshape(-1, x.shape[-1]), mask)
         x = x.reshape(-1, x.shape[-1])

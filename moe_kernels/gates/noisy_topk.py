@@ -9,6 +9,7 @@ from torch import nn
 from moe_kernels import losses
 from moe_kernels.gates._common import check_input, check_sizes
 from moe_kernels.ops import noisy_topk_gate, topk_softmax
+from moe_kernels.ops.noisy_topk_gate import check_noise_epsilon
 from moe_kernels.routing import Routing
 
 
@@ -66,7 +67,7 @@ class NoisyTopKGate(nn.Module):
         self.d_model, self.num_experts, self.k = d_model, num_experts, k
         self.noisy = noisy
         self.w_importance, self.w_load = float(w_importance), float(w_load)
-        self.noise_epsilon = float(noise_epsilon)
+        self.noise_epsilon = check_noise_epsilon(noise_epsilon)
         self.w_gate = nn.Parameter(torch.zeros(d_model, num_experts))
         self.w_noise = nn.Parameter(torch.zeros(d_model, num_experts))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_kernels.gates._common import route_real_tokens
+from moe_kernels.gates._common import check_input, check_sizes, route_real_tokens
 from moe_kernels.ops import sinkhorn
 from moe_kernels.routing import Routing
 
@@ -23,15 +23,15 @@ class SinkhornGate(nn.Module):
 
     def __init__(self, d_model: int, num_experts: int, num_iters: int = 100, tol: float = 1e-4):
         super().__init__()
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        check_sizes(d_model, num_experts)
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.num_experts = num_experts
+        self.d_model, self.num_experts = d_model, num_experts
         self.num_iters = num_iters
         self.tol = tol
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> Routing:
         """Routing of x [T, d]; padding tokens (mask [T] bool False) are not routed (route_real_tokens)."""
+        check_input(x, self.d_model, mask, any_leading=True)
         if mask is not None:
             return route_real_tokens(self.forward, x.reshape(-1, x.shape[-1]), mask)
         logits = self.router(x)

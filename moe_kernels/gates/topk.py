@@ -19,7 +19,8 @@ class TopKGate(nn.Module):
       d_model: d; num_experts: E; k: experts per token.
       renormalize: True = weights are the softmax over the k selected logits (Mixtral); False =
         the full-softmax probabilities of the selected experts (Switch / GShard).
-      jitter: multiplicative input noise x * U(1 - jitter, 1 + jitter) in training (Switch); 0 = off.
+      jitter: multiplicative input noise x * U(1 - jitter, 1 + jitter) in training (Switch), in
+        [0, 1]; 0 = off.
       w_aux: weight of the Switch balance loss; w_z: weight of the router z-loss.
       init_std: standard deviation of the router weights' normal initialisation.
 
@@ -40,6 +41,10 @@ class TopKGate(nn.Module):
     ):
         super().__init__()
         check_sizes(d_model, num_experts, k)
+        if isinstance(jitter, bool) or not isinstance(jitter, int | float):
+            raise TypeError(f"jitter must be a float, got {type(jitter).__name__}")
+        if not 0 <= jitter <= 1:  # NaN fails too
+            raise ValueError(f"jitter must be a finite number in [0, 1] (x * U(1 - jitter, 1 + jitter)), got {jitter}")
         self.d_model, self.num_experts, self.k = d_model, num_experts, k
         self.renormalize, self.jitter = bool(renormalize), float(jitter)
         self.w_aux, self.w_z = float(w_aux), float(w_z)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from moe_kernels.ops import _validate
+
 
 class BatchedFFN(nn.Module):
     """E one-hidden-layer experts E_i(x) = act(x W1_i + b1_i) W2_i + b2_i stored as batched
@@ -17,6 +19,8 @@ class BatchedFFN(nn.Module):
 
     def __init__(self, num_experts: int, d_model: int, d_hidden: int, activation=torch.nn.functional.relu):
         super().__init__()
+        for name, value in (("num_experts", num_experts), ("d_model", d_model), ("d_hidden", d_hidden)):
+            _validate.integer(name, value, low=1)
         self.num_experts, self.d_model, self.d_hidden = num_experts, d_model, d_hidden
         self.activation = activation
         # nn.Linear's default initialisation, per expert.

@@ -18,7 +18,7 @@ from torch import nn
 from moe_kernels import losses
 from moe_kernels.gates.noisy_topk import NoisyTopKGate
 from moe_kernels.layers.experts import BatchedFFN, ModuleExperts
-from moe_kernels.ops import capacity_for, capacity_positions, combine, dispatch, permute, unpermute
+from moe_kernels.ops import _validate, capacity_for, capacity_positions, combine, dispatch, permute, unpermute
 from moe_kernels.parallel import expert_parallel_route, gather_state_dict, local_experts, shard_experts
 from moe_kernels.parallel.exchange import rank_and_world
 from moe_kernels.routing import Routing
@@ -56,6 +56,12 @@ def flatten_tokens(x: torch.Tensor, mask: torch.Tensor | None, d_model: int):
         if not isinstance(mask, torch.Tensor) or mask.shape != lead:
             shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"mask must have x's leading shape {tuple(lead)}, got {shape}")
+        _validate.same_device(x=x, mask=mask)
+        if mask.dtype != torch.bool and mask.numel() and _validate.on_host(mask):
+            # A 0.5 would become True below. A host read, so only where the mask is a real CPU
+            # tensor outside torch.compile; on the GPU any nonzero value is a real token.
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("mask must be bool or hold only 0 and 1 (1 = a real token)")
         mf = mask.reshape(-1).bool()
     return lead, x.reshape(-1, d_model), mf
 
@@ -96,12 +102,14 @@ class MoE(nn.Module):
         its gradients over the ranks (moe_kernels.parallel.sync_replicated_grads).
 
     forward(x [..., d], mask=None [...] bool, True = real token) -> y [..., d]. Masked tokens go
-    to no expert and get y = 0. After a call, `self.aux_loss` is the gate's auxiliary loss for
-    the step and `self.stats` holds load [E], importance [E], cv_importance, cv_load,
-    max_mean_load and dropped_fraction (of the routed choices; for expert-choice routing, of the
-    tokens no expert picked), "capacity" (None when dropless) and "gate", the gate's own stats
-    (for NoisyTopKGate, "load" there is the smooth Load(X) of eq 10). With a group, stats and
-    aux_loss are this rank's (its tokens), capacity the agreed C.
+    to no expert and get y = 0. A non-bool mask must hold only 0 and 1 (a ValueError otherwise,
+    checked where it is a CPU tensor; on a GPU any nonzero value is a real token). After a call,
+    `self.aux_loss` is the gate's auxiliary loss for the step and `self.stats` holds load [E],
+    importance [E], cv_importance, cv_load, max_mean_load and dropped_fraction (of the routed
+    choices; for expert-choice routing, of the tokens no expert picked), "capacity" (None when
+    dropless) and "gate", the gate's own stats (for NoisyTopKGate, "load" there is the smooth
+    Load(X) of eq 10). With a group, stats and aux_loss are this rank's (its tokens), capacity the
+    agreed C.
 
     Expert parallelism from a single-process layer: `moe.shard(group)` (a sharded copy);
     checkpoints: `full_state_dict()` (every rank, the single-process layer's state dict) and
@@ -130,6 +138,7 @@ class MoE(nn.Module):
         for name, factor in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
             if factor is not None and not (math.isfinite(factor) and factor > 0):
                 raise ValueError(f"{name} must be a finite number > 0 or None (dropless), got {factor}")
+        _validate.integer("min_capacity", min_capacity, low=0)
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor
         self.min_capacity = min_capacity

@@ -59,6 +59,14 @@ def index_range(name: str, value: torch.Tensor, high: int) -> None:
 HOST_BACKENDS = ("cpu", "torch")
 
 
+def on_host(*tensors: torch.Tensor) -> bool:
+    """True when the tensors' values can be read at no cost: real CPU tensors (not fake, 'meta' or
+    CUDA) outside torch.compile tracing. For checks outside any one op (the layers' masks)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(_is_fake(t) or t.device.type != "cpu" for t in tensors)
+
+
 def host_readable(op: str, value: torch.Tensor, *others: torch.Tensor) -> bool:
     """True when `op` may read values of its arguments to check them at no cost: `value` (the
     tensor its backend is chosen by) and the `others` to be read are real CPU tensors outside
@@ -68,9 +76,7 @@ def host_readable(op: str, value: torch.Tensor, *others: torch.Tensor) -> bool:
     and CUDA-graph capture fails on it), not even for the CPU tensors the Triton interpreter runs,
     which stand for the GPU path in the tests. Those kernels drop out-of-range ids instead.
     """
-    if torch.compiler.is_compiling():
-        return False
-    if any(_is_fake(t) or t.device.type != "cpu" for t in (value, *others)):
+    if not on_host(value, *others):
         return False  # e.g. a 'meta' or CUDA argument: same_device names it
     return backends.choose_for(op, value) in HOST_BACKENDS
 

@@ -35,8 +35,11 @@ def _backward(ctx, grad_weights, grad_top, grad_load):
     )
     g_noise = None
     if ctx.needs_input_grad[2]:
-        # d noise is nonzero only at the k+1 elements whose noisy logits the gate reads.
+        # d noise = d H * stddev: nonzero only at the k+1 elements whose noisy logits the gate
+        # reads, and NaN wherever raw_noise_stddev is NaN (0 * NaN elsewhere too, as the
+        # reference: a NaN input's gradient is NaN, docs/reliability.md).
         g_noise = torch.zeros(T, E, dtype=torch.float32, device=noise.device)
+        g_noise.masked_fill_(torch.isnan(raw_noise_stddev), float("nan"))
         g_noise.scatter_add_(1, top.clamp(min=0), torch.where(top >= 0, g_noise_top, 0.0))
         g_noise = g_noise.to(noise.dtype)
     return g_clean, g_raw, g_noise, None, None, None
@@ -74,6 +77,16 @@ def _check_mask_values(mask: torch.Tensor, clean_logits: torch.Tensor) -> None:
     if _validate.host_readable("load_probabilities", clean_logits, mask):
         if not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError("mask must be bool or hold only 0 and 1 (1 = a real token)")
+
+
+def check_noise_epsilon(noise_epsilon) -> float:
+    """noise_epsilon as a float: a TypeError unless a real number, a ValueError unless finite and
+    >= 0. Shared with NoisyTopKGate, which checks it when it is built."""
+    if isinstance(noise_epsilon, bool) or not isinstance(noise_epsilon, (int, float)):
+        raise TypeError(f"noise_epsilon must be a float, got {type(noise_epsilon).__name__}")
+    if not math.isfinite(noise_epsilon) or noise_epsilon < 0:
+        raise ValueError(f"noise_epsilon must be a finite number >= 0, got {noise_epsilon}")
+    return float(noise_epsilon)
 
 
 def noisy_topk_gate(
@@ -118,10 +131,7 @@ def noisy_topk_gate(
     if E < 1:
         raise ValueError(f"clean_logits must be [T, E] with E >= 1, got shape {tuple(clean_logits.shape)}")
     _validate.integer("k", k, low=1, high=E, what=f" (E = {E} experts)")
-    if isinstance(noise_epsilon, bool) or not isinstance(noise_epsilon, (int, float)):
-        raise TypeError(f"noise_epsilon must be a float, got {type(noise_epsilon).__name__}")
-    if not math.isfinite(noise_epsilon) or noise_epsilon < 0:
-        raise ValueError(f"noise_epsilon must be a finite number >= 0, got {noise_epsilon}")
+    check_noise_epsilon(noise_epsilon)
     if mask is not None:
         _validate.tensor("mask", mask, dim=1, shape=f"[T] = [{T}]")
         if mask.shape != (T,):

@@ -173,6 +173,46 @@ def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def check_options(
+    E: int,
+    k: int,
+    *,
+    scoring: str = "softmax",
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    group_scoring: str = "top2_sum",
+    renormalize: bool = False,
+    scaling_factor: float = 1.0,
+) -> int:
+    """topk_router's options for E experts (everything but the tensors): a TypeError / ValueError
+    naming the first bad one. Returns topk_groups (None -> num_groups). Shared with the gates
+    built on topk_router (AuxLossFreeGate), which check them when they are built."""
+    _choice("scoring", scoring, SCORINGS)
+    _choice("group_scoring", group_scoring, GROUP_SCORINGS)
+    _validate.integer("num_groups", num_groups, low=1, high=E, what=f" (E = {E} experts)")
+    if E % num_groups:
+        raise ValueError(f"num_groups must divide the number of experts E = {E}, got {num_groups}")
+    if topk_groups is None:
+        topk_groups = num_groups
+    _validate.integer("topk_groups", topk_groups, low=1, high=num_groups, what=f" (num_groups = {num_groups})")
+    group_size = E // num_groups
+    if group_scoring == "top2_sum" and topk_groups < num_groups and group_size < 2:
+        raise ValueError(
+            f"group_scoring='top2_sum' needs groups of >= 2 experts, got E / num_groups = {E} / {num_groups}"
+        )
+    eligible = topk_groups * group_size
+    _validate.integer(
+        "k", k, low=1, high=eligible, what=f" (eligible experts: topk_groups * E / num_groups = {eligible})"
+    )
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, int | float):
+        raise TypeError(f"scaling_factor must be a float, got {type(scaling_factor).__name__}")
+    if not math.isfinite(scaling_factor):
+        raise ValueError(f"scaling_factor must be finite, got {scaling_factor}")
+    return topk_groups
+
+
 def topk_router(
     logits: torch.Tensor,
     k: int,
@@ -216,34 +256,21 @@ def topk_router(
     E = logits.shape[1]
     if E < 1:
         raise ValueError(f"logits must be [T, E] with E >= 1, got shape {tuple(logits.shape)}")
-    _choice("scoring", scoring, SCORINGS)
-    _choice("group_scoring", group_scoring, GROUP_SCORINGS)
-    _validate.integer("num_groups", num_groups, low=1, high=E, what=f" (E = {E} experts)")
-    if E % num_groups:
-        raise ValueError(f"num_groups must divide the number of experts E = {E}, got {num_groups}")
-    if topk_groups is None:
-        topk_groups = num_groups
-    _validate.integer("topk_groups", topk_groups, low=1, high=num_groups, what=f" (num_groups = {num_groups})")
-    group_size = E // num_groups
-    if group_scoring == "top2_sum" and topk_groups < num_groups and group_size < 2:
-        raise ValueError(
-            f"group_scoring='top2_sum' needs groups of >= 2 experts, got E / num_groups = {E} / {num_groups}"
-        )
-    eligible = topk_groups * group_size
-    _validate.integer(
-        "k", k, low=1, high=eligible, what=f" (eligible experts: topk_groups * E / num_groups = {eligible})"
+    topk_groups = check_options(
+        E,
+        k,
+        scoring=scoring,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        group_scoring=group_scoring,
+        renormalize=renormalize,
+        scaling_factor=scaling_factor,
     )
     if bias is not None:
         _validate.tensor("bias", bias, dim=1, shape="[E]", dtypes=_validate.FLOAT_DTYPES)
         if bias.shape[0] != E:
             raise ValueError(f"bias must be [E] = [{E}], got shape {tuple(bias.shape)}")
         _validate.same_device(logits=logits, bias=bias)
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
-    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, int | float):
-        raise TypeError(f"scaling_factor must be a float, got {type(scaling_factor).__name__}")
-    if not math.isfinite(scaling_factor):
-        raise ValueError(f"scaling_factor must be finite, got {scaling_factor}")
     return backends.implementation("topk_router", logits)(
         logits,
         k,

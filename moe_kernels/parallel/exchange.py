@@ -144,10 +144,15 @@ def return_capacity(buffer: torch.Tensor, group) -> torch.Tensor:
     return all_to_all(per_rank, split, split, group).view(W * E_l, C, d)
 
 
-def _status_tensor(values: list[int], error: BaseException | None) -> torch.Tensor:
-    # Integers only: gloo and NCCL both reduce int64. The error flag rides with the payload, so
-    # reporting a local error costs no extra collective.
-    return torch.tensor([*values, 0 if error is None else 1], dtype=torch.int64)
+def _status_tensor(values: list[int], error: BaseException | None, rank: int, world: int) -> torch.Tensor:
+    # Integers only: gloo and NCCL both reduce int64. The error flags ride with the payload, so
+    # reporting a local error costs no extra collective: one slot per rank, this rank's set when it
+    # failed, so that a MAX leaves every failed rank's slot at 1 (one shared flag said only that
+    # some rank failed, and the message then named its index, rank 0, on every rank).
+    flags = [0] * world
+    if error is not None:
+        flags[rank] = 1
+    return torch.tensor([*values, *flags], dtype=torch.int64)
 
 
 def _raise_if_failed(flags: torch.Tensor, error: BaseException | None, where: str) -> None:
@@ -159,7 +164,7 @@ def _raise_if_failed(flags: torch.Tensor, error: BaseException | None, where: st
 
 
 def agree_capacity(local_need: int, group, *, capacity: int | None = None, error: BaseException | None = None) -> int:
-    """The capacity C every rank uses this step, from one all_reduce(MAX) of int64.
+    """The capacity C every rank uses this step, from one all_reduce(MAX) of 3 + W int64.
 
     Args:
       local_need: this rank's wanted C (e.g. capacity_for(T_local, E, k, factor), or the largest
@@ -167,22 +172,23 @@ def agree_capacity(local_need: int, group, *, capacity: int | None = None, error
       capacity: a C fixed by the caller: then it must be the same on every rank (checked in the
         same all_reduce; a mismatch is a ValueError on every rank) and local_need is ignored.
       error: an exception this rank hit while preparing the step. The rank still joins the
-        all_reduce, so its peers raise RemoteRankError at once instead of waiting for the timeout;
-        the rank itself re-raises `error`.
+        all_reduce, so its peers raise RemoteRankError (naming every rank that failed) at once
+        instead of waiting for the timeout; the rank itself re-raises `error`.
     Returns the agreed C (max over ranks of local_need, or the given capacity).
     """
     given = -1 if capacity is None else int(capacity)
     need = int(local_need) if capacity is None else given
-    _, W = rank_and_world(group)
-    # [need, given, -given, error]: MAX of -given is -min(given), so one MAX says if all agree.
-    status = _status_tensor([need, given, -given], error)
+    rank, W = rank_and_world(group)
+    # [need, given, -given, failed by rank 0 .. W-1]: MAX of -given is -min(given), so one MAX
+    # says if all agree; MAX of the flags which ranks failed.
+    status = _status_tensor([need, given, -given], error, rank, W)
     if W > 1:
         status = status.to(collective_device(group))
         start = time.perf_counter()
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
         ExchangeClock.seconds += time.perf_counter() - start
-    agreed, hi, neg_lo, failed = status.tolist()
-    _raise_if_failed(torch.tensor([failed]), error, "agree_capacity")
+    agreed, hi, neg_lo, *failed = status.tolist()
+    _raise_if_failed(torch.tensor(failed), error, "agree_capacity")
     if hi != -neg_lo:
         raise ValueError(
             f"capacity must be the same on every rank (or None on all of them to agree one); "

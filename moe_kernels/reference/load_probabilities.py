@@ -30,8 +30,11 @@ def load_probabilities(
 
     Conventions:
       - k = E: a top-k element has no threshold (nothing is left to beat it): P = 1.
-      - clean = -inf (a masked expert) gives P = 0, +inf gives 1; an infinite z has gradient 0.
-      - NaN anywhere in the computation of z gives P = NaN.
+      - clean = -inf (a masked expert) gives P = 0, +inf gives 1.
+      - Where Phi is flat at z (phi(z) = 0 in the compute dtype: z infinite, or |z| beyond ~13.2
+        in float32, ~38.5 in float64, e.g. a zero or tiny noise_stddev) the gradient is the
+        limit, exactly 0, never 0 * inf = NaN.
+      - NaN anywhere in the computation of z gives P = NaN (and a NaN gradient).
     Computed in float32 (float64 for float64 input), returned in clean_logits' dtype.
     Differentiable with respect to all three inputs; noisy_logits receives the gradient at the
     threshold elements (the k-th and (k+1)-th of its row).
@@ -55,13 +58,19 @@ def load_probabilities(
         k1th = torch.full_like(kth, float("-inf"))
     threshold = torch.where(selected, k1th, kth)  # kth_excluding(H, k, i), [T, E]
 
-    # z = (clean - threshold) / stddev, with the infinite cases set without arithmetic on them,
-    # so that autograd sees 0 (not inf * 0 = NaN) there.
+    # z = (clean - threshold) / stddev. Where Phi is flat at z (its density phi(z) is 0 in the
+    # compute dtype: z infinite, or |z| past ~13.2 in float32, ~38.5 in float64; a threshold of
+    # -inf, an infinite difference, a zero or tiny stddev) z is a constant to autograd, so the
+    # gradient there is the limit 0, not 0 * inf = NaN (d z / d stddev = -z / stddev overflows,
+    # 1 / stddev is inf at stddev = 0). The values are those of the division either way.
     no_threshold = threshold == float("-inf")
     diff = clean - torch.where(no_threshold, 0.0, threshold)
-    infinite = no_threshold | torch.isinf(diff)
-    z_inf = torch.where(no_threshold | (diff > 0), float("inf"), float("-inf"))
-    z = torch.where(infinite, z_inf, torch.where(infinite, 0.0, diff) / stddev)
+    with torch.no_grad():
+        infinite = no_threshold | torch.isinf(diff)
+        z_inf = torch.where(no_threshold | (diff > 0), float("inf"), float("-inf"))
+        z_value = torch.where(infinite, z_inf, diff / stddev)
+        flat = torch.isinf(z_value) | (torch.exp(-0.5 * z_value * z_value) == 0)
+    z = torch.where(flat, z_value, torch.where(flat, 0.0, diff) / torch.where(flat, 1.0, stddev))
     P = torch.special.ndtr(z)  # Phi, the standard normal CDF
     if k < E:
         top_out = top

@@ -38,10 +38,16 @@ def noisy_topk_gate(
         fallback passes moe_kernels.ops.load_probabilities, which runs on any backend).
 
     Computed in float32 (float64 for float64 input): load is returned in that dtype. Differentiable
-    in the three [T, E] inputs.
+    in the three [T, E] inputs. Gradients (docs/reliability.md): NaN at a NaN raw_noise_stddev
+    (d noise = d H * NaN, selected or not); the limit 0 where the load term is flat (a zero or
+    tiny noise_stddev: load_probabilities) and where noise * stddev = -inf (stddev = +inf).
     """
     stddev = torch.nn.functional.softplus(raw_noise_stddev) + noise_epsilon
-    noisy = clean_logits + noise * stddev
+    # noise * stddev, except where it is -inf for every large stddev (stddev = +inf, noise < 0):
+    # there the constant -inf, so that noise and stddev get the limit 0 through H, not autograd's
+    # d H * inf = NaN at d H = 0 (the same values).
+    constant = torch.isinf(stddev) & (noise < 0)
+    noisy = clean_logits + torch.where(constant, float("-inf"), noise * torch.where(constant, 1.0, stddev))
     P, top = load_probabilities_fn(clean_logits, noisy, stddev, k, return_topk=True)
     experts = top[:, :k]
     compute = torch.float64 if clean_logits.dtype == torch.float64 else torch.float32

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import on_tensor_device, rank_pair
+from moe_kernels.triton.common import on_tensor_device, rank_pair, to_float32
 
 _BLOCK_T = 256  # tokens per tile: BLOCK_T x 16 bin comparisons per histogram step
 _NUM_WARPS = 4
@@ -48,7 +48,7 @@ def batchwise_mask_kernel(
         for t0 in range(0, T, BLOCK_T):
             t = t0 + offs
             valid = t < T
-            x = tl.load(column + t.to(tl.int64) * stride_t, mask=valid, other=0.0).to(tl.float32)
+            x = to_float32(tl.load(column + t.to(tl.int64) * stride_t, mask=valid, other=0.0))
             key = _order_keys(x)
             match = valid & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
             d = (key >> shift) & (BINS - 1)
@@ -69,7 +69,7 @@ def batchwise_mask_kernel(
     for t0 in range(0, T, BLOCK_T):
         t = t0 + offs
         valid = t < T
-        x = tl.load(column + t.to(tl.int64) * stride_t, mask=valid, other=0.0).to(tl.float32)
+        x = to_float32(tl.load(column + t.to(tl.int64) * stride_t, mask=valid, other=0.0))
         key = _order_keys(x)
         tie = (valid & (key == prefix)).to(tl.int64)
         tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie

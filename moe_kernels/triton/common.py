@@ -12,6 +12,18 @@ NO_PAIR = tl.constexpr(-9223372036854775808)
 
 
 @triton.jit
+def to_float32(x):
+    """x (float32 / float16 / bfloat16) as float32, exactly. bfloat16 is float32's upper half, so
+    its bits shifted up are the float32: the same instruction on the GPU as the conversion, and
+    exact in the interpreter too, whose bfloat16 -> float32 conversion (triton 3.7,
+    runtime/interpreter.py _convert_float) renormalises a denormal's mantissa without its
+    exponent, turning e.g. 1.0e-39 into 4.4e-39 (so denormal scores ranked wrongly on CPU)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def rank_pair(x, cols):
     """int64 keys ordering (value, index) as every backend does: larger value, then lower index.
 
@@ -63,12 +75,20 @@ def exp_accurate(x):
     return tl.where(x != x, x, y)
 
 
+# torch.sigmoid(x) = 1 / (1 + e^-x) in float32 is exactly 0 below this float (-0x1.62e42ep6): e^-x
+# overflows there. csrc/cpu/vec_math.h kSigmoidLastNonzero, csrc/include/moe_kernels/topk_router_row.h.
+SIGMOID_LAST_NONZERO = tl.constexpr(-88.72283172607422)
+
+
 @triton.jit
 def sigmoid_accurate(x):
-    """1 / (1 + e^-x) of a float32 tensor, relative error of a few ulps also in the far negative
-    tail (e^x / (1 + e^x) there, with exp_accurate), where scores are returned as weights."""
+    """torch.sigmoid of a float32 tensor: relative error of a few ulps also in the far negative
+    tail (e^x / (1 + e^x) there, with exp_accurate), where scores are returned as weights, down to
+    the denormals; exactly 0 below SIGMOID_LAST_NONZERO as torch's (where exp_accurate alone kept
+    denormals down to x = -104, which rank differently from torch's zeros)."""
     e = exp_accurate(-tl.abs(x))
-    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    y = tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    return tl.where(x < SIGMOID_LAST_NONZERO, 0.0, y)
 
 
 def row_tile_config(num_rows: int, row_width: int, tile: int, per_thread: int):

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import on_tensor_device, row_tile_config
+from moe_kernels.triton.common import on_tensor_device, row_tile_config, to_float32
 from moe_kernels.triton.smooth_step import _params, smooth_step_chain, smooth_step_value
 
 # 2^m selector entries of BLOCK_B rows in registers: at most 1024 per program and 8 per thread in
@@ -23,11 +23,13 @@ _PER_THREAD_BACKWARD = 4
 @triton.jit
 def _softmax_rows(alpha_ptr, rows, row_ok, ks, K):
     """softmax(alpha_b) [BLOCK_B, BLOCK_K] in float32 (padding columns 0)."""
-    a = tl.load(
-        alpha_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
-        mask=row_ok[:, None] & (ks[None, :] < K),
-        other=float("-inf"),
-    ).to(tl.float32)
+    a = to_float32(
+        tl.load(
+            alpha_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+            mask=row_ok[:, None] & (ks[None, :] < K),
+            other=float("-inf"),
+        )
+    )
     e = tl.exp(a - tl.max(a, axis=1)[:, None])
     return e / tl.sum(e, axis=1)[:, None]
 
@@ -41,7 +43,7 @@ def _column(x, ks, i):
 @triton.jit
 def _factor(z_ptr, base, row_ok, ls, j, half, c1, c3):
     """Factor of bit j in every selector entry: S(z_bij) where bit j of l is set, else 1 - S(z_bij)."""
-    s = smooth_step_value(tl.load(z_ptr + base + j, mask=row_ok, other=0.0).to(tl.float32), half, c1, c3)
+    s = smooth_step_value(to_float32(tl.load(z_ptr + base + j, mask=row_ok, other=0.0)), half, c1, c3)
     return tl.where((((ls >> j) & 1) == 1)[None, :], s[:, None], 1.0 - s[:, None])
 
 
@@ -148,7 +150,7 @@ def dselect_k_backward_kernel(
             )
             sign = tl.where(((ls >> j) & 1) == 1, 1.0, -1.0)
             ds = tl.sum(sign[None, :] * r * (u - u_flipped), axis=1)
-            zj = tl.load(z_ptr + base + j, mask=row_ok, other=0.0).to(tl.float32)
+            zj = to_float32(tl.load(z_ptr + base + j, mask=row_ok, other=0.0))
             dz = smooth_step_chain(ds, zj, half, c1, c3)
             tl.store(grad_z_ptr + base + j, dz.to(grad_z_ptr.dtype.element_ty), mask=row_ok)
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best, to_float32
 
 # Registers per program as in topk_softmax: BLOCK_T x BLOCK_E elements, at most 8 per thread.
 MAX_EXPERTS = 4096
@@ -48,7 +48,7 @@ def load_probabilities_kernel(
     valid = row_ok[:, None] & (cols[None, :] < E)
     r64 = rows[:, None].to(tl.int64)
     c64 = cols[None, :].to(tl.int64)
-    x = tl.load(noisy_ptr + r64 * stride_nt + c64 * stride_ne, mask=valid, other=float("-inf")).to(tl.float32)
+    x = to_float32(tl.load(noisy_ptr + r64 * stride_nt + c64 * stride_ne, mask=valid, other=float("-inf")))
     pair = tl.where(valid, rank_pair(x, cols), NO_PAIR)
 
     # Phase 1: K+1 selections; keep the K-th pair and value and the (K+1)-th value.
@@ -69,8 +69,8 @@ def load_probabilities_kernel(
     # in registers (the widest tile spills otherwise).
     selected = rank_pair(x, cols) >= kth_pair[:, None]
     threshold = tl.where(selected, k1th[:, None], kth[:, None])
-    clean = tl.load(clean_ptr + r64 * stride_ct + c64 * stride_ce, mask=valid, other=0.0).to(tl.float32)
-    stddev = tl.load(stddev_ptr + r64 * stride_st + c64 * stride_se, mask=valid, other=1.0).to(tl.float32)
+    clean = to_float32(tl.load(clean_ptr + r64 * stride_ct + c64 * stride_ce, mask=valid, other=0.0))
+    stddev = to_float32(tl.load(stddev_ptr + r64 * stride_st + c64 * stride_se, mask=valid, other=1.0))
     diff = clean - threshold
     # The reference's conventions: an infinite difference keeps its sign without the division;
     # no threshold (-inf) means always selected.

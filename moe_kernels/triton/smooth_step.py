@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.reference.smooth_step import smooth_step_coefficients
-from moe_kernels.triton.common import on_tensor_device
+from moe_kernels.triton.common import on_tensor_device, to_float32
 
 _BLOCK = 1024
 
@@ -45,7 +45,7 @@ def smooth_step_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    t = tl.load(t_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    t = to_float32(tl.load(t_ptr + offs, mask=ok, other=0.0))
     tl.store(out_ptr + offs, smooth_step_value(t, half, c1, c3).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -62,8 +62,8 @@ def smooth_step_backward_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    t = tl.load(t_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    g = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    t = to_float32(tl.load(t_ptr + offs, mask=ok, other=0.0))
+    g = to_float32(tl.load(grad_ptr + offs, mask=ok, other=0.0))
     tl.store(out_ptr + offs, smooth_step_chain(g, t, half, c1, c3).to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -7,7 +7,15 @@ import triton
 import triton.language as tl
 
 from moe_kernels import reference
-from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, sigmoid_accurate, take_best
+from moe_kernels.triton.common import (
+    NO_PAIR,
+    on_tensor_device,
+    rank_pair,
+    row_tile_config,
+    sigmoid_accurate,
+    take_best,
+    to_float32,
+)
 
 MAX_EXPERTS = 2048
 MAX_GROUPS = 64
@@ -47,11 +55,13 @@ def topk_router_kernel(
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
     valid = row_ok[:, None] & (cols[None, :] < E)
-    x = tl.load(
-        logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e,
-        mask=valid,
-        other=float("-inf"),
-    ).to(tl.float32)
+    x = to_float32(
+        tl.load(
+            logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e,
+            mask=valid,
+            other=float("-inf"),
+        )
+    )
 
     # Phase 1: scores. softmax: the row max by rank (NaN first); an all -inf row gets scores 0.
     if SIGMOID:

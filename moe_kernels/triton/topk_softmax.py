@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best
+from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best, to_float32
 
 # One program holds BLOCK_T x BLOCK_E logits in registers (a float and two int64 keys each);
 # at most 8 per thread keeps them there (checked by ptxas in the AOT test), so a row of E logits
@@ -39,11 +39,13 @@ def topk_softmax_kernel(
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
     valid = row_ok[:, None] & (cols[None, :] < E)
-    x = tl.load(
-        logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e,
-        mask=valid,
-        other=float("-inf"),
-    ).to(tl.float32)
+    x = to_float32(
+        tl.load(
+            logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e,
+            mask=valid,
+            other=float("-inf"),
+        )
+    )
     pairs = tl.where(valid, rank_pair(x, cols), NO_PAIR)
 
     # Phase 1: the softmax denominator. The first selection is the row max (NaN included).

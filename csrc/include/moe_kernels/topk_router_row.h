@@ -60,7 +60,10 @@ MK_HD Ranked<T> better(const Ranked<T>& a, const Ranked<T>& b) {
 
 MK_HD float exp_of(float x) { return expf(x); }
 MK_HD double exp_of(double x) { return exp(x); }
-MK_HD float sigmoid_of(float x) { return 1.0f / (1.0f + expf(-x)); }
+// torch.sigmoid's formula; below -88.72283172607422f (where e^-x overflows float32 and torch gives
+// exactly 0) 0 explicitly, so that an expf a rounding away from overflow there cannot leave a
+// denormal score the CPU reference does not have (docs/reliability.md, "Tails").
+MK_HD float sigmoid_of(float x) { return x < -88.72283172607422f ? 0.0f : 1.0f / (1.0f + expf(-x)); }
 MK_HD double sigmoid_of(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 // The row's scores: sigmoid, or the softmax with its shift and normaliser found by two reductions
