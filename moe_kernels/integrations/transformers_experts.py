@@ -308,3 +308,16 @@ def register() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+
+
+class Registration:
+    """Held by a patched model: unpickling it (torch.load, pickle, copy.deepcopy) registers the
+    experts implementation, so that a model saved whole runs in a process that never patched one."""
+
+    def __reduce__(self):
+        return _registered, ()
+
+
+def _registered() -> Registration:
+    register()
+    return Registration()
