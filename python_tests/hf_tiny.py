@@ -9,8 +9,23 @@ FAMILIES = {
     "qwen3_moe": {"norm_topk_prob": False},
     "qwen3_next": {"norm_topk_prob": True, "shared_expert_intermediate_size": 32},
     "olmoe": {},
-    "deepseek_v2": {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.0},
-    "deepseek_v3": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True},
+    # Multi-head latent attention (deepseek_v2 / v3, mistral4, longcat_flash, axk2, mistral_large4): as
+    # many key / value heads as query heads. Fewer make transformers' attention with a mask (a padded
+    # batch) repeat the keys to twice the query heads (a size mismatch, unpatched too).
+    "deepseek_v2": {
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.0,
+        "num_key_value_heads": 4,
+    },
+    "deepseek_v3": {
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "num_key_value_heads": 4,
+    },
     "glm4_moe": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5},
     "dots1": {"n_group": 2, "topk_group": 1},
     "minimax_m2": {},
@@ -33,7 +48,7 @@ FAMILIES = {
     },
     "minimax_m3_vl_text": {"shared_intermediate_size": 32, "dense_intermediate_size": 64},
     "beam": {"mlp_layer_types": ["sparse", "sparse"], "n_group": 2, "topk_group": 1},
-    "mistral4": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5},
+    "mistral4": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5, "num_key_value_heads": 4},
     "axk2": {
         "mlp_layer_types": ["sparse", "sparse"],
         "n_group": 4,
@@ -51,6 +66,7 @@ FAMILIES = {
     "longcat_flash": {
         "num_layers": 2,
         "zero_expert_num": 2,
+        "num_key_value_heads": 4,
         "qk_head_dim": 16,
         "head_dim": 8,
     },  # a token classifier (MODEL_CLASSES): logits per token, no generation

@@ -205,6 +205,8 @@ def test_empty_batch():
         (dict(bias=torch.zeros(8, device="meta")), ValueError, "bias is on meta but logits"),
         (dict(renormalize=1), TypeError, "renormalize must be a bool"),
         (dict(scaling_factor=float("nan")), ValueError, "scaling_factor must be finite"),
+        (dict(scaling_factor=float("inf")), ValueError, "scaling_factor must be finite"),
+        (dict(scaling_factor=-float("inf")), ValueError, "scaling_factor must be finite"),
         (dict(scaling_factor="2"), TypeError, "scaling_factor must be a float"),
     ],
 )

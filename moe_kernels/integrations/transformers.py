@@ -8,7 +8,10 @@ computing the same thing through `moe_kernels.ops.topk_router`, with the same ou
 return structure; the experts of the model switch to our experts implementation
 ("moe_kernels", transformers_experts.py) through transformers' own experts interface. Nothing is
 added, removed or renamed: parameters, buffers and `state_dict()` are untouched, so saving,
-loading and `from_pretrained` keep working. `remove_moe_kernels(model)` undoes it.
+loading and `from_pretrained` keep working. `remove_moe_kernels(model)` undoes it. A patched model
+pickles whole (torch.save, pickle, deepcopy) and loads still patched, in a fresh process too: each
+router's method is a functools.partial of a module-level forward, and the model holds a marker
+whose unpickling registers the experts implementation.
 
 Recognition is by the router's code, not its name: a router class is patched only when the source
 of its forward is exactly one of the codes below (several families share each code). Anything
@@ -17,10 +20,10 @@ else is left alone and reported with the reason. docs/routers.md lists the famil
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import textwrap
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -554,7 +557,9 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True) -> dict:
             if why is not None:
                 reason = f"{type(module).__name__}: {why}"
                 break
-            setattr(module, method, types.MethodType(code.forward, module))
+            # A partial of the module-level family forward, not a bound method: a bound method
+            # pickles as getattr(module, "_mixtral"), which fails on load; this pickles by name.
+            setattr(module, method, functools.partial(code.forward, module))
             module._moe_kernels_code = code.name
             patched[name] = code.name
             reason = None
@@ -572,6 +577,8 @@ def _set_experts(model) -> str:
     transformers_experts.register()
     if "_moe_kernels_previous_experts" not in vars(model):
         model._moe_kernels_previous_experts = model.get_experts_implementation()
+    # Loading a pickled model (torch.load) registers "moe_kernels" again, in a fresh process too.
+    model._moe_kernels_registration = transformers_experts.Registration()
     setter(transformers_experts.NAME)
     return transformers_experts.NAME
 
@@ -583,6 +590,7 @@ def remove_moe_kernels(model: torch.nn.Module) -> None:
             for method in ("forward", "route_tokens_to_experts"):
                 module.__dict__.pop(method, None)
             del module._moe_kernels_code
+    vars(model).pop("_moe_kernels_registration", None)
     previous = vars(model).pop("_moe_kernels_previous_experts", None)
     if previous is not None:
         model.set_experts_implementation(previous)

@@ -17,6 +17,15 @@ intermediates are in cache (_forward_per_expert). Where torch's grouped matmul
 does not take the dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes;
 CUDA before sm_80 or other than bf16), the same projections run as one batched matmul over a
 padded [E, C, d] buffer (capacity_positions with C = the largest count, dispatch, combine).
+
+Traced (torch.compile; fake or meta tensors) every call takes the grouped path, which reads no
+value on the host and whose shapes follow T, k and E only (one graph per forward, no break):
+permute ([T*k, d] rows, offsets [E+1]; in torch ops where the permute op would run the reference,
+e.g. on the meta device), then per projection torch._grouped_mm where its fake takes the dtype
+(bf16) and otherwise our grouped matmul op (`moe_kernels::experts_grouped_mm`: its fake gives
+[S, out]; its kernel is torch._grouped_mm where the device takes the dtype, else a matmul per
+expert, reading the offsets inside the op), then the weighted sum over k in torch ops (the
+unpermute kernel's `int num_tokens` would specialise the graph to one T).
 docs/routers.md, Experts implementation, has the measurements.
 """
 
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_kernels import backends
 from moe_kernels.ops import capacity_positions, combine, dispatch, permute, unpermute
 
 NAME = "moe_kernels"
@@ -32,6 +42,11 @@ NAME = "moe_kernels"
 def _grouped_mm_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs these operands on their device, forward and backward: float32
     / fp16 / bf16 on CPU (16-bit rows need 16-byte strides), bf16 on CUDA from sm_80."""
+    return _sizes_take(x, *(size for w in weights for size in w.shape[1:]))
+
+
+def _sizes_take(x: torch.Tensor, *sizes: int) -> bool:
+    """_grouped_mm_takes for x with operands whose two inner sizes are `sizes`."""
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False
     if x.device.type == "cuda":
@@ -40,12 +55,104 @@ def _grouped_mm_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     if x.element_size() == 4:
         return True
-    return all(w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0 for w in weights)
+    return all(size % 8 == 0 for size in sizes)
 
 
-def _grouped_linear(x, weight, bias, transposed, ends, expert_of_row):
-    """[S, in] rows sorted by expert -> [S, out]: each expert's rows through its weight (+ bias)."""
-    out = torch._grouped_mm(x, weight if transposed else weight.transpose(1, 2), offs=ends)
+def _traced(x: torch.Tensor) -> bool:
+    """Whether this call is being traced (torch.compile, torch.export) or runs on fake / meta
+    tensors: then no value may be read on the host and every shape must follow the input shapes."""
+    if torch.compiler.is_compiling() or x.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+# A grouped matmul for what torch._grouped_mm's fake (meta) refuses: it takes bf16 only, while the
+# CPU kernel runs float32 / fp16 too and float64 runs nowhere. The op's fake gives the static
+# [S, out]; its kernel runs torch._grouped_mm where the device takes the dtype (the same kernel as
+# eager), else one matmul per expert (the offsets read on the host, inside the op, out of the graph).
+
+
+@torch.library.custom_op("moe_kernels::experts_grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in], rows sorted by expert (expert e's: offsets[e]:offsets[e+1]), weight [E, in, out],
+    offsets [E+1] int64 -> [S, out] (rows past offsets[E]: 0)."""
+    x = x.contiguous()
+    if 0 in weight.stride() or 1 not in weight.stride()[1:]:  # e.g. an expanded gradient
+        weight = weight.contiguous()
+    if x.shape[0] and _grouped_mm_takes(x, weight):
+        return torch._grouped_mm(x, weight, offs=offsets[1:].to(torch.int32))
+    out = x.new_zeros(x.shape[0], weight.shape[2])
+    bounds = offsets.tolist()
+    for e in range(weight.shape[0]):
+        if bounds[e + 1] > bounds[e]:
+            torch.mm(x[bounds[e] : bounds[e + 1]], weight[e], out=out[bounds[e] : bounds[e + 1]])
+    return out
+
+
+@_grouped_mm_op.register_fake
+def _(x, weight, offsets):
+    return x.new_empty(x.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("moe_kernels::experts_grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[E, in, out]: expert e's x rows transposed times its grad rows (0 for an expert without rows)."""
+    x, grad = x.contiguous(), grad.contiguous()
+    E = offsets.shape[0] - 1
+    if x.shape[0] and _sizes_take(x, x.shape[1], grad.shape[1]):
+        return torch._grouped_mm(x.t(), grad, offs=offsets[1:].to(torch.int32))
+    out = x.new_zeros(E, x.shape[1], grad.shape[1])
+    bounds = offsets.tolist()
+    for e in range(E):
+        if bounds[e + 1] > bounds[e]:
+            torch.mm(x[bounds[e] : bounds[e + 1]].t(), grad[bounds[e] : bounds[e + 1]], out=out[e])
+    return out
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(x, grad, offsets):
+    return x.new_empty(offsets.shape[0] - 1, x.shape[1], grad.shape[1])
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    x, weight, offsets = ctx.saved_tensors
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _grouped_mm_op(grad, weight.transpose(1, 2), offsets)
+    if ctx.needs_input_grad[1]:
+        grad_weight = _grouped_mm_weight_grad(x, grad, offsets)
+    return grad_x, grad_weight, None
+
+
+def _weight_grad_backward(ctx, grad):
+    # out[e] = x_e^T g_e: d x_e = g_e grad[e]^T, d g_e = x_e grad[e] (double backward).
+    x, g, offsets = ctx.saved_tensors
+    grad_x = grad_g = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _grouped_mm_op(g, grad.transpose(1, 2), offsets)
+    if ctx.needs_input_grad[1]:
+        grad_g = _grouped_mm_op(x, grad, offsets)
+    return grad_x, grad_g, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
+_grouped_mm_weight_grad.register_autograd(_weight_grad_backward, setup_context=_grouped_mm_setup_context)
+
+
+def _grouped_linear(x, weight, bias, transposed, offsets, ends, expert_of_row):
+    """[S, in] rows sorted by expert -> [S, out]: each expert's rows through its weight (+ bias).
+    torch._grouped_mm eagerly and wherever its fake takes the dtype (bf16); our op otherwise."""
+    weight = weight if transposed else weight.transpose(1, 2)
+    if (_traced(x) and x.dtype != torch.bfloat16) or not _grouped_mm_takes(x, weight):
+        out = _grouped_mm_op(x, weight, offsets)
+    else:
+        out = torch._grouped_mm(x, weight, offs=ends)
     if bias is not None:
         out = out + bias.index_select(0, expert_of_row)  # its backward is index_add_, not index_put_
     return out
@@ -81,7 +188,9 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     weight_dtype = (self.gate_up_proj if self.has_gate else self.up_proj).dtype
     x = hidden_states.to(weight_dtype)
     first = self.gate_up_proj if self.has_gate else self.up_proj
-    if x.device.type == "cpu" and not _needs_grad(x, first, self.down_proj):
+    if _traced(x):
+        y = _forward_grouped(self, x, experts, top_k_weights, E)
+    elif x.device.type == "cpu" and not _needs_grad(x, first, self.down_proj):
         y = _forward_per_expert(self, x, experts, top_k_weights, E)
     elif _grouped_mm_takes(x, first, self.down_proj):
         y = _forward_grouped(self, x, experts, top_k_weights, E)
@@ -106,7 +215,8 @@ def _projections(self, rows, linear):
 
 def _forward_grouped(self, x, experts, top_k_weights, E):
     T = x.shape[0]
-    x_sorted, offsets, order = permute(x, experts, E)  # [T*k, d], [E+1], [T*k]
+    kernels = backends.choose_for("permute", x) != "torch"  # else (meta, forced reference): torch ops
+    x_sorted, offsets, order = (permute if kernels else _permute_static)(x, experts, E)  # [T*k, d], [E+1], [T*k]
     ends = offsets[1:].to(torch.int32)
     expert_of_row = None
     if self.has_bias:  # the expert of each sorted row, for the per-expert biases
@@ -114,9 +224,31 @@ def _forward_grouped(self, x, experts, top_k_weights, E):
             torch.arange(E, device=x.device), offsets.diff(), output_size=T * experts.shape[1]
         )
     out = _projections(
-        self, x_sorted, lambda rows, w, b: _grouped_linear(rows, w, b, self.is_transposed, ends, expert_of_row)
+        self, x_sorted, lambda rows, w, b: _grouped_linear(rows, w, b, self.is_transposed, offsets, ends, expert_of_row)
     )
-    return unpermute(out, order, top_k_weights.to(out.dtype), T)
+    # Traced, torch ops combine instead of the kernel, whose `int num_tokens` would specialise T.
+    combine_rows = unpermute if kernels and not _traced(x) else _unpermute_static
+    return combine_rows(out, order, top_k_weights.to(out.dtype), T)
+
+
+def _permute_static(x, experts, E):
+    """permute's outputs for ids in [0, E), in torch ops of static shapes (the reference's boolean
+    masks and bincount have data-dependent shapes, and bincount no meta kernel)."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.searchsorted(flat[order], torch.arange(E + 1, device=x.device, dtype=flat.dtype))
+    return x.index_select(0, order // k), offsets, order
+
+
+def _unpermute_static(y_sorted, order, weights, T):
+    """unpermute for a permutation `order` (no empty choices), in torch ops of static shapes: each
+    choice's row gathered back to [T, k, d] and weighted over k (float32 accumulation, as unpermute)."""
+    acc = torch.float64 if y_sorted.dtype == torch.float64 else torch.float32
+    k = weights.shape[1]
+    row_of_choice = torch.zeros_like(order).scatter(0, order, torch.arange(order.shape[0], device=order.device))
+    rows = y_sorted.index_select(0, row_of_choice).to(acc).view(T, k, y_sorted.shape[1])
+    return (rows * weights.to(acc).unsqueeze(-1)).sum(1).to(y_sorted.dtype)
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
@@ -176,3 +308,16 @@ def register() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
+
+
+class Registration:
+    """Held by a patched model: unpickling it (torch.load, pickle, copy.deepcopy) registers the
+    experts implementation, so that a model saved whole runs in a process that never patched one."""
+
+    def __reduce__(self):
+        return _registered, ()
+
+
+def _registered() -> Registration:
+    register()
+    return Registration()

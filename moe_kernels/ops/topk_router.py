@@ -208,7 +208,7 @@ def check_options(
         raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
     if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, int | float):
         raise TypeError(f"scaling_factor must be a float, got {type(scaling_factor).__name__}")
-    if not math.isfinite(scaling_factor):
+    if not abs(scaling_factor) < math.inf:  # math.isfinite does not trace under dynamic=True
         raise ValueError(f"scaling_factor must be finite, got {scaling_factor}")
     return topk_groups
 
