@@ -5,9 +5,10 @@ nothing:
   1. builds the extension in place (`setup.py build_ext --inplace`) against the installed torch,
      with the CUDA kernels for the GPU it finds (its compute capability, or
      MOE_KERNELS_CUDA_ARCHS) and MAX_JOBS = the core count;
-  2. runs the GPU cases of the suite (`pytest -m gpu`: every `cuda:cuda` / `cuda:triton` case and
+  2. `python -m moe_kernels.check` on the GPU (every op of every backend against the reference, seconds);
+  3. runs the GPU cases of the suite (`pytest -m gpu`: every `cuda:cuda` / `cuda:triton` case and
      the GPU-only tests) in a few parallel groups of test files, each under its own time limit;
-  3. runs the GPU benchmarks in their quick grid (bench/gpu_bench.py).
+  4. runs the GPU benchmarks in their quick grid (bench/gpu_bench.py).
 Each step writes its log into the output folder (GPU_OUT, `--out`) as it goes, and the report
 (report.md there) is rewritten after every step, so a run cut off at any point leaves everything
 up to there. Without a GPU it still builds and runs the test step, whose GPU cases are skipped
@@ -153,6 +154,21 @@ def build(run: Run, *, timeout: float) -> bool:
                 f.write("\n[gpu-check] the built extension does not load:\n" + check.stderr)
     status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed (rc {rc})")
     run.step("build", status, seconds, detail)
+    return rc == 0
+
+
+def quick_check(run: Run, *, timeout: float) -> bool:
+    """`python -m moe_kernels.check` on the device: every op of every backend against the reference
+    on a few small inputs, seconds; its table goes into the report."""
+    device = "cuda" if run.info.get("gpu") else "cpu"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "moe_kernels.check", "--device", device]
+    rc, seconds = run_logged(cmd, run.out / "check.log", env=env, timeout=timeout)
+    lines = (run.out / "check.log").read_text().splitlines()
+    summary = lines[-1] if lines and "passed" in lines[-1] else "no summary (see check.log)"
+    status = "ok" if rc == 0 else ("timeout" if rc is None else "failed")
+    run.step("check", status, seconds, f"python -m moe_kernels.check --device {device}: {summary}")
     return rc == 0
 
 
@@ -317,6 +333,7 @@ def main(argv=None) -> int:
         if not ok:
             return 1
     files = [ROOT / f for f in args.files] if args.files else None
+    ok = quick_check(run, timeout=120) and ok
     ok = (
         tests(
             run,

@@ -46,7 +46,8 @@ def test_gpu_check_smoke(tmp_path):
         timeout=600,
     )
     report = (out / "report.md").read_text()
-    assert "| tests |" in report and "| benchmarks |" in report, report
+    assert "| check |" in report and "| tests |" in report and "| benchmarks |" in report, report
+    assert "0 failed" in (out / "check.log").read_text()
     logs = "".join(p.read_text() for p in out.glob("tests-*.log"))
     import torch
 
