@@ -1,7 +1,11 @@
 """setup.py's build configuration, without building: the GPU arch list (its spellings, the
-variables it comes from, the nvcc flags), the nvcc / torch CUDA major check, and the runtime
-torch requirement."""
+variables it comes from, the nvcc flags), the nvcc / torch CUDA major check, the runtime
+torch requirement, the build against the user's torch (never one pip downloads), the supported
+torch releases, when the CUDA kernels are built, and the release build's flags (no debug info)."""
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +112,85 @@ def test_torch_requirement_pins_the_build_abi(setup_py):
     assert setup_py.torch_requirement("2.13.0+cu130") == "torch>=2.13,<2.14"
     assert setup_py.torch_requirement("2.13.1+cpu") == "torch>=2.13,<2.14"
     assert setup_py.torch_requirement("3.0.0") == "torch>=3.0,<3.1"
+
+
+def test_build_requires_no_torch():
+    """pyproject.toml's build requirements hold no torch: with one, a plain `pip install .` would
+    download a torch into its isolated build environment (the registry's multi-GB CUDA build) and
+    compile against it, whatever the user's torch is."""
+    import tomllib
+
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert not [r for r in requires if r.lower().startswith("torch")], requires
+
+
+def test_build_without_torch_stops_at_once_with_the_install_line(tmp_path):
+    """setup.py run where torch is not importable (what pip's build isolation gives it) exits
+    before anything else with the line to use instead. Run as pip runs it (setup.py as __main__),
+    with torch hidden, from an empty directory (nothing may be written into the tree)."""
+    code = (
+        "import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', 'egg_info']; "
+        f"runpy.run_path({str(ROOT / 'setup.py')!r}, run_name='__main__')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "torch is not importable" in out.stderr and "pip install --no-build-isolation ." in out.stderr, out.stderr
+    assert "torch 2.11 to 2.15" in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_supported_torch_releases(setup_py):
+    """2.11 to 2.15: older stops the build, newer builds with a note (untested, not refused)."""
+    assert (setup_py.TORCH_OLDEST, setup_py.TORCH_NEWEST) == ((2, 11), (2, 15))
+    for version in ("2.11.0", "2.13.0+cpu", "2.13.0+cu130", "2.15.0", "2.15.1+cu130"):
+        assert setup_py.check_torch_version(version) is None, version
+    for version in ("2.10.1", "2.9.0+cu128", "1.13.1"):
+        with pytest.raises(SystemExit, match=rf"torch {re.escape(version)} is too old; supported: torch 2.11 to 2.15"):
+            setup_py.check_torch_version(version)
+    assert "newer than the releases tested (torch 2.11 to 2.15)" in setup_py.check_torch_version("2.16.0")
+    assert "newer than the releases tested" in setup_py.check_torch_version("3.0.0")
+
+
+@pytest.mark.parametrize(
+    "flag, torch_cuda, cuda_home, built, why",
+    [
+        ("", None, "/usr/local/cuda", False, "torch 2.13.0+cpu is a CPU build"),  # nvcc present, CPU torch
+        ("", None, None, False, "is a CPU build"),
+        ("", "13.0", None, False, "CUDA 13.0 build but no CUDA toolkit was found"),
+        ("", "13.0", "/usr/local/cuda", True, "is a CUDA 13.0 build and CUDA_HOME=/usr/local/cuda"),
+        ("0", "13.0", "/usr/local/cuda", False, "disabled by MOE_KERNELS_CUDA=0"),
+        ("1", "13.0", "/usr/local/cuda", True, "forced by MOE_KERNELS_CUDA=1"),
+    ],
+)
+def test_cuda_kernels_only_for_a_cuda_torch(setup_py, flag, torch_cuda, cuda_home, built, why):
+    """The CUDA kernels are built for a CUDA torch with a toolkit (or when forced), never for a CPU
+    torch, so the extension always loads in the torch that built it; the reason is printed."""
+    version = "2.13.0+cpu" if torch_cuda is None else "2.13.0+cu130"
+    assert setup_py.cuda_choice(flag, version, torch_cuda, cuda_home)[0] is built
+    assert why in setup_py.cuda_choice(flag, version, torch_cuda, cuda_home)[1]
+
+
+def test_forced_cuda_build_without_a_cuda_torch_is_an_error(setup_py):
+    with pytest.raises(
+        SystemExit, match="MOE_KERNELS_CUDA=1 but the CUDA kernels cannot be built: torch 2.13.0 is a CPU"
+    ):
+        setup_py.cuda_choice("1", "2.13.0", None, "/usr/local/cuda")
+    with pytest.raises(SystemExit, match="no CUDA toolkit was found"):
+        setup_py.cuda_choice("1", "2.13.0+cu130", "13.0", None)
+
+
+def test_release_build_has_no_debug_info(setup_py, monkeypatch):
+    """The extension as setup.py declares it: -g0 (over the -g of Python's CFLAGS) and a link that
+    strips debug sections unless DEBUG=1."""
+    assert setup_py.compile_flags(debug=False) == (["-O3", "-g0"], ["-fopenmp", "-Wl,--strip-debug"])
+    assert setup_py.compile_flags(debug=True) == (["-O0", "-g"], ["-fopenmp"])
+    monkeypatch.setenv("MOE_KERNELS_CUDA", "0")
+    monkeypatch.delenv("DEBUG", raising=False)
+    (ext,) = setup_py.extensions()
+    assert "-g0" in ext.extra_compile_args["cxx"] and "-Wl,--strip-debug" in ext.extra_link_args
+    monkeypatch.setenv("DEBUG", "1")
+    (ext,) = setup_py.extensions()
+    assert "-g" in ext.extra_compile_args["cxx"] and "-Wl,--strip-debug" not in ext.extra_link_args
 
 
 def test_one_version_string():
