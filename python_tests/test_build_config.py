@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import setup_py as build_setup
+from cuda_toolkit import nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,12 +101,7 @@ def test_nvcc_major_must_match_torch(setup_py):
 
 
 def test_nvcc_version_read_from_the_toolkit(setup_py):
-    import shutil
-
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("no nvcc on PATH")
-    assert setup_py.nvcc_version(str(Path(nvcc).resolve().parents[1])).split(".")[0].isdigit()
+    assert setup_py.nvcc_version(str(Path(nvcc()).resolve().parents[1])).split(".")[0].isdigit()
 
 
 def test_torch_requirement_pins_the_build_abi(setup_py):
