@@ -44,7 +44,8 @@ MAX_ARCH = 200  # above every compute capability there is (sm_121 in CUDA 13.0):
 # The Python C API version the extension is compiled against (Py_LIMITED_API): the module init in
 # csrc/ops.cpp uses only the stable ABI, so one wheel serves every CPython >= 3.10.
 LIMITED_API = (3, 10)
-# The torch releases this package supports (README, "Install"). Older ones stop the build; newer
+# The torch releases this package supports (README, "Install"; torch-pins.txt has a row for each,
+# with the triton and numpy the Makefile installs beside it). Older ones stop the build; newer
 # ones build with a note.
 TORCH_OLDEST = (2, 11)
 TORCH_NEWEST = (2, 15)
@@ -145,11 +146,12 @@ def require_torch():
         import torch
     except ImportError as exc:
         raise SystemExit(
-            f"moe_kernels: torch is not importable by the Python running this build ({sys.executable}: {exc}).\n"
-            "moe_kernels compiles its kernels against the torch you already have, so the build must see it. "
-            f"Install torch first ({supported_torch()}, CPU or CUDA build), then, in that environment:\n"
+            f"moe_kernels: torch is not importable by this build ({exc}; Python {sys.executable}).\n"
+            "The kernels are compiled against the torch you already have, so the build must run in its "
+            "environment:\n"
             f"    {INSTALL_LINE}\n"
-            "(a plain `pip install .` builds in an isolated environment that hides your torch)"
+            "(pip's default build isolation, a plain `pip install .`, hides your torch from the build; "
+            f"without a torch, install one first: {supported_torch()}, CPU or CUDA build)"
         ) from None
     return torch
 

@@ -3,6 +3,7 @@ variables it comes from, the nvcc flags), the nvcc / torch CUDA major check, the
 torch requirement, the build against the user's torch (never one pip downloads), the supported
 torch releases, when the CUDA kernels are built, and the release build's flags (no debug info)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -145,6 +146,76 @@ def test_supported_torch_releases(setup_py):
             setup_py.check_torch_version(version)
     assert "newer than the releases tested (torch 2.11 to 2.15)" in setup_py.check_torch_version("2.16.0")
     assert "newer than the releases tested" in setup_py.check_torch_version("3.0.0")
+
+
+def torch_pins() -> dict[str, tuple[str, str]]:
+    """torch-pins.txt: torch (major.minor or full version) -> (triton, numpy)."""
+    rows = {}
+    for line in (ROOT / "torch-pins.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            torch, triton, numpy = line.split()
+            rows[torch] = (triton, numpy)
+    return rows
+
+
+def test_torch_pins_cover_the_supported_releases(setup_py):
+    """One row per supported major.minor (2.11 to 2.15, as setup.py and the README say), a
+    release of each pin, and numpy < 2.4 beside the triton whose interpreter needs it."""
+    pins = torch_pins()
+    minors = [t for t in pins if t.count(".") == 1]
+    (oldest_major, oldest), (newest_major, newest) = setup_py.TORCH_OLDEST, setup_py.TORCH_NEWEST
+    assert oldest_major == newest_major
+    assert minors == [f"{oldest_major}.{m}" for m in range(oldest, newest + 1)]
+    for torch, (triton, numpy) in pins.items():
+        assert re.fullmatch(r"\d+\.\d+\.\d+", triton) and re.fullmatch(r"\d+\.\d+\.\d+", numpy), torch
+        assert setup_py.torch_release(torch) in [setup_py.torch_release(t) for t in minors], torch
+        if tuple(map(int, triton.split("."))) < (3, 7, 1):
+            assert tuple(map(int, numpy.split("."))) < (2, 4), (
+                f"{torch}: triton {triton}'s interpreter needs numpy < 2.4"
+            )
+    assert setup_py.supported_torch() in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "torch, triton, numpy",
+    [
+        ("2.13.0", "3.7.1", "2.4.6"),
+        ("2.11.0", "3.6.0", "2.3.5"),
+        ("2.12.0", "3.7.0", "2.3.5"),
+        ("2.12.1", "3.7.1", "2.4.6"),
+        ("2.15.0", "3.9.0", "2.4.6"),
+    ],
+)
+def test_makefile_installs_the_pins_of_its_torch(torch, triton, numpy):
+    """`make -n -B test TORCH=...` (a dry run: nothing is executed; -B: as on a fresh clone) installs
+    that torch, its row's triton and numpy (a full-version row over its major.minor one), under a
+    stamp named for it, after removing the stamp of any other torch."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH")}
+    out = subprocess.run(
+        ["make", "-n", "-B", "-C", str(ROOT), "test", f"TORCH={torch}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"torch=={torch}\n" in out.stdout
+    assert f"-r requirements-dev.txt triton=={triton} numpy=={numpy}\n" in out.stdout
+    assert "rm -f .venv/.deps-*\n" in out.stdout and f"touch .venv/.deps-torch-{torch}\n" in out.stdout
+
+
+def test_makefile_default_torch_has_pins():
+    """The Makefile's default TORCH has a row; requirements-dev.txt leaves torch, triton and numpy
+    to torch-pins.txt (a pin there would fight the row of another TORCH)."""
+    default = re.search(r"^TORCH\s*\?=\s*(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert default in torch_pins() or default.rsplit(".", 1)[0] in torch_pins()
+    lines = (ROOT / "requirements-dev.txt").read_text().splitlines()
+    names = {re.split(r"[=<>~!\[ ;]", line, maxsplit=1)[0].lower() for line in lines if line and line[0] != "#"}
+    assert not names & {"torch", "triton", "numpy"}, names
 
 
 @pytest.mark.parametrize(
