@@ -1,15 +1,35 @@
-# Every target bootstraps what it needs on a fresh machine: a virtualenv in .venv, torch 2.13.0
-# (CPU build, pinned: an unpinned torch pulls a multi-GB CUDA build), the tools of
+# Every target bootstraps what it needs on a fresh machine: a virtualenv in .venv, torch $(TORCH)
+# (default 2.13.0, a CPU build, pinned: an unpinned torch pulls a multi-GB CUDA build), the triton
+# and numpy that go with that torch (its row of torch-pins.txt), the tools of
 # requirements-dev.txt, and the C++ extension. Nothing has to be installed by hand.
 #
+# Any supported torch (2.11 to 2.15, torch-pins.txt): `make test TORCH=2.15.0`. The venv's stamp
+# is named for the torch, so another TORCH reinstalls the venv's packages and rebuilds the
+# extension rather than reuse a build for another torch; coming back does the same.
+# TORCH_PIP_FLAGS: extra pip flags for torch alone, e.g. "--index-url
+# https://download.pytorch.org/whl/cpu" where pip's indexes have only the CUDA build of a TORCH
+# (that one works too, on CPU: the extension is then built without CUDA kernels, as CUDA=0 says).
+#
+# Variables the suite reads: MOE_KERNELS_REQUIRE_EXTENSION=1 (set by `make test`: a missing or
+# broken extension is an ImportError, not a quiet fallback to the reference);
+# MOE_KERNELS_REQUIRE_NVCC=1 (set by .ci/run: without it the nvcc compile checks skip where no
+# CUDA toolkit is installed).
+#
 # On a GPU machine, `make CUDA=1 test|demo|bench` does the same in .venv-cuda with the registry's
-# torch 2.13.0 CUDA build and builds the CUDA kernels too (nvcc of the same CUDA major as torch;
+# torch $(TORCH) CUDA build and builds the CUDA kernels too (nvcc of the same CUDA major as torch;
 # archs from MOE_KERNELS_CUDA_ARCHS or TORCH_CUDA_ARCH_LIST, see setup.py). On a GPU machine that
 # already has a CUDA torch (no internet needed), `make gpu-check PY=python3` builds, tests and
 # benchmarks there without a venv. `make check-cuda-build` checks, without a GPU,
 # that the CUDA build compiles, links and registers every CUDA kernel (slow: not in `make test`).
 PYTHON ?= python3
 CUDA   ?= 0
+TORCH  ?= 2.13.0
+# Its row of torch-pins.txt: a full-version row, else the major.minor one; empty if none.
+TORCH_MINOR := $(shell echo '$(TORCH)' | cut -d. -f1,2)
+PINS   := $(shell awk -v v='$(TORCH)' -v m='$(TORCH_MINOR)' '$$1 == v {print $$2, $$3; f = 1; exit} $$1 == m {d = $$2 " " $$3} END {if (!f && d) print d}' torch-pins.txt)
+TRITON := $(word 1,$(PINS))
+NUMPY  := $(word 2,$(PINS))
+TORCH_PIP_FLAGS ?=
 ifeq ($(CUDA),1)
 VENV   ?= .venv-cuda
 VARIANT := cuda
@@ -19,7 +39,7 @@ VARIANT := cpu
 endif
 BIN    := $(VENV)/bin
 PY     := $(BIN)/python
-DEPS   := $(VENV)/.deps-installed
+DEPS   := $(VENV)/.deps-torch-$(TORCH)
 EXT    := $(VENV)/.extension-built
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null) setup.py
 # pip flags for the CUDA torch: --isolated ignores pip's configuration, so that a local CPU wheel
@@ -38,30 +58,40 @@ all: test
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+NO_PINS = { echo "TORCH=$(TORCH) has no row in torch-pins.txt (supported: $$(awk '$$1 !~ /^\#/ {print $$1}' torch-pins.txt | tr '\n' ' ')); add one: torch, the triton its wheel requires, numpy" >&2; exit 1; }
+
+# One stamp per venv: the one of another torch goes first, so coming back to it reinstalls too.
 ifeq ($(CUDA),1)
-$(DEPS): $(PY) requirements-dev.txt
+$(DEPS): $(PY) requirements-dev.txt torch-pins.txt
+	@test -n "$(PINS)" || $(NO_PINS)
+	rm -f $(VENV)/.deps-*
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH_CUDA_PIP_FLAGS) torch==2.13.0
-	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet $(TORCH_CUDA_PIP_FLAGS) torch==$(TORCH)
+	$(BIN)/pip install --quiet -r requirements-dev.txt triton==$(TRITON) numpy==$(NUMPY)
 	@$(PY) -c "import torch; assert torch.version.cuda, 'CUDA=1 but a CPU torch was installed: see TORCH_CUDA_PIP_FLAGS'; print('torch', torch.__version__)"
 	touch $@
 else
-$(DEPS): $(PY) requirements-dev.txt
+$(DEPS): $(PY) requirements-dev.txt torch-pins.txt
+	@test -n "$(PINS)" || $(NO_PINS)
+	rm -f $(VENV)/.deps-*
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -r requirements-dev.txt
-	@$(PY) -c "import torch; assert torch.version.cuda is None, 'a CUDA torch was installed (on a GPU machine: make CUDA=1 ...)'; print('torch', torch.__version__)"
+	$(BIN)/pip install --quiet $(TORCH_PIP_FLAGS) torch==$(TORCH)
+	$(BIN)/pip install --quiet -r requirements-dev.txt triton==$(TRITON) numpy==$(NUMPY)
+	@$(PY) -c "import torch; cuda = torch.version.cuda; print('torch', torch.__version__, f'(a CUDA {cuda} build: it runs on CPU; the extension gets no CUDA kernels with CUDA=0; TORCH_PIP_FLAGS can point pip at a CPU build)' if cuda else '(CPU build)')"
 	touch $@
 endif
 
-# The extension: C++ CPU kernels (and, with CUDA=1, the CUDA ones); see setup.py. pip install -e
-# puts the .so in the source tree, shared by .venv and .venv-cuda: moe_kernels/.extension-variant
-# says which build it is, and switching CUDA= rebuilds.
+# The extension: C++ CPU kernels (and, with CUDA=1, the CUDA ones); see setup.py. Announced first
+# and not --quiet: the build takes minutes (pip -v would add megabytes of compiler notes).
+# pip install -e puts the .so in the source tree, shared by .venv and .venv-cuda:
+# moe_kernels/.extension-variant says which build it is, and switching CUDA= rebuilds; switching
+# TORCH= rebuilds through the venv's stamp.
 ifneq ($(shell cat moe_kernels/.extension-variant 2>/dev/null),$(VARIANT))
 $(EXT): FORCE
 endif
 $(EXT): $(DEPS) $(SOURCES)
-	MOE_KERNELS_CUDA=$(CUDA) $(BIN)/pip install --quiet --no-build-isolation --no-deps -e .
+	@echo "Building the extension against torch $(TORCH)$(if $(filter 1,$(CUDA)), with the CUDA kernels,): several minutes on 2 cores (MAX_JOBS=$(MAX_JOBS)), until pip says done"
+	MOE_KERNELS_CUDA=$(CUDA) $(BIN)/pip install --no-build-isolation --no-deps -e .
 	@$(PY) -c "import moe_kernels, moe_kernels._extension as e; assert e.LOADED, e.LOAD_ERROR; print('backends:', moe_kernels.backends())"
 	echo $(VARIANT) > moe_kernels/.extension-variant
 	touch $@
@@ -94,14 +124,15 @@ gpu-check:
 	MAX_JOBS=$(if $(filter command line environment,$(origin MAX_JOBS)),$(MAX_JOBS),$$(nproc)) \
 	$(GPU_PY) bench/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_FLAGS)
 
-# Without a GPU: a venv with the registry's CUDA torch 2.13.0, the CUDA build of a copy of this
+# Without a GPU: a venv with the registry's CUDA torch $(TORCH), the CUDA build of a copy of this
 # tree (the tree's own .so and build/ stay untouched), then the suite on CPU, which includes the
 # check that every op with a .cu kernel has a CUDA registration. A multi-GB download and a long
 # compile (3 to 10 min on 2 cores): not part of `make test`.
 check-cuda-build:
 	test -x $(CUDA_CHECK_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_CHECK_VENV)
-	$(CUDA_CHECK_VENV)/bin/pip install --quiet $(TORCH_CUDA_PIP_FLAGS) torch==2.13.0
-	$(CUDA_CHECK_VENV)/bin/pip install --quiet -r requirements-dev.txt
+	@test -n "$(PINS)" || $(NO_PINS)
+	$(CUDA_CHECK_VENV)/bin/pip install --quiet $(TORCH_CUDA_PIP_FLAGS) torch==$(TORCH)
+	$(CUDA_CHECK_VENV)/bin/pip install --quiet -r requirements-dev.txt triton==$(TRITON) numpy==$(NUMPY)
 	@$(CUDA_CHECK_VENV)/bin/python -c "import torch; assert torch.version.cuda, 'not a CUDA torch: see TORCH_CUDA_PIP_FLAGS'; print('torch', torch.__version__)"
 	rm -rf $(CUDA_CHECK_VENV)/src && mkdir -p $(CUDA_CHECK_VENV)/src
 	git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do [ -f "$$f" ] && cp --parents "$$f" $(CUDA_CHECK_VENV)/src; done; true' sh

@@ -1,5 +1,11 @@
 """Builds moe_kernels._C: the C++ CPU kernels always, the CUDA kernels when asked or possible.
 
+The build compiles against the torch already installed in the environment, never one of its own:
+install torch first (any release from TORCH_OLDEST to TORCH_NEWEST below, CPU or CUDA build), then
+`pip install --no-build-isolation .` (pip's default build isolation hides that torch from the
+build, and setup.py then stops with that line: pyproject.toml does not list torch as a build
+requirement, so pip never downloads one).
+
 Environment:
   MOE_KERNELS_CUDA=1        build the CUDA kernels; a failure is an error, never a silent skip.
   MOE_KERNELS_CUDA=0        never build them.
@@ -9,13 +15,16 @@ Environment:
                             TORCH_CUDA_ARCH_LIST (torch's variable, same spellings) is honoured;
                             when both are unset: "80;90". The .so holds SASS for every listed
                             arch plus PTX for the newest, so newer GPUs JIT-compile the kernels.
-  DEBUG=1                   -O0 -g instead of -O3.
+  DEBUG=1                   -O0 -g instead of -O3 (release builds have no debug info: -g0, and the
+                            link strips any an object brings).
   MAX_JOBS                  parallel compile jobs (honoured by torch's ninja build).
 
 The distribution's metadata (name, version, dependencies) is in pyproject.toml, except the torch
 requirement, computed here: the extension is linked against the C++ ABI of the torch that builds
 it, which changes between torch minor releases, so the installed package requires the same
-major.minor (e.g. "torch>=2.13,<2.14").
+major.minor (e.g. "torch>=2.13,<2.14"). The package as a whole supports torch TORCH_OLDEST to
+TORCH_NEWEST (README, "Install"); a torch older than that stops the build, a newer one is built
+with a note that it is untested.
 """
 
 import os
@@ -35,6 +44,12 @@ MAX_ARCH = 200  # above every compute capability there is (sm_121 in CUDA 13.0):
 # The Python C API version the extension is compiled against (Py_LIMITED_API): the module init in
 # csrc/ops.cpp uses only the stable ABI, so one wheel serves every CPython >= 3.10.
 LIMITED_API = (3, 10)
+# The torch releases this package supports (README, "Install"; torch-pins.txt has a row for each,
+# with the triton and numpy the Makefile installs beside it). Older ones stop the build; newer
+# ones build with a note.
+TORCH_OLDEST = (2, 11)
+TORCH_NEWEST = (2, 15)
+INSTALL_LINE = "pip install --no-build-isolation ."
 
 _ARCH = re.compile(r"^(?:sm_|compute_)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$", re.IGNORECASE)
 
@@ -117,11 +132,74 @@ def check_cuda_versions(nvcc: str, torch_cuda: str) -> None:
         )
 
 
+def supported_torch() -> str:
+    """The supported torch releases in words, e.g. "torch 2.11 to 2.15"."""
+    return f"torch {TORCH_OLDEST[0]}.{TORCH_OLDEST[1]} to {TORCH_NEWEST[0]}.{TORCH_NEWEST[1]}"
+
+
+def require_torch():
+    """The torch of the Python running this build, or SystemExit saying how to install: pip's build
+    isolation (a plain `pip install .`) runs the build in a fresh environment without the user's
+    torch, and this package never asks pip for one there (a downloaded torch may be a CUDA build the
+    user's torch cannot load, or another release)."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise SystemExit(
+            f"moe_kernels: torch is not importable by this build ({exc}; Python {sys.executable}).\n"
+            "The kernels are compiled against the torch you already have, so the build must run in its "
+            "environment:\n"
+            f"    {INSTALL_LINE}\n"
+            "(pip's default build isolation, a plain `pip install .`, hides your torch from the build; "
+            f"without a torch, install one first: {supported_torch()}, CPU or CUDA build)"
+        ) from None
+    return torch
+
+
+def torch_release(torch_version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string, e.g. "2.13.0+cu130" -> (2, 13)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch_version).groups()
+    return int(major), int(minor)
+
+
+def check_torch_version(torch_version: str) -> str | None:
+    """SystemExit for a torch older than TORCH_OLDEST; a note (returned) for one newer than
+    TORCH_NEWEST, which is built but untested; None inside the supported range."""
+    release, supported = torch_release(torch_version), supported_torch()
+    if release < TORCH_OLDEST:
+        raise SystemExit(f"moe_kernels: torch {torch_version} is too old; supported: {supported}")
+    if release > TORCH_NEWEST:
+        return f"moe_kernels: note: torch {torch_version} is newer than the releases tested ({supported})"
+    return None
+
+
+def cuda_choice(flag: str, torch_version: str, torch_cuda: str | None, cuda_home: str | None) -> tuple[bool, str]:
+    """Whether to build the CUDA kernels and why: `flag` is MOE_KERNELS_CUDA ("0", "1" or ""),
+    `torch_cuda` torch.version.cuda of the building torch (None for a CPU build), `cuda_home` the
+    toolkit found. Unset, the kernels are built only for a CUDA torch with a toolkit beside it, so
+    the extension always loads in the torch that built it. "1" without either is a SystemExit."""
+    if flag == "0":
+        return False, "disabled by MOE_KERNELS_CUDA=0"
+    if torch_cuda is None:
+        missing = f"torch {torch_version} is a CPU build"
+    elif cuda_home is None:
+        missing = f"torch {torch_version} is a CUDA {torch_cuda} build but no CUDA toolkit was found (set CUDA_HOME)"
+    else:
+        missing = None
+    if flag == "1":
+        if missing:
+            raise SystemExit(f"moe_kernels: MOE_KERNELS_CUDA=1 but the CUDA kernels cannot be built: {missing}")
+        return True, f"forced by MOE_KERNELS_CUDA=1; torch {torch_version} is a CUDA {torch_cuda} build"
+    if missing:
+        return False, missing
+    return True, f"torch {torch_version} is a CUDA {torch_cuda} build and CUDA_HOME={cuda_home}"
+
+
 def torch_requirement(torch_version: str) -> str:
     """The runtime torch requirement for an extension built against `torch_version` ("2.13.0+cu130"):
     the same major.minor, whose C++ ABI it links against (stable across patch releases)."""
-    major, minor = re.match(r"(\d+)\.(\d+)", torch_version).groups()
-    return f"torch>={major}.{minor},<{major}.{int(minor) + 1}"
+    major, minor = torch_release(torch_version)
+    return f"torch>={major}.{minor},<{major}.{minor + 1}"
 
 
 def find_cuda_home(environ=os.environ) -> str | None:
@@ -158,24 +236,14 @@ def _rel(paths):
     return sorted(os.path.relpath(p, ROOT) for p in paths)
 
 
-def _want_cuda():
-    import torch
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    flag = os.environ.get("MOE_KERNELS_CUDA", "")
-    if flag == "0":
-        return False, "disabled by MOE_KERNELS_CUDA=0"
-    possible = torch.version.cuda is not None and CUDA_HOME is not None
-    if flag == "1":
-        if not possible:
-            sys.exit(
-                "MOE_KERNELS_CUDA=1 but the CUDA kernels cannot be built: "
-                f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}"
-            )
-        return True, "forced by MOE_KERNELS_CUDA=1"
-    if possible:
-        return True, f"torch {torch.__version__} is a CUDA build and CUDA_HOME={CUDA_HOME}"
-    return False, f"torch {torch.__version__} is not a CUDA build (or no CUDA toolkit was found)"
+def compile_flags(debug: bool) -> tuple[list[str], list[str]]:
+    """(C++ and nvcc optimisation flags, extra link flags). A release build carries no debug info:
+    -g0 overrides the -g of Python's CFLAGS, which torch's build passes to every C++ compile (36 MB
+    of DWARF in a 2 MB .so), and the link strips whatever debug sections an object still brings,
+    keeping the symbol table (profilers name the kernels)."""
+    if debug:
+        return ["-O0", "-g"], ["-fopenmp"]
+    return ["-O3", "-g0"], ["-fopenmp", "-Wl,--strip-debug"]
 
 
 def extensions():
@@ -184,14 +252,14 @@ def extensions():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
 
-    debug = os.environ.get("DEBUG", "0") == "1"
-    opt = ["-O0", "-g"] if debug else ["-O3"]
+    opt, link = compile_flags(os.environ.get("DEBUG", "0") == "1")
+    nvcc_opt = [f for f in opt if f != "-g0"]  # nvcc has no -g0 (it emits no host debug info unless -g)
     limited = f"-DPy_LIMITED_API=0x{LIMITED_API[0]:02x}{LIMITED_API[1]:02x}0000"
     cxx = opt + ["-std=c++20", "-fopenmp", limited]
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     sources = _rel([os.path.join(ROOT, "csrc", "ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
 
-    cuda, why = _want_cuda()
+    cuda, why = cuda_choice(os.environ.get("MOE_KERNELS_CUDA", ""), torch.__version__, torch.version.cuda, CUDA_HOME)
     if not cuda:
         print(f"moe_kernels: building the C++ CPU kernels only ({why})")
         return [
@@ -200,7 +268,7 @@ def extensions():
                 sources,
                 include_dirs=include_dirs,
                 extra_compile_args={"cxx": cxx},
-                extra_link_args=["-fopenmp"],
+                extra_link_args=link,
                 py_limited_api=True,
             )
         ]
@@ -219,19 +287,23 @@ def extensions():
             "moe_kernels._C",
             sources,
             include_dirs=include_dirs,
-            extra_compile_args={"cxx": cxx + ["-DMOE_KERNELS_CUDA"], "nvcc": opt + ["-std=c++20"] + gencode},
-            extra_link_args=["-fopenmp"],
+            extra_compile_args={"cxx": cxx + ["-DMOE_KERNELS_CUDA"], "nvcc": nvcc_opt + ["-std=c++20"] + gencode},
+            extra_link_args=link,
             py_limited_api=True,
         )
     ]
 
 
 def main():
+    # First, before anything slow: a build that cannot see the user's torch stops at once.
+    torch = require_torch()
+    note = check_torch_version(torch.__version__)
+    if note:
+        print(note)
     # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import.
     cuda_home = find_cuda_home()
     if cuda_home is not None:
         os.environ.setdefault("CUDA_HOME", cuda_home)
-    import torch
     from torch.utils.cpp_extension import BuildExtension
 
     setup(

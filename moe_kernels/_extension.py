@@ -1,17 +1,72 @@
-"""Loads the compiled extension moe_kernels._C, if it was built, and remembers why not otherwise."""
+"""Loads the compiled extension moe_kernels._C, if it was built, and remembers why not otherwise.
+
+Three states, read by moe_kernels.backends (backends() says which ops run the reference and why):
+  loaded      LOADED is True: the C++ (and, in a CUDA build, CUDA) kernels are registered.
+  not built   no moe_kernels/_C*.so (a source checkout before `make build`): every op runs the
+              pure-PyTorch reference, quietly: that is what a tree without a build is for.
+  broken      the .so is there but does not load, typically built against another torch than this
+              one (a CUDA build under a CPU torch: "libc10_cuda.so: cannot open shared object file";
+              another torch release: undefined symbols). `import moe_kernels` warns once with the
+              reason, since every op would otherwise run the reference without a word.
+
+MOE_KERNELS_REQUIRE_EXTENSION=1 turns both "not built" and "broken" into an ImportError at import
+(`make test` and CI set it: they must test the kernels, not the fallback).
+"""
 
 import importlib
+import importlib.util
+import os
+import warnings
 
 import torch
 
 LOADED = False
+# Why the extension did not load ("" when it did): the loader's own message for a broken build.
 LOAD_ERROR = ""
+# True when a build of the extension exists beside the package (loaded or not).
+BUILT = False
+REQUIRE_VARIABLE = "MOE_KERNELS_REQUIRE_EXTENSION"
 
-try:
-    importlib.import_module("moe_kernels._C")
+
+class ExtensionWarning(RuntimeWarning):
+    """The extension moe_kernels._C exists but did not load: every op runs the reference."""
+
+
+def _torch_build() -> str:
+    cuda = torch.version.cuda
+    return f"torch {torch.__version__} ({f'CUDA {cuda}' if cuda else 'CPU'} build)"
+
+
+def _load() -> None:
+    global LOADED, LOAD_ERROR, BUILT
+    try:
+        spec = importlib.util.find_spec("moe_kernels._C")
+    except (ImportError, ValueError):
+        spec = None
+    BUILT = spec is not None
+    if not BUILT:
+        LOAD_ERROR = "not built: no moe_kernels/_C*.so beside the package (make build, or pip install the package)"
+        if os.environ.get(REQUIRE_VARIABLE) == "1":
+            raise ImportError(f"moe_kernels: {REQUIRE_VARIABLE}=1 but the extension is {LOAD_ERROR}")
+        return
+    try:
+        importlib.import_module("moe_kernels._C")
+    except (ImportError, OSError) as exc:
+        LOAD_ERROR = str(exc) or type(exc).__name__
+        message = (
+            f"moe_kernels: the compiled extension {spec.origin} did not load: {LOAD_ERROR}. Every op runs the "
+            f"pure-PyTorch reference instead of its kernels. It was most likely built against another torch "
+            f"than this {_torch_build()}: rebuild it against this one (`pip install --no-build-isolation .` "
+            f"from the source, or `make build`). {REQUIRE_VARIABLE}=1 makes this an ImportError."
+        )
+        if os.environ.get(REQUIRE_VARIABLE) == "1":
+            raise ImportError(message) from exc
+        warnings.warn(message, ExtensionWarning, stacklevel=2)
+        return
     LOADED = True
-except ImportError as exc:  # not built: the ops fall back to the PyTorch reference
-    LOAD_ERROR = str(exc)
+
+
+_load()
 
 
 def defines(op: str) -> bool:

@@ -72,6 +72,7 @@ class _Op:
     cuda: Callable | None
     opt_in: tuple[str, ...] = ()
     float64: tuple[str, ...] = BACKENDS
+    extension: bool = True
 
 
 _REGISTRY: dict[str, _Op] = {}
@@ -86,6 +87,7 @@ def register(
     cuda=None,
     opt_in: tuple[str, ...] = (),
     float64: tuple[str, ...] = BACKENDS,
+    extension: bool = True,
 ) -> None:
     """Declare the implementations of `op`. Each is a callable with the op's signature, or None.
 
@@ -93,13 +95,22 @@ def register(
     `triton` only when triton imports (and, for CPU tensors, under TRITON_INTERPRET=1). Backends
     named in `opt_in` run only when forced (use_backend / MOE_KERNELS_BACKEND). `float64` names
     the backends with a float64 path; float64 tensors on the others run "torch" (the reference).
+    `extension=False` says the extension has no kernel for the op at all (the op modules pass
+    cpu=None when the extension did not load, so only this tells an op without a kernel from one
+    whose kernel is missing: backends()'s "why").
     """
     for what, names in (("opt_in", opt_in), ("float64", float64)):
         unknown = set(names) - set(BACKENDS)
         if unknown:
             raise ValueError(f"register({op!r}): unknown {what} backends {sorted(unknown)}; valid names: {BACKENDS}")
     _REGISTRY[op] = _Op(
-        torch=torch, cpu=cpu, triton=triton, cuda=cuda, opt_in=tuple(opt_in), float64=("torch", *float64)
+        torch=torch,
+        cpu=cpu,
+        triton=triton,
+        cuda=cuda,
+        opt_in=tuple(opt_in),
+        float64=("torch", *float64),
+        extension=extension,
     )
 
 
@@ -214,12 +225,49 @@ def use_backend(name: str):
         _forced.reset(token)
 
 
+def why_reference(op: str, device_type: str) -> str:
+    """Why `op` runs the reference ("torch") on `device_type` tensors rather than a kernel: forced,
+    no kernel for the op, the extension not built or not loaded (its loader's message), a build
+    older than the op, triton missing, an opt-in kernel. Worded for backends()'s "why"."""
+    entry = _REGISTRY[op]
+    if forced() == "torch":
+        return "forced (use_backend / MOE_KERNELS_BACKEND)"
+    extension_ok = _extension.LOADED and _extension.defines(op)
+    kernels = [
+        name
+        for name in _ORDER.get(device_type, ())
+        if name != "torch"
+        and (getattr(entry, name) is not None or (name in ("cpu", "cuda") and entry.extension and not extension_ok))
+    ]
+    if not kernels:
+        return "the op has no kernel (the reference is its implementation)"
+    reasons = []
+    for name in kernels:
+        if name in entry.opt_in:
+            reason = f"its {name} kernel is opt-in (runs only when forced)"
+        elif name == "triton":
+            reason = "triton is not installed" if not triton_importable() else f"no {name} kernel can run here"
+        elif not _extension.LOADED:
+            reason = f"the extension moe_kernels._C did not load ({_extension.LOAD_ERROR})"
+        elif not _extension.defines(op):
+            reason = "the loaded extension was built before this op existed (rebuild it: make build)"
+        else:
+            reason = f"the extension has no {name} kernel for it (built without {name.upper()} kernels)"
+        if reason not in reasons:
+            reasons.append(reason)
+    return "; ".join(reasons)
+
+
 def backends() -> dict[str, dict[str, str]]:
-    """For every op, the backend a CPU tensor and a CUDA tensor would use now.
+    """For every op, the backend a CPU tensor and a CUDA tensor would use now, and why the
+    reference runs where it does.
 
     e.g. {"topk_softmax": {"cpu": "cpu", "cuda": "unavailable", "cpu float64": "torch",
-    "cuda float64": "unavailable"}}. "unavailable" means no CUDA device (or a forced backend that
-    cannot run there); "<device> float64" is the backend a float64 tensor would use.
+    "cuda float64": "unavailable", "why": "cpu float64: the cpu kernel has no float64 path"}}.
+    "unavailable" means no CUDA device (or a forced backend that cannot run there); "<device>
+    float64" is the backend a float64 tensor would use; "why" says, for each column that runs the
+    reference ("torch"), the reason (e.g. "cpu: the extension moe_kernels._C did not load (...)"),
+    "" when none does.
     """
     cuda_present = torch.cuda.is_available()
     out = {}
@@ -233,11 +281,16 @@ def backends() -> dict[str, dict[str, str]]:
                 row[device_type] = choose(op, device_type)
             except ValueError:
                 row[device_type] = "unavailable"
+        why = []
         for device_type in ("cpu", "cuda"):
             name = row[device_type]
+            if name == "torch":
+                why.append(f"{device_type}: {why_reference(op, device_type)}")
             if name != "unavailable" and name not in _REGISTRY[op].float64:
+                why.append(f"{device_type} float64: the {name} kernel has no float64 path")
                 name = "torch"
             row[f"{device_type} float64"] = name
+        row["why"] = "; ".join(why)
         out[op] = row
     return out
 

@@ -8,7 +8,7 @@ from moe_kernels import backends, reference
 from moe_kernels.ops import _validate
 from moe_kernels.ops.balanced_assignment import SCORE_DTYPES
 
-backends.register("skip_sample", torch=reference.skip_sample)
+backends.register("skip_sample", torch=reference.skip_sample, extension=False)
 
 
 def skip_sample(probs: torch.Tensor, capacity: int, generator: torch.Generator | None = None):
