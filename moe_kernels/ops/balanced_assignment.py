@@ -2,7 +2,7 @@
 
 Implementations: reference (moe_kernels/reference/balanced_assignment.py), C++ CPU
 (csrc/cpu/balanced_assignment.cpp, the fast path here) and CUDA (csrc/cuda/balanced_assignment.cu,
-compiled and host-emulated here, never run on a GPU: docs/balanced_assignment.md). No Triton
+opt-in, host-emulated by a test, run on an H100 by make gpu-check: docs/balanced_assignment.md). No Triton
 kernel. backends.py chooses among them.
 """
 
