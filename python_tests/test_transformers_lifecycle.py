@@ -78,8 +78,8 @@ with torch.no_grad():
     assert torch.equal(model(ids).logits, ref)
 print("same logits")
 """
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
-    assert "same logits" in out
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and "same logits" in run.stdout, run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
