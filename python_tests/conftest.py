@@ -42,6 +42,18 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(autouse=True)
+def _restore_threads():
+    """A test (or an example it runs in-process, e.g. kool_toy's set_num_threads(1)) that changes
+    torch's intra-op thread count must not change it for the tests after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _device_axis(request, monkeypatch):
     """GPU cases of `backend`: run the test's ops on the backend's device (devices.redirect)."""
     callspec = getattr(request.node, "callspec", None)

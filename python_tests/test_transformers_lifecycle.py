@@ -69,8 +69,11 @@ def test_torch_load_in_a_fresh_process(tmp_path):
     with torch.no_grad():
         torch.save((ids, model(ids).logits), tmp_path / "reference.pt")
     torch.save(model, tmp_path / "model.pt")
+    # The same intra-op thread count as this process: the logits are compared bit for bit, and a
+    # matmul's reduction order follows the thread count.
     code = f"""
 import torch
+torch.set_num_threads({torch.get_num_threads()})
 model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
 ids, ref = torch.load({str(tmp_path / "reference.pt")!r})
 assert model.config._experts_implementation == "moe_kernels"
