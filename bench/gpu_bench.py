@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,9 +56,6 @@ class Case:
     make: Callable[[], tuple]
     ours: Callable
     torch_seq: Callable
-    registered: str = ""  # the backends.py op whose kernels `ours` runs (default: op)
-    compile: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _grad_of(fn: Callable, *, wrt: int = 0, out: int = 0) -> Callable:
@@ -230,7 +227,7 @@ def rows(T: int, d: int, E: int, k: int, modes: tuple[str, ...], dtype=torch.bfl
         fwd = T * k * d * s + T * d * s + T * k * (8 + s)
         moved = fwd + ((T * d * s + T * k * d * s) if grad else 0)
         pair = (_grad_of(K.unpermute), _grad_of(reference.unpermute)) if grad else (K.unpermute, reference.unpermute)
-        cases.append(Case("unpermute", config, moved, make_unpermute, *pair, registered="unpermute"))
+        cases.append(Case("unpermute", config, moved, make_unpermute, *pair))
     return cases
 
 
@@ -376,7 +373,7 @@ def run_case(case: Case, chosen: list[str] | None, copies: dict) -> list[dict]:
     torch_s, torch_method = time_gpu(lambda: case.torch_seq(*args))
     copy = copy_gbps(case.bytes_moved, copies)
     out = []
-    for backend in gpu_backends(case.registered or case.op):
+    for backend in gpu_backends(case.op):
         if chosen and backend not in chosen:
             continue
         fn = under(backend, case.ours)
@@ -507,7 +504,7 @@ def main(argv=None) -> int:
         save()
     # torch.compile baselines second (each compiles for seconds): every case has its row first.
     for case, case_rows in by_case:
-        if args.no_compile or not case_rows or not case.compile:
+        if args.no_compile or not case_rows:
             continue
         if time.monotonic() - start > args.compile_budget:
             print(f"  compile budget ({args.compile_budget:.0f} s) spent: the remaining rows have no vs_compile")
