@@ -50,7 +50,7 @@ def main():
         else [(T, E, k, True) for T in (4096, 65536) for E in (8, 64, 256) for k in (1, 2, 8) if k <= E]
         + [(65536, E, k, False) for E in (8, 64, 256) for k in (1, 2, 8) if k <= E]
     )
-    print(f"backend: {moe_kernels.backends()['topk_softmax']}")
+    print(f"backend: {moe_kernels.backends()['topk_router']}")
     rows, compile_notes = [], []
     for T, E, k, renormalize in grid:
         x = torch.randn(T, E)

@@ -71,7 +71,8 @@ def _grad_of(fn: Callable, *, wrt: int = 0, out: int = 0) -> Callable:
 
 def routers(T: int, dtype: torch.dtype, modes: tuple[str, ...]) -> list[Case]:
     """topk_router: Mixtral (softmax, E = 8, k = 2), Qwen3-MoE (softmax, E = 128, k = 8),
-    DeepSeek-V3 (sigmoid + bias, 8 groups, top-4 groups, E = 256, k = 8); plus topk_softmax.
+    DeepSeek-V3 (sigmoid + bias, 8 groups, top-4 groups, E = 256, k = 8); plus topk_softmax (the
+    router through its wrapper).
     Forward model: read the logits, write float32 weights and int64 experts; fwd+bwd adds reading
     the weights' gradient and writing the logits' gradient."""
     s = SIZE[dtype]
@@ -120,8 +121,8 @@ def routers(T: int, dtype: torch.dtype, modes: tuple[str, ...]) -> list[Case]:
 
             moved = T * E * s + T * k * (s + 8) + ((T * k * s + T * E * s) if grad else 0)
             f_ours, f_seq = (_grad_of(ours), _grad_of(seq)) if grad else (ours, seq)
-            config = f"{mode} T={T} E={E} k={k} {str(dtype)[6:]}"
-            cases.append(Case("topk_softmax", config, moved, make, f_ours, f_seq))
+            config = f"topk_softmax {mode} T={T} E={E} k={k} {str(dtype)[6:]}"
+            cases.append(Case("topk_router", config, moved, make, f_ours, f_seq))  # its wrapper
     return cases
 
 

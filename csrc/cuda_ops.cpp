@@ -26,36 +26,6 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
 
-std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_t k, bool renormalize) {
-  TORCH_CHECK(logits.dim() == 2 && k >= 1 && k <= logits.size(1), "topk_softmax: bad arguments");
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t T = logits.size(0), E = logits.size(1);
-  auto weights = at::empty({T, k}, logits.options());
-  auto experts = at::empty({T, k}, logits.options().dtype(at::kLong));
-  check_launch(topk_softmax_cuda(logits.const_data_ptr(), dtype_of(logits, "topk_softmax"), T, E,
-                                 logits.stride(0), logits.stride(1), k, renormalize,
-                                 weights.mutable_data_ptr(), experts.mutable_data_ptr<int64_t>(),
-                                 c10::cuda::getCurrentCUDAStream()),
-               "topk_softmax");
-  return {weights, experts};
-}
-
-at::Tensor topk_softmax_backward(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& experts,
-                                 bool renormalize) {
-  TORCH_CHECK(logits.dim() == 2 && grad_weights.sizes() == experts.sizes(), "topk_softmax_backward: bad shapes");
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const auto g = grad_weights.to(logits.scalar_type()).contiguous();
-  const auto ex = experts.contiguous();
-  auto grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
-  check_launch(topk_softmax_backward_cuda(g.const_data_ptr(), logits.const_data_ptr(),
-                                          dtype_of(logits, "topk_softmax_backward"), logits.size(0), logits.size(1),
-                                          logits.stride(0), logits.stride(1), ex.const_data_ptr<int64_t>(),
-                                          ex.size(1), renormalize, grad.mutable_data_ptr(),
-                                          c10::cuda::getCurrentCUDAStream()),
-               "topk_softmax_backward");
-  return grad;
-}
-
 std::tuple<at::Tensor, at::Tensor> batchwise_mask(const at::Tensor& scores, int64_t m) {
   TORCH_CHECK(scores.dim() == 2 && m >= 0 && m <= scores.size(0), "batchwise_mask: bad arguments");
   const c10::cuda::CUDAGuard guard(scores.device());
@@ -72,8 +42,6 @@ std::tuple<at::Tensor, at::Tensor> batchwise_mask(const at::Tensor& scores, int6
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
-  m.impl("topk_softmax", &topk_softmax);
-  m.impl("topk_softmax_backward", &topk_softmax_backward);
   m.impl("batchwise_mask", &batchwise_mask);
 }
 

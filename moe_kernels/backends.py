@@ -18,7 +18,7 @@ or not, so every op takes float64 everywhere (gradcheck on the public functions)
 which ops do that ("cpu float64" / "cuda float64").
 
 Kernel limits: a kernel that cannot take a valid input (the Triton routers past the sizes their
-rows-in-registers tiles hold: topk_softmax / load_probabilities E > 4096, topk_router E > 2048 or
+rows-in-registers tiles hold: load_probabilities E > 4096, topk_router E > 2048 or
 more than 64 groups, dselect_k more than 1024 experts) hands the call on with `fallback(op,
 "triton", tensor)`: the next backend of the device's default order that has a kernel here ("cuda"
 for CUDA tensors where the extension has it), else the reference; forced or not, like float64, so
@@ -262,7 +262,7 @@ def backends() -> dict[str, dict[str, str]]:
     """For every op, the backend a CPU tensor and a CUDA tensor would use now, and why the
     reference runs where it does.
 
-    e.g. {"topk_softmax": {"cpu": "cpu", "cuda": "unavailable", "cpu float64": "torch",
+    e.g. {"dselect_k": {"cpu": "cpu", "cuda": "unavailable", "cpu float64": "torch",
     "cuda float64": "unavailable", "why": "cpu float64: the cpu kernel has no float64 path"}}.
     "unavailable" means no CUDA device (or a forced backend that cannot run there); "<device>
     float64" is the backend a float64 tensor would use; "why" says, for each column that runs the

@@ -46,14 +46,14 @@ def _routing(g, T, E, k, device):
 def cases() -> list[Case]:
     out = [
         Case(
-            "topk_softmax",
-            "T=257 E=64 k=2",
+            "topk_router",
+            "topk_softmax T=257 E=64 k=2",
             lambda d, g: (_randn(g, 257, 64, device=d),),
             lambda x: ops.topk_softmax(x, 2),
         ),
         Case(
-            "topk_softmax",
-            "T=100 E=128 k=8 full softmax",
+            "topk_router",
+            "topk_softmax T=100 E=128 k=8 full softmax",
             lambda d, g: (_randn(g, 100, 128, device=d),),
             lambda x: ops.topk_softmax(x, 8, renormalize=False),
         ),

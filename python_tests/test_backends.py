@@ -20,7 +20,8 @@ def test_extension_is_built_when_required():
 
 def test_summary_names_every_op_and_device():
     summary = moe_kernels.backends()
-    assert "topk_softmax" in summary
+    assert "topk_router" in summary
+    assert "topk_softmax" not in summary  # a thin function over topk_router, not an op of its own
     for row in summary.values():
         assert set(row) == {"cpu", "cuda", "cpu float64", "cuda float64", "why"}
         assert row["cpu"] in backends.BACKENDS
@@ -32,12 +33,12 @@ def test_summary_names_every_op_and_device():
 def test_default_cpu_choice():
     expected = "cpu" if _extension.LOADED else "torch"
     if backends.forced() is None:
-        assert backends.choose("topk_softmax", "cpu") == expected
+        assert backends.choose("topk_router", "cpu") == expected
 
 
 def test_use_backend_is_scoped():
     with moe_kernels.use_backend("torch"):
-        assert backends.choose("topk_softmax", "cpu") == "torch"
+        assert backends.choose("topk_router", "cpu") == "torch"
     assert backends.forced() is None or os.environ.get("MOE_KERNELS_BACKEND")
 
 
@@ -62,7 +63,7 @@ def test_unknown_op():
 def test_environment_override(name):
     """MOE_KERNELS_BACKEND is read at call time, in a fresh process so no state leaks."""
     code = (
-        "import torch, moe_kernels; print(moe_kernels.backends()['topk_softmax']['cpu']); "
+        "import torch, moe_kernels; print(moe_kernels.backends()['topk_router']['cpu']); "
         "moe_kernels.ops.topk_softmax(torch.randn(2, 3), 1)"
     )
     env = {**os.environ, "MOE_KERNELS_BACKEND": name}
@@ -85,7 +86,7 @@ def test_opt_in_backend_runs_only_when_forced(monkeypatch):
     assert backends.choose("balanced_assignment", "cuda") == "torch"
     with moe_kernels.use_backend("cuda"):
         assert backends.choose("balanced_assignment", "cuda") == "cuda"
-    assert backends.choose("topk_softmax", "cuda") in ("triton", "cuda")  # not opt-in
+    assert backends.choose("topk_router", "cuda") in ("triton", "cuda")  # not opt-in
 
 
 def test_register_rejects_unknown_opt_in():
@@ -126,21 +127,21 @@ def test_fallback_past_a_kernels_limits(monkeypatch):
     def cuda_tensor(dtype=torch.float32):  # choose_for / fallback read only these (no GPU needed)
         return types.SimpleNamespace(device=torch.device("cuda"), dtype=dtype)
 
-    for op in ("topk_softmax", "topk_router", "load_probabilities", "dselect_k"):
+    for op in ("topk_router", "load_probabilities", "dselect_k"):
         assert backends.fallback(op, "triton", torch.zeros(2, 3)) is backends._REGISTRY[op].torch
-    assert backends.fallback("topk_softmax", "triton", torch.zeros(2, 3)) is reference.topk_softmax
+    assert backends.fallback("topk_router", "triton", torch.zeros(2, 3)) is reference.topk_router
     monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)  # a CUDA build
-    for op in ("topk_softmax", "topk_router", "load_probabilities"):
+    for op in ("topk_router", "load_probabilities"):
         if backends._REGISTRY[op].cuda is None:
             pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
         assert backends.fallback(op, "triton", cuda_tensor()) is backends._REGISTRY[op].cuda
     assert backends.fallback("dselect_k", "triton", cuda_tensor()) is backends._REGISTRY["dselect_k"].torch
-    f64 = cuda_tensor(torch.float64)  # topk_softmax's CUDA kernel has no float64 path; topk_router's has
-    assert backends.fallback("topk_softmax", "triton", f64) is backends._REGISTRY["topk_softmax"].torch
+    f64 = cuda_tensor(torch.float64)  # load_probabilities' CUDA kernel has no float64 path; topk_router's has
+    assert backends.fallback("load_probabilities", "triton", f64) is backends._REGISTRY["load_probabilities"].torch
     assert backends.fallback("topk_router", "triton", f64) is backends._REGISTRY["topk_router"].cuda
     assert backends.fallback("balanced_assignment", "triton", cuda_tensor()) is reference.balanced_assignment  # opt-in
     with moe_kernels.use_backend("triton"):  # forced or not
-        assert backends.fallback("topk_softmax", "triton", cuda_tensor()) is backends._REGISTRY["topk_softmax"].cuda
+        assert backends.fallback("topk_router", "triton", cuda_tensor()) is backends._REGISTRY["topk_router"].cuda
 
 
 def test_measured_gpu_order(monkeypatch):

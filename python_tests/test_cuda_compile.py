@@ -119,7 +119,7 @@ def test_cuda_glue_guards_the_device_and_uses_its_stream():
     current. A source check: cuda_ops.cpp is only built by a CUDA torch."""
     bodies = glue_functions((ROOT / "csrc" / "cuda_ops.cpp").read_text())
     launching = {name: body for name, body in bodies.items() if "check_launch(" in body and "_cuda(" in body}
-    assert len(launching) >= 10, sorted(bodies)  # the scan sees the launching functions
+    assert len(launching) >= 9, sorted(bodies)  # the scan sees the launching functions
     bad = {}
     for name, body in launching.items():
         guard = body.find("CUDAGuard guard(")

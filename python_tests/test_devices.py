@@ -3,6 +3,7 @@ parametrisation, are skipped here with a reason, and the copies they run on keep
 and the autograd connection to the CPU inputs."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -51,9 +52,9 @@ def test_gpu_case_runs_on_device(backend, monkeypatch):
 
         return run if impl is not None else None
 
-    entry = backends._REGISTRY["topk_softmax"]
+    entry = backends._REGISTRY["topk_router"]  # topk_softmax's implementation
     wrapped = {name: spy(getattr(entry, name)) for name in backends.BACKENDS}
-    monkeypatch.setitem(backends._REGISTRY, "topk_softmax", dataclasses.replace(entry, **wrapped))
+    monkeypatch.setitem(backends._REGISTRY, "topk_router", dataclasses.replace(entry, **wrapped))
     logits = torch.randn(5, 7, requires_grad=True)
     with moe_kernels.use_backend(backend):
         w, e = topk_softmax(logits, 2)
@@ -90,22 +91,22 @@ def test_redirect_skips_ops_without_a_kernel_of_the_backend():
     if not backends.triton_importable():
         pytest.skip("triton not installed")
     with pytest.MonkeyPatch.context() as mp, redirect(Backend("triton", "cuda"), mp), moe_kernels.use_backend("triton"):
-        assert backends.choose("topk_softmax", "cpu") == "triton"  # answered for cuda tensors
-    assert backends.choose("topk_softmax", "cpu") != "triton" or backends.triton_interpreting()  # undone
+        assert backends.choose("topk_router", "cpu") == "triton"  # answered for cuda tensors
+    assert backends.choose("topk_router", "cpu") != "triton" or backends.triton_interpreting()  # undone
 
 
 def test_redirect_keeps_the_float64_rule(monkeypatch):
     """A GPU case hands a float64 tensor whose op has no float64 kernel on that backend to the
-    reference (on the device), as backends.implementation does: the CUDA topk_softmax kernel has
-    no float64 path, so a float64 cuda:cuda case must not reach it."""
+    reference (on the device), as backends.implementation does: the CUDA load_probabilities kernel
+    has no float64 path, so a float64 cuda:cuda case must not reach it."""
     import devices
 
-    from moe_kernels import _extension, reference
+    from moe_kernels import _extension
 
     monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)  # a CUDA build, here
     monkeypatch.setattr(devices, "_on", lambda device, impl, home: impl)  # no GPU to copy to
     with redirect(Backend("cuda", "cuda"), monkeypatch), moe_kernels.use_backend("cuda"):
-        entry = backends._REGISTRY["topk_softmax"]
-        assert backends.implementation("topk_softmax", torch.zeros(2, 3, dtype=torch.float64)) is entry.torch
-        assert backends.implementation("topk_softmax", torch.zeros(2, 3)) is entry.cuda
-    assert entry.torch is reference.topk_softmax
+        entry = backends._REGISTRY["load_probabilities"]
+        assert backends.implementation("load_probabilities", torch.zeros(2, 3, dtype=torch.float64)) is entry.torch
+        assert backends.implementation("load_probabilities", torch.zeros(2, 3)) is entry.cuda
+    assert entry.torch is sys.modules["moe_kernels.ops.load_probabilities"]._reference

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ONLY_THE_COPY = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in repr(f)]; "
 SHOW = (
     "import moe_kernels, moe_kernels.ops, moe_kernels._extension as e; import moe_kernels.backends; "
-    "print('LOADED', e.LOADED, 'BUILT', e.BUILT); print('WHY', moe_kernels.backends()['topk_softmax']['why'])"
+    "print('LOADED', e.LOADED, 'BUILT', e.BUILT); print('WHY', moe_kernels.backends()['load_probabilities']['why'])"
 )
 
 
@@ -111,7 +111,7 @@ def test_backends_say_why_the_reference_runs(monkeypatch):
             assert f"{column}: " in row["why"] or covered, (op, row)
     assert summary["skip_sample"]["why"].startswith("cpu: the op has no kernel")
     if _extension.LOADED and backends.forced() is None:
-        assert summary["topk_softmax"]["why"] == "cpu float64: the cpu kernel has no float64 path"
+        assert summary["load_probabilities"]["why"] == "cpu float64: the cpu kernel has no float64 path"
         assert summary["dispatch"]["why"] == ""
     with moe_kernels.use_backend("torch"):
         assert moe_kernels.backends()["dispatch"]["why"].startswith("cpu: forced (use_backend / MOE_KERNELS_BACKEND)")

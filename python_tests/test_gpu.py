@@ -137,14 +137,14 @@ def _unpermute_inputs(seed, device, T):
 CASES = [
     Case(
         "topk_softmax",
-        "topk_softmax",
+        "topk_router",
         lambda seed, device, T: {"logits": _randn((T, 64), seed, device, grad=True)},
         lambda logits: ops.topk_softmax(logits, 8, True),
         ("logits",),
     ),
     Case(
         "topk_softmax_bf16_full_softmax",
-        "topk_softmax",
+        "topk_router",
         lambda seed, device, T: {"logits": _randn((T, 128), seed, device, torch.bfloat16, grad=True)},
         lambda logits: ops.topk_softmax(logits, 2, False),
         ("logits",),

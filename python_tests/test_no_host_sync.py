@@ -85,7 +85,7 @@ def _routing() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _topk_softmax(renormalize):
     logits = _leaf(T, E)
-    return Case(lambda: ops.topk_softmax(logits, K, renormalize), ("moe_kernels_triton::topk_softmax",), (logits,))
+    return Case(lambda: ops.topk_softmax(logits, K, renormalize), ("moe_kernels_triton::topk_router",), (logits,))
 
 
 def _topk_router(grouped, dtype=torch.float32):

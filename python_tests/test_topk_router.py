@@ -323,8 +323,8 @@ def test_backward_from_weights_survives_in_place_edits():
 @pytest.mark.parametrize("scaling", [-1.0, 2.5, 1e39])
 def test_masked_rows_scaled_alike_for_every_k(scaling):
     # A fully masked row's renormalised softmax weights are +0 whatever the scaling (finish_weights'
-    # rule), on the path that computes them with the weights of topk_softmax (k = 4, 8 on AVX-512)
-    # as on the one that does not (k = 3); a live row's are scaling times topk_softmax's there.
+    # rule), on the path that computes them from the selected pairs (k = 4, 8 on AVX-512) as on the
+    # one that does not (k = 3); a live row's are scaling times the unscaled weights there.
     x = torch.randn(37, 16, generator=torch.Generator().manual_seed(3))
     x[0] = float("-inf")
     x[20] = float("-inf")
@@ -333,7 +333,7 @@ def test_masked_rows_scaled_alike_for_every_k(scaling):
         for row in (0, 20):
             assert torch.equal(w[row], torch.zeros(k)) and not torch.signbit(w[row]).any(), (k, w[row])
         if k != 3 and scaling != 1e39:
-            w_softmax, e_softmax = moe_kernels.ops.topk_softmax(x, k, renormalize=True)
+            w_softmax, e_softmax = run("cpu", x, k, renormalize=True)
             live = torch.ones(37, dtype=torch.bool)
             live[[0, 20]] = False
             assert torch.equal(e, e_softmax)
@@ -436,7 +436,7 @@ def test_torch_backward_formula(router):
 
 @pytest.mark.parametrize("E,k", [(64, 8), (40, 3)])
 def test_renormalized_runs_past_1024_rows(E, k):
-    # The C++ renormalised softmax (topk_router and topk_softmax) selects and weights float32 rows
+    # The C++ renormalised softmax (topk_router, topk_softmax through it) selects and weights float32 rows
     # in calls of 1024 rows, then redoes the rows a call leaves one by one: their row numbers must
     # be the run's, and the scaling applied once per row. Left here, in every call: NaN rows, and
     # rows whose two largest values are an ulp apart with the smaller at the lower index (the

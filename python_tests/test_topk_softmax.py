@@ -1,4 +1,9 @@
-"""topk_softmax: every backend against the reference, forward and backward, on adversarial input."""
+"""topk_softmax: every backend against the reference, forward and backward, on adversarial input.
+
+topk_softmax is topk_router with softmax scores and its weights in the logits' dtype
+(moe_kernels/ops/topk_softmax.py): these tests run the router's kernels through that wrapper, on
+the inputs the former topk_softmax kernels were tested with (float-compare edges, near ties in wide
+rows, every row width, subnormals)."""
 
 import pytest
 import torch
@@ -341,28 +346,29 @@ def test_bad_arguments(logits, k, error):
 
 
 def test_opcheck(kernel_backend):
-    op = torch.ops.moe_kernels.topk_softmax if kernel_backend == "cpu" else torch.ops.moe_kernels_triton.topk_softmax
+    """The router's op with topk_softmax's arguments (softmax scores, no bias, one group)."""
+    op = torch.ops.moe_kernels.topk_router if kernel_backend == "cpu" else torch.ops.moe_kernels_triton.topk_router
     for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5)]:
         for renormalize in (True, False):
             logits = torch.randn(T, E, requires_grad=True)
-            torch.library.opcheck(op, (logits, k, renormalize))
+            torch.library.opcheck(op, (logits, k, "softmax", None, 1, 1, "top2_sum", renormalize, 1.0))
 
 
 def test_backward_kernel_opcheck():
-    if not moe_kernels._extension.has_kernel("topk_softmax_backward", "CPU"):
+    if not moe_kernels._extension.has_kernel("topk_router_backward", "CPU"):
         pytest.skip("no C++ backward kernel in this build")
-    op = torch.ops.moe_kernels.topk_softmax_backward
+    op = torch.ops.moe_kernels.topk_router_backward
     for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5), (4, 40, 20)]:
         logits = torch.randn(T, E)
         _, experts = reference.topk_softmax(logits, k)
         for renormalize in (True, False):
-            torch.library.opcheck(op, (torch.randn(T, k), logits, experts, renormalize))
+            torch.library.opcheck(op, (torch.randn(T, k), logits, experts, "softmax", renormalize, 1.0))
 
 
 def _from_weights_kernel():
-    if not moe_kernels._extension.has_kernel("topk_softmax_backward_from_weights", "CPU"):
+    if not moe_kernels._extension.has_kernel("topk_router_backward_from_weights", "CPU"):
         pytest.skip("no C++ from-weights backward in this build")
-    return torch.ops.moe_kernels.topk_softmax_backward_from_weights
+    return torch.ops.moe_kernels.topk_router_backward_from_weights
 
 
 @pytest.mark.parametrize("kind", [*ADVERSARIAL_KINDS, "nan"])
@@ -370,9 +376,10 @@ def _from_weights_kernel():
     "E, k", [(8, 1), (8, 2), (20, 3), (64, 2), (64, 6), (64, 8), (67, 5), (4, 4), (40, 12), (40, 16)]
 )
 def test_backward_from_weights_is_the_logits_backward(kind, E, k):
-    """The float32 renormalised backward autograd takes (from a copy of the forward's weights) gives
-    the bits of the C++ backward that recomputes the weights from the logits, masked and NaN rows
-    included."""
+    """The float32 renormalised backward autograd takes (from a copy of the forward's weights) agrees
+    with the C++ backward that recomputes the weights from the logits (the one float64 logits and
+    scaling_factor = 0 take), masked and NaN rows included: NaN at the same places, the rest within
+    float32 tolerance (the two round differently: w (g - dot) against the scores' chain rule)."""
     _from_weights_kernel()
     if kind == "nan":
         logits = torch.randn(33, E, generator=torch.Generator().manual_seed(E))
@@ -385,9 +392,9 @@ def test_backward_from_weights_is_the_logits_backward(kind, E, k):
     with moe_kernels.use_backend("cpu"):
         w, experts = topk_softmax(x, k)
     w.backward(g)
-    recomputed = torch.ops.moe_kernels.topk_softmax_backward(g, logits, experts, True)
+    recomputed = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, 1.0)
     assert torch.equal(x.grad.isnan(), recomputed.isnan()), kind
-    assert torch.equal(x.grad.nan_to_num(), recomputed.nan_to_num()), kind
+    assert_close(x.grad.nan_to_num(), recomputed.nan_to_num(), msg=kind)
 
 
 def test_backward_from_weights_survives_in_place_edits():
@@ -409,11 +416,12 @@ def test_backward_from_weights_survives_in_place_edits():
 
 @pytest.mark.parametrize(
     "renormalize, dtype, held",
-    [(True, torch.float32, False), (False, torch.float32, True), (True, torch.bfloat16, True)],
+    [(True, torch.float32, False), (False, torch.float32, True), (True, torch.bfloat16, False)],
 )
 def test_graph_holds_logits_only_when_its_backward_reads_them(renormalize, dtype, held):
-    """Renormalised float32 routing saves [T, k] weights, so a graph does not keep the [T, E]
-    logits alive once the caller drops them; the full softmax and half precision read the logits."""
+    """Renormalised routing saves the router's [T, k] float32 weights (half-precision logits
+    too), so a graph does not keep the [T, E] logits alive once the caller drops them; the full
+    softmax reads the logits."""
     import weakref
 
     _from_weights_kernel()
@@ -432,7 +440,7 @@ def test_backward_from_weights_opcheck():
     op = _from_weights_kernel()
     for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 5, 5), (4, 40, 20)]:
         w, experts = reference.topk_softmax(torch.randn(T, E), k)
-        torch.library.opcheck(op, (torch.randn(T, k), w, experts, E))
+        torch.library.opcheck(op, (torch.randn(T, k), w, experts, E, 1.0, torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -447,7 +455,7 @@ def test_backward_from_weights_opcheck():
 def test_backward_from_weights_bad_arguments(args, match):
     op = _from_weights_kernel()
     with pytest.raises(RuntimeError, match=match):
-        op(*args)
+        op(*args, 1.0, torch.float32)
 
 
 def test_torch_compile_fullgraph(kernel_backend):
@@ -465,8 +473,8 @@ def test_torch_compile_fullgraph(kernel_backend):
 
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_past_the_triton_kernel_limit(backend, renormalize):
-    """E = 4100 is past the Triton kernel's 4096: valid input, handed on (backends.fallback: the
-    CUDA kernel for CUDA tensors, the reference under the interpreter), never an error."""
+    """E = 4100 is past the Triton router's 2048 experts: valid input, handed on (backends.fallback:
+    the CUDA kernel for CUDA tensors, the reference under the interpreter), never an error."""
     logits = torch.randn(5, 4100, generator=torch.Generator().manual_seed(1)).requires_grad_()
     with moe_kernels.use_backend(backend):
         w, e = topk_softmax(logits, 3, renormalize)

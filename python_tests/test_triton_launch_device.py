@@ -96,9 +96,9 @@ def test_cpu_tensors_set_no_device(entered):
 
 def test_custom_op_schema_survives_the_decorator():
     """The decorator sits under @torch.library.custom_op, which infers the schema through it."""
-    from moe_kernels.triton import topk_softmax
+    from moe_kernels.triton import load_probabilities
 
-    assert str(torch.ops.moe_kernels_triton.topk_softmax.default._schema).startswith(
-        "moe_kernels_triton::topk_softmax(Tensor logits, SymInt k, bool renormalize)"
+    assert str(torch.ops.moe_kernels_triton.load_probabilities.default._schema).startswith(
+        "moe_kernels_triton::load_probabilities(Tensor clean_logits"
     )
-    assert topk_softmax.topk_softmax is not None
+    assert load_probabilities.load_probabilities is not None

@@ -24,7 +24,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "moe_kernels/topk_softmax.h"
 #include "row_vector.h"
 #include "vec_math.h"
 #include "index_check.h"

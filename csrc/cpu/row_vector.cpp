@@ -12,7 +12,6 @@
 #include <cstring>
 
 #include "moe_kernels/common.h"
-#include "moe_kernels/topk_softmax.h"
 #include "row_candidates.h"
 #include "bitonic.h"
 #include "row_top2.h"
@@ -176,7 +175,6 @@ MK_ROW_BODY int32_t argmax_row(const float* row, int64_t E) {
 
 MK_ROW_CLONES
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best) {
-  using topk_softmax::insert_pair;
   int filled = 0;
   int64_t e = 0;
   for (; e < k; ++e) filled = insert_pair(best, filled, k, rank_pair(row[e], (int32_t)e));

@@ -286,8 +286,8 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
       rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());
       for (int64_t i = 0; i < n; ++i) {
         if (vmax[i * k] == -INFINITY) continue;  // a fully masked row: slot_scores' zeros (its sum is NaN)
-        const float inv = 1.0f / sums[i];
-        for (int64_t s = 0; s < k; ++s) w[i * k + s] *= inv;
+        // A division per weight, not a product with 1 / sum: one rounding instead of two.
+        for (int64_t s = 0; s < k; ++s) w[i * k + s] /= sums[i];
       }
     }
     finish_block(w, n, k, a.renormalize, scaling);

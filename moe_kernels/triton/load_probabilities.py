@@ -8,7 +8,7 @@ import triton.language as tl
 
 from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best, to_float32
 
-# Registers per program as in topk_softmax: BLOCK_T x BLOCK_E elements, at most 8 per thread.
+# Registers per program as in topk_router: BLOCK_T x BLOCK_E elements, at most 8 per thread.
 MAX_EXPERTS = 4096
 _TILE = 1024  # elements per program when E is small
 _PER_THREAD = 8

@@ -61,6 +61,23 @@ MK_HD int32_t pair_index(int64_t pair) {
   return (int32_t)(0xffffffffu - (uint32_t)(pair & 0xffffffff));
 }
 
+// Insert `pair` into `best`, the k largest pairs seen so far in descending order (`filled` of
+// them valid). Returns the new fill count. Pairs are distinct, so no tie handling is needed:
+// rank_pair already put the lower index first.
+MK_HD int insert_pair(int64_t* best, int filled, int k, int64_t pair) {
+  if (filled == k) {
+    if (pair <= best[k - 1]) return filled;  // the common case once the list is warm
+    filled = k - 1;
+  }
+  int j = filled;
+  while (j > 0 && best[j - 1] < pair) {
+    best[j] = best[j - 1];
+    --j;
+  }
+  best[j] = pair;
+  return filled + 1;
+}
+
 // Element types a kernel launcher accepts, passed as an int across the torch-free boundary.
 // float64 only where a launcher says so (MK_DISPATCH_FLOAT refuses it).
 enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };

@@ -9,17 +9,6 @@
 
 namespace moe_kernels {
 
-// logits [T, E] with strides (stride_t, stride_e); weights [T, k] contiguous, same dtype;
-// experts [T, k] contiguous int64.
-cudaError_t topk_softmax_cuda(const void* logits, DType dtype, int64_t T, int64_t E, int64_t stride_t,
-                              int64_t stride_e, int64_t k, bool renormalize, void* weights,
-                              int64_t* experts, cudaStream_t stream);
-
-// grad_weights [T, k] contiguous and grad [T, E] contiguous, both in the logits' dtype.
-cudaError_t topk_softmax_backward_cuda(const void* grad_weights, const void* logits, DType dtype, int64_t T,
-                                       int64_t E, int64_t stride_t, int64_t stride_e, const int64_t* experts,
-                                       int64_t k, bool renormalize, void* grad, cudaStream_t stream);
-
 // scores [T, E] with strides (stride_t, stride_e); mask [T, E] contiguous bool, zero-initialised
 // by the caller; expert_tokens [E, m] contiguous int64. 1 <= m <= T for a launch (m = 0: no-op).
 cudaError_t batchwise_mask_cuda(const void* scores, DType dtype, int64_t T, int64_t E, int64_t stride_t,
