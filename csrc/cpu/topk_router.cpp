@@ -107,6 +107,12 @@ double exp_sum(const double* v, int64_t n, double vmax, double* exps) {
   return total;
 }
 
+// The full softmax backward's terms and sum: float32 by the forward's own (row_exp_sum_f32, the
+// terms of rows_softmax_sums_f32 bit for bit), so that the gradient's p is the forward's weight;
+// float64 by std::exp.
+float backward_exp_sum(const float* v, int64_t n, float vmax, float* exps) { return row_exp_sum_f32(v, n, vmax, exps); }
+double backward_exp_sum(const double* v, int64_t n, double vmax, double* exps) { return exp_sum(v, n, vmax, exps); }
+
 // Sigmoid scores as torch.sigmoid (the reference) gives them: 0 below x = -88.7228 in float32
 // (vec_math::sigmoid_torch), 1 / (1 + e^-x) in float64.
 MK_VEC_INLINE float sigmoid_of(float x) { return vec_math::sigmoid_torch(x); }
@@ -278,17 +284,18 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
       continue;
     }
     selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
-    slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
     if (a.scoring == kSoftmax && !a.renormalize) {
-      // Full softmax: the slots' exp_full terms over the row sums. The sums by flushed terms
-      // (rows_softmax_sums_f32: row_exp_terms' table exp on AVX-512, within an ulp of exp_full
-      // above e^-80, and a sum is >= 1: a tail could not change it).
+      // Full softmax: each selected slot's own term of its row's sum (softmax_terms_f32: the
+      // sums' exp, bit for bit), divided by that sum: one rounding, and the row's weights are
+      // exactly its terms over one denominator.
       rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());
+      softmax_terms_f32(value.data(), vmax.data(), slots, w);
       for (int64_t i = 0; i < n; ++i) {
-        if (vmax[i * k] == -INFINITY) continue;  // a fully masked row: slot_scores' zeros (its sum is NaN)
-        // A division per weight, not a product with 1 / sum: one rounding instead of two.
-        for (int64_t s = 0; s < k; ++s) w[i * k + s] /= sums[i];
+        const bool masked = vmax[i * k] == -INFINITY;  // a fully masked row: weights 0 (its terms are NaN)
+        for (int64_t s = 0; s < k; ++s) w[i * k + s] = masked ? 0.0f : w[i * k + s] / sums[i];
       }
+    } else {
+      slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
     }
     finish_block(w, n, k, a.renormalize, scaling);
   }
@@ -432,10 +439,9 @@ MK_VECTORISE MK_ROW_CLONES void scaled_row_f32(const float* __restrict p, int64_
 
 // The full softmax's backward of rows [begin, end): grad_i = p_i (gp_i - dot), dot = sum_s gp_s
 // p_s, gp_s = scaling * g_s, a block of rows at a time: every row's max and exp terms (float32:
-// torch's tails), then every row's gradient, so that one row's chain (its sum, the division, k
-// dependent products, the scaled row) overlaps the next rows' instead of waiting between two
-// rows' exps. T = 65536, E = 64, k = 8, one thread, fwd+bwd through autograd: 8.1-8.6 ms a row at
-// a time, 7.5-7.75 with scaled_row_f32 alone, 7.0-7.25 by blocks (the same bits).
+// the forward's terms, backward_exp_sum), then every row's gradient, so that one row's chain (its
+// sum, the division, k dependent products, the scaled row) overlaps the next rows' instead of
+// waiting between two rows' exps.
 template <typename scalar_t, typename acc_t, typename grad_t>
 void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e, const grad_t* grad_w,
                                 const int64_t* experts, int64_t begin, int64_t end, int64_t E, acc_t scaling,
@@ -452,11 +458,25 @@ void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_
         TORCH_CHECK_INDEX(e >= 0 && e < E, "topk_router_backward: experts[", t, ", ", s, "] = ", e,
                           " is out of range for E = ", E);
       }
-      x[i] = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, rows.data() + i * E);
-      vmax[i] = x[i][row_max_index(x[i], E)];
-      // (A masked, NaN or +inf row takes no terms: its gradient is a fill below.)
+    }
+    int64_t stride = E;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      const float* rows_f32 = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
+      for (int64_t i = 0; i < n; ++i) x[i] = rows_f32 + i * stride;
+    } else {
+      for (int64_t i = 0; i < n; ++i) x[i] = load_row<scalar_t, acc_t>(logits + (t0 + i) * stride_t, stride_e, E, rows.data() + i * E);
+    }
+    for (int64_t i = 0; i < n; ++i) vmax[i] = x[i][row_max_index(x[i], E)];
+    // The block's terms and sums in one call where it runs (rows_exp_terms_f32, AVX-512 F: the
+    // rows' exp chains overlap); elsewhere row by row. A masked, NaN or +inf row's terms are not
+    // used: its gradient is a fill below.
+    bool block_terms = false;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      block_terms = rows_exp_terms_f32(x[0], stride, n, E, vmax.data(), 1, exps.data(), sums.data());
+    }
+    for (int64_t i = 0; i < n && !block_terms; ++i) {
       if (vmax[i] != -INFINITY && vmax[i] == vmax[i] && vmax[i] != INFINITY) {
-        sums[i] = exp_sum(x[i], E, vmax[i], exps.data() + i * E);
+        sums[i] = backward_exp_sum(x[i], E, vmax[i], exps.data() + i * E);
       }
     }
     for (int64_t i = 0; i < n; ++i) {

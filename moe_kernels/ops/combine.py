@@ -10,7 +10,7 @@ devices; float32 / float16 / bfloat16). backends.py chooses among them.
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 
 
 def _setup_context(ctx, inputs, output):
@@ -34,7 +34,7 @@ if backends._extension.defines("combine"):
         grad_buffer, grad_weights = torch.ops.moe_kernels.combine_backward(grad_y, buffer, experts, positions, weights)
         return grad_buffer, None, None, grad_weights
 
-    torch.library.register_autograd("moe_kernels::combine", _backward, setup_context=_setup_context)
+    _autograd.register_autograd("moe_kernels::combine", _backward, setup_context=_setup_context)
 
 _triton = None
 if backends.triton_importable():

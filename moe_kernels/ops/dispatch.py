@@ -10,7 +10,7 @@ backends.py chooses among them.
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 
 _cpp = None
 if backends._extension.defines("dispatch"):
@@ -33,7 +33,7 @@ if backends._extension.defines("dispatch"):
         grad_x = torch.ops.moe_kernels.dispatch_backward(grad_buffer, experts, positions)
         return grad_x, None, None, None, None
 
-    torch.library.register_autograd("moe_kernels::dispatch", _backward, setup_context=_setup_context)
+    _autograd.register_autograd("moe_kernels::dispatch", _backward, setup_context=_setup_context)
 
 _triton = None
 if backends.triton_importable():

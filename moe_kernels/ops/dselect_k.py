@@ -8,7 +8,7 @@ with a backward kernel). No CUDA kernel: on GPU the Triton kernel runs. backends
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 from moe_kernels.ops.smooth_step import check_gamma
 from moe_kernels.reference.dselect_k import num_bits
 
@@ -58,7 +58,7 @@ if backends._extension.defines("dselect_k"):
     _cpp = torch.ops.moe_kernels.dselect_k
     torch.library.register_fake("moe_kernels::dselect_k")(_fake)
     torch.library.register_fake("moe_kernels::dselect_k_backward")(_fake_backward)
-    torch.library.register_autograd(
+    _autograd.register_autograd(
         "moe_kernels::dselect_k",
         _make_backward(lambda: torch.ops.moe_kernels.dselect_k_backward),
         setup_context=_setup_context,

@@ -12,7 +12,7 @@ import math
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 
 
 def _backward_from_inputs(clean_logits, noisy_logits, noise_stddev, top, k, grad_p):
@@ -80,7 +80,7 @@ _cpp = None
 if backends._extension.has_kernel("load_probabilities", "CPU"):
     _cpp = torch.ops.moe_kernels.load_probabilities
     torch.library.register_fake("moe_kernels::load_probabilities")(_fake)
-    torch.library.register_autograd("moe_kernels::load_probabilities", _backward_kernel, setup_context=_setup_context)
+    _autograd.register_autograd("moe_kernels::load_probabilities", _backward_kernel, setup_context=_setup_context)
 
     @torch.library.register_fake("moe_kernels::load_probabilities_backward")
     def _fake_backward(grad_p, clean_logits, noisy_logits, noise_stddev, top, k):

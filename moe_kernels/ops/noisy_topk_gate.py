@@ -13,7 +13,7 @@ import math
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 from moe_kernels.ops.load_probabilities import load_probabilities
 
 
@@ -58,7 +58,7 @@ _cpp = None
 if backends._extension.has_kernel("noisy_topk_gate", "CPU"):
     _cpp = torch.ops.moe_kernels.noisy_topk_gate
     torch.library.register_fake("moe_kernels::noisy_topk_gate")(_fake)
-    torch.library.register_autograd("moe_kernels::noisy_topk_gate", _backward, setup_context=_setup_context)
+    _autograd.register_autograd("moe_kernels::noisy_topk_gate", _backward, setup_context=_setup_context)
 
     @torch.library.register_fake("moe_kernels::noisy_topk_gate_backward")
     def _fake_backward(grad_weights, grad_load, clean_logits, raw_noise_stddev, noise, token_weights, top, k, eps):

@@ -8,7 +8,7 @@ backends.py chooses among them.
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 
 _cpp_permute = _cpp_unpermute = None
 if backends._extension.defines("permute"):
@@ -48,10 +48,8 @@ if backends._extension.defines("permute"):
         grad_y_sorted, grad_weights = torch.ops.moe_kernels.unpermute_backward(grad_y, y_sorted, order, weights)
         return grad_y_sorted, None, grad_weights, None
 
-    torch.library.register_autograd("moe_kernels::permute", _permute_backward, setup_context=_permute_setup_context)
-    torch.library.register_autograd(
-        "moe_kernels::unpermute", _unpermute_backward, setup_context=_unpermute_setup_context
-    )
+    _autograd.register_autograd("moe_kernels::permute", _permute_backward, setup_context=_permute_setup_context)
+    _autograd.register_autograd("moe_kernels::unpermute", _unpermute_backward, setup_context=_unpermute_setup_context)
 
 _triton_permute = _triton_unpermute = None
 if backends.triton_importable():

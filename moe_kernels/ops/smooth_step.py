@@ -11,7 +11,7 @@ import math
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 
 
 def _setup_context(ctx, inputs, output):
@@ -43,7 +43,7 @@ if backends._extension.defines("smooth_step"):
     _cpp = torch.ops.moe_kernels.smooth_step
     torch.library.register_fake("moe_kernels::smooth_step")(_fake)
     torch.library.register_fake("moe_kernels::smooth_step_backward")(_fake_backward)
-    torch.library.register_autograd("moe_kernels::smooth_step", _backward_cpp, setup_context=_setup_context)
+    _autograd.register_autograd("moe_kernels::smooth_step", _backward_cpp, setup_context=_setup_context)
 
 _triton = None
 if backends.triton_importable():

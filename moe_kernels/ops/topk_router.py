@@ -15,7 +15,7 @@ import math
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _validate
+from moe_kernels.ops import _autograd, _validate
 from moe_kernels.reference.topk_router import GROUP_SCORINGS, SCORINGS, router_scores
 
 
@@ -133,7 +133,7 @@ if backends._extension.has_kernel("topk_router", "CPU"):
         def _fake_backward_from_weights(grad_weights, weights, experts, num_experts, scaling_factor, dtype):
             return weights.new_empty((weights.shape[0], num_experts), dtype=dtype)
 
-    torch.library.register_autograd("moe_kernels::topk_router", _backward, setup_context=_setup_context_kernel)
+    _autograd.register_autograd("moe_kernels::topk_router", _backward, setup_context=_setup_context_kernel)
 
 _triton = None
 if backends.triton_importable():
