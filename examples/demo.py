@@ -25,6 +25,8 @@ from moe_kernels import reference
 from moe_kernels.ops import capacity_for, capacity_positions, combine, dispatch, topk_softmax
 
 ROUTING_OPS = ("topk_softmax", "capacity_positions", "dispatch", "combine")
+# The registered op behind each step (backends() lists ops; topk_softmax is topk_router's function).
+REGISTERED = {"topk_softmax": "topk_router"}
 
 
 def route(ops, x, logits, experts_weight, k, capacity):
@@ -118,7 +120,7 @@ def main():
     print(f"  load per expert before dropping: max/mean {frac.max() * E:.2f}, min/mean {frac.min() * E:.2f}")
     print("  per op (tokens/s; speed-up over the reference):")
     for op in (*ROUTING_OPS, "experts"):
-        backend = moe_kernels.backends()[op]["cpu"] if op in ROUTING_OPS else "torch.bmm"
+        backend = moe_kernels.backends()[REGISTERED.get(op, op)]["cpu"] if op in ROUTING_OPS else "torch.bmm"
         rate = tokens / kernel_s[op] / 1e6
         speedup = f"{reference_s[op] / kernel_s[op]:5.1f}x" if op in ROUTING_OPS else "   - "
         print(f"    {op:<20} {backend:<10} {rate:8.1f} M tokens/s  {speedup}")
