@@ -53,7 +53,8 @@ def _source_hash(fn) -> str | None:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def _2d(hidden_states, module):
+def token_rows(hidden_states, module):
+    """[..., hidden] hidden states as [T, hidden] token rows (T: every token of the batch)."""
     return hidden_states.reshape(-1, module.hidden_dim)
 
 
@@ -62,19 +63,19 @@ def _2d(hidden_states, module):
 
 
 def _mixtral(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self), self.weight)
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
     return router_logits, weights, experts
 
 
 def _qwen2_moe(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self), self.weight)
     weights, experts = topk_router(router_logits, self.top_k, renormalize=bool(self.norm_topk_prob))
     return router_logits, weights.to(router_logits.dtype), experts
 
 
 def _qwen3_5_moe(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self), self.weight)
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
     return router_logits, weights.to(router_logits.dtype), experts
 
@@ -109,7 +110,7 @@ def _gpt_oss(self, hidden_states):
 
 
 def _deepseek_v2(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self).type(torch.float32), self.weight.type(torch.float32))
+    router_logits = F.linear(token_rows(hidden_states, self).type(torch.float32), self.weight.type(torch.float32))
     groups = {}
     if self.topk_method == "group_limited_greedy":
         groups = dict(num_groups=self.num_group, topk_groups=self.topk_group, group_scoring="max")
@@ -256,7 +257,7 @@ def _jetmoe(self, hidden_states):
 
 def _longcat_flash(self, hidden_states):
     # the classifier's weight only (transformers ignores its bias here too)
-    router_logits = F.linear(_2d(hidden_states, self).float(), self.classifier.weight.float())
+    router_logits = F.linear(token_rows(hidden_states, self).float(), self.classifier.weight.float())
     # The indices past n_routed_experts are its zero-computation experts, handled by its block.
     weights, experts = topk_router(
         router_logits,
@@ -288,7 +289,7 @@ def _deepseek_v3(self, hidden_states):
 
 
 def _minimax_m2(self, hidden_states, e_score_correction_bias):
-    router_logits = F.linear(_2d(hidden_states, self).to(self.weight.dtype), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self).to(self.weight.dtype), self.weight)
     weights, experts = topk_router(
         router_logits, self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
     )
@@ -296,7 +297,7 @@ def _minimax_m2(self, hidden_states, e_score_correction_bias):
 
 
 def _hy_v3(self, hidden_states, e_score_correction_bias):
-    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float())
+    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
     weights, experts = topk_router(
         router_logits,
         self.top_k,
@@ -360,7 +361,7 @@ def _laguna(self, hidden_states):
 
 
 def _minimax_m3_vl(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self).to(self.weight.dtype), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self).to(self.weight.dtype), self.weight)
     weights, experts = topk_router(
         router_logits, self.top_k, scoring="sigmoid", bias=self.e_score_correction_bias, renormalize=True
     )
@@ -368,7 +369,7 @@ def _minimax_m3_vl(self, hidden_states):
 
 
 def _axk2(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float())
+    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
     groups = {}
     if self.num_group is not None:  # the light checkpoints route without groups
         groups = dict(num_groups=self.num_group, topk_groups=self.topk_group)
@@ -389,7 +390,7 @@ def _axk2_applicable(module):
 
 
 def _beam(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float())
+    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
     # Beam scales by routed_scaling_factor after the experts, in its block.
     weights, experts = topk_router(
         router_logits,
@@ -404,7 +405,7 @@ def _beam(self, hidden_states):
 
 
 def _inkling2(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states.float(), self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states.float(), self), self.weight)
     weights, experts = topk_router(
         router_logits,
         self.top_k,
@@ -423,7 +424,7 @@ def _inkling2_applicable(module):
 
 
 def _muse_spark(self, hidden_states):
-    router_logits = F.linear(_2d(hidden_states, self).float(), self.weight.float()) * self.output_multiplier
+    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float()) * self.output_multiplier
     weights, experts = topk_router(
         router_logits,
         self.top_k,

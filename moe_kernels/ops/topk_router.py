@@ -32,29 +32,31 @@ def _backward_from_logits(logits, experts, grad_weights, scoring, renormalize, s
     """d loss / d logits [T, E] from d loss / d weights [T, k]: the C++ backward's formulas
     (csrc/include/moe_kernels/topk_router.h) in torch, for the backends without a fused backward."""
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    x, g = logits.to(compute), grad_weights.to(compute)
+    logits_TE, grad_weights_TK = logits.to(compute), grad_weights.to(compute)
     if scoring == "sigmoid":
-        soft = None
-        p = torch.sigmoid(x.gather(1, experts))
+        softmax_TE = None
+        selected_TK = torch.sigmoid(logits_TE.gather(1, experts))
     else:
-        soft = router_scores(x, "softmax")
-        p = soft.gather(1, experts)
+        softmax_TE = router_scores(logits_TE, "softmax")
+        selected_TK = softmax_TE.gather(1, experts)
+    # grad_selected_TK: d loss / d the selected scores, through the renormalisation and scaling.
     if renormalize:
-        total = p.sum(dim=-1, keepdim=True)
-        zero = total == 0
-        safe = torch.where(zero, 1.0, total)
-        dot = (g * p / safe).sum(dim=-1, keepdim=True)
-        gp = torch.where(zero, 0.0, scaling_factor / safe * (g - dot))
+        total_T1 = selected_TK.sum(dim=-1, keepdim=True)
+        zero_T1 = total_T1 == 0
+        safe_T1 = torch.where(zero_T1, 1.0, total_T1)
+        dot_T1 = (grad_weights_TK * selected_TK / safe_T1).sum(dim=-1, keepdim=True)
+        grad_selected_TK = torch.where(zero_T1, 0.0, scaling_factor / safe_T1 * (grad_weights_TK - dot_T1))
     else:
-        gp = scaling_factor * g
-    if soft is None:
+        grad_selected_TK = scaling_factor * grad_weights_TK
+    if softmax_TE is None:
         # 0 off the selection, but NaN at a NaN logit: the reference's sigmoid over the row
         # backpropagates 0 * sigmoid'(NaN) = NaN there (docs/reliability.md).
-        off = torch.where(torch.isnan(x), x, torch.zeros_like(x))
-        grad = off.scatter_add(1, experts, gp * p * (1 - p))
+        off_TE = torch.where(torch.isnan(logits_TE), logits_TE, torch.zeros_like(logits_TE))
+        grad_TE = off_TE.scatter_add(1, experts, grad_selected_TK * selected_TK * (1 - selected_TK))
     else:
-        grad = (-soft * (gp * p).sum(dim=-1, keepdim=True)).scatter_add(1, experts, gp * p)
-    return grad.to(logits.dtype)
+        dot_T1 = (grad_selected_TK * selected_TK).sum(dim=-1, keepdim=True)
+        grad_TE = (-softmax_TE * dot_T1).scatter_add(1, experts, grad_selected_TK * selected_TK)
+    return grad_TE.to(logits.dtype)
 
 
 def _backward_torch(ctx, grad_weights, grad_experts):
