@@ -19,9 +19,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "batchwise_filter.h"
+#include "select/column_filter.h"
 #include "moe_kernels/batchwise_mask.h"
-#include "vec_math.h"
+#include "score/vec_math.h"
 
 namespace moe_kernels {
 namespace {

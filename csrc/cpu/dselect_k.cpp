@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "moe_kernels/dselect_k.h"
-#include "vec_math.h"
+#include "score/vec_math.h"
 
 namespace moe_kernels {
 namespace {

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "moe_kernels/load_probabilities.h"
-#include "row_vector.h"
-#include "vec_math.h"
-#include "index_check.h"
+#include "select/select.h"
+#include "score/vec_math.h"
+#include "rows/index_check.h"
 
 namespace moe_kernels {
 namespace {

@@ -24,9 +24,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "row_vector.h"
-#include "vec_math.h"
-#include "index_check.h"
+#include "select/select.h"
+#include "score/vec_math.h"
+#include "rows/index_check.h"
 
 namespace moe_kernels {
 namespace {

@@ -23,10 +23,10 @@
 #include <vector>
 
 #include "moe_kernels/topk_router.h"
-#include "saved_weights.h"
-#include "row_exp_terms.h"
-#include "row_vector.h"
-#include "vec_math.h"
+#include "rows/saved_weights.h"
+#include "score/exp_terms.h"
+#include "select/select.h"
+#include "score/vec_math.h"
 
 namespace moe_kernels {
 namespace {

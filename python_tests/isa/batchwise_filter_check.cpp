@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "batchwise_filter.h"
+#include "select/column_filter.h"
 #include "moe_kernels/batchwise_mask.h"
 #include "xorshift.h"
 

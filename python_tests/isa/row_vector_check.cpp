@@ -17,10 +17,10 @@
 #include <xmmintrin.h>
 
 #include "moe_kernels/common.h"
-#include "row_candidates.h"
-#include "row_exp_terms.h"
-#include "row_top8.h"
-#include "row_vector.h"
+#include "select/candidates.h"
+#include "score/exp_terms.h"
+#include "select/top8_avx512.h"
+#include "select/select.h"
 #include "xorshift.h"
 
 using namespace moe_kernels;

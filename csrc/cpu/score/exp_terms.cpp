@@ -1,8 +1,8 @@
 // row_exp_terms.h's softmax terms with AVX-512 F, compiled under a target pragma in the dispatch
 // build, or where the compiler's flags allow AVX-512 F; elsewhere rows_exp_terms_f32 returns
 // false.
-#include "row_exp_terms.h"
-#include "isa_dispatch.h"
+#include "score/exp_terms.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <array>

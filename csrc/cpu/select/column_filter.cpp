@@ -1,7 +1,7 @@
 // The sampled-threshold select of batchwise_mask on CPU: batchwise_filter.h says what and why.
-#include "batchwise_filter.h"
-#include "isa_dispatch.h"
-#include "vec_math.h"
+#include "select/column_filter.h"
+#include "isa.h"
+#include "score/vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -139,7 +139,7 @@ inline uint32_t chunk_mask(const float* x, const float* lo) {
   return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_loadu_ps(lo), _CMP_NLT_UQ);
 }
 #define MK_FILTER_ROWS filter_rows_avx512
-#include "batchwise_filter_rows.inc"
+#include "select/column_filter_rows.h"
 #undef MK_FILTER_ROWS
 }  // namespace avx512
 #if defined(MK_FILTER_DISPATCH)
@@ -158,7 +158,7 @@ inline uint32_t chunk_mask(const float* x, const float* lo) {
   return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(lo), _CMP_NLT_UQ));
 }
 #define MK_FILTER_ROWS filter_rows_avx2
-#include "batchwise_filter_rows.inc"
+#include "select/column_filter_rows.h"
 #undef MK_FILTER_ROWS
 }  // namespace avx2
 #if defined(MK_FILTER_DISPATCH)
@@ -173,7 +173,7 @@ inline uint32_t chunk_mask(const float* x, const float* lo) {
   return (uint32_t)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_loadu_ps(x), _mm_loadu_ps(lo)));
 }
 #define MK_FILTER_ROWS filter_rows_sse2
-#include "batchwise_filter_rows.inc"
+#include "select/column_filter_rows.h"
 #undef MK_FILTER_ROWS
 }  // namespace sse2
 #endif
@@ -183,7 +183,7 @@ namespace scalar {
 constexpr int64_t kChunk = 64 + 1;  // never taken: the row loop's scalar tail does every column
 inline uint32_t chunk_mask(const float*, const float*) { return 0; }
 #define MK_FILTER_ROWS filter_rows_scalar
-#include "batchwise_filter_rows.inc"
+#include "select/column_filter_rows.h"
 #undef MK_FILTER_ROWS
 }  // namespace scalar
 #endif

@@ -2,8 +2,8 @@
 // into the bits whose lowest set one is the index) and compiled under a target pragma in the
 // dispatch build, or where the compiler's flags allow AVX-512; elsewhere rows_top2_values_f32
 // returns false and the caller's selection runs.
-#include "row_top2.h"
-#include "isa_dispatch.h"
+#include "select/top2_avx512.h"
+#include "isa.h"
 
 #include <cmath>
 

@@ -4,7 +4,7 @@
 // equals the value computed by the same function on one element (IEEE arithmetic, no fast-math),
 // which is what lets a backward recompute the exact noisy logits its forward ranked.
 #pragma once
-#include "isa_dispatch.h"
+#include "isa.h"
 #include <cmath>
 #include <cstdint>
 

@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
-#include "index_check.h"
-#include "vec_math.h"
+#include "rows/index_check.h"
+#include "score/vec_math.h"
 
 namespace moe_kernels {
 

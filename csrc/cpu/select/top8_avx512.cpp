@@ -2,14 +2,14 @@
 // candidates in registers), compiled under a target pragma in the dispatch build, or where the
 // compiler's flags allow AVX-512 F, BW and VBMI2; elsewhere rows_top8_pairs_f32 and
 // rows_top8_renormalized_f32 return false and the caller's selection runs.
-#include "row_top8.h"
-#include "isa_dispatch.h"
+#include "select/top8_avx512.h"
+#include "isa.h"
 
 #include <climits>
 #include <cmath>
 
-#include "bitonic.h"
-#include "row_exp_terms.h"
+#include "select/bitonic.h"
+#include "score/exp_terms.h"
 #include "moe_kernels/common.h"
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -4,8 +4,8 @@
 // GCC's generic vectors: a vector compare's lanes reach a scalar register in one instruction
 // (kmov, vmovmskps) instead of a shuffle-and-or reduction, which made the generic filter cost
 // four times the pass that reads the row.
-#include "row_candidates.h"
-#include "isa_dispatch.h"
+#include "select/candidates.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cmath>

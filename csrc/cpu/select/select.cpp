@@ -2,7 +2,7 @@
 // auto-vectorised elementwise math (the exp sum), each compiled per instruction set by
 // MK_ROW_CLONES (vec_math.h) and chosen once at load time, so the extension still runs on any
 // x86-64 while machines with AVX2 / AVX-512 use them.
-#include "row_vector.h"
+#include "select/select.h"
 
 #include <algorithm>
 #include <climits>
@@ -12,12 +12,12 @@
 #include <cstring>
 
 #include "moe_kernels/common.h"
-#include "row_candidates.h"
-#include "bitonic.h"
-#include "row_top2.h"
-#include "row_top8.h"
-#include "row_exp_terms.h"
-#include "vec_math.h"
+#include "select/candidates.h"
+#include "select/bitonic.h"
+#include "select/top2_avx512.h"
+#include "select/top8_avx512.h"
+#include "score/exp_terms.h"
+#include "score/vec_math.h"
 
 // The lane helpers below pass 256-bit vectors by value; GCC warns that the default (non-AVX) clone
 // would pass them differently from an AVX one. They are always inlined, so no such call exists.
