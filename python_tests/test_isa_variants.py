@@ -29,6 +29,7 @@ CHECKS = [
             "select/candidates.cpp",
             "select/top2_avx512.cpp",
             "select/top8_avx512.cpp",
+            "score/exp_sums.cpp",
             "score/exp_terms.cpp",
         ),
         10000,

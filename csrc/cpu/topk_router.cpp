@@ -23,10 +23,12 @@
 #include <vector>
 
 #include "moe_kernels/topk_router.h"
+#include "rows/float_rows.h"
 #include "rows/saved_weights.h"
+#include "score/exp_sums.h"
 #include "score/exp_terms.h"
-#include "select/select.h"
 #include "score/vec_math.h"
+#include "select/select.h"
 
 namespace moe_kernels {
 namespace {
@@ -109,10 +111,10 @@ double exp_sum(const double* v, int64_t n, double vmax, double* exps) {
 
 // Sigmoid scores as torch.sigmoid (the reference) gives them: 0 below x = -88.7228 in float32
 // (vec_math::sigmoid_torch), 1 / (1 + e^-x) in float64.
-MK_VEC_INLINE float sigmoid_of(float x) { return vec_math::sigmoid_torch(x); }
+MK_VECTORISE MK_ALWAYS_INLINE float sigmoid_of(float x) { return vec_math::sigmoid_torch(x); }
 inline double sigmoid_of(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
-MK_VECTORISE MK_ROW_CLONES void sigmoid_row(const float* __restrict x, int64_t n, float* __restrict p) {
+MK_VECTORISE MK_ISA_CLONES void sigmoid_row(const float* __restrict x, int64_t n, float* __restrict p) {
   for (int64_t e = 0; e < n; ++e) p[e] = vec_math::sigmoid_torch(x[e]);
 }
 void sigmoid_row(const double* x, int64_t n, double* p) {
@@ -137,7 +139,7 @@ void all_scores(const acc_t* x, int64_t E, int scoring, acc_t* p) {
 
 // exp of a softmax term relative to the row max, the forward's and the backward's: float32 by
 // vec_math::exp_full (inlined, vectorised in flat loops; torch's tails), float64 by std::exp.
-MK_VEC_INLINE float term_exp(float d) { return vec_math::exp_full(d); }
+MK_VECTORISE MK_ALWAYS_INLINE float term_exp(float d) { return vec_math::exp_full(d); }
 inline double term_exp(double d) { return std::exp(d); }
 
 // The G group scores of one row's choice values [G * size] into out [G], float32: group_score's
@@ -145,7 +147,7 @@ inline double term_exp(double d) { return std::exp(d); }
 // (Top2::push's data-dependent branches were most of the grouped router's time), the lanes then
 // merged as Top2::merged merges, the tail pushed as Top2::push does. Only the two values matter,
 // not which of two equal experts they came from.
-MK_VECTORISE MK_ROW_CLONES void group_scores_f32(const float* __restrict choice, int64_t G, int64_t size,
+MK_VECTORISE MK_ISA_CLONES void group_scores_f32(const float* __restrict choice, int64_t G, int64_t size,
                                                  int group_scoring, float* __restrict out) {
   typedef float lanes_f32 __attribute__((vector_size(32)));
   typedef int32_t lanes_i32 __attribute__((vector_size(32)));
@@ -188,7 +190,7 @@ MK_VECTORISE MK_ROW_CLONES void group_scores_f32(const float* __restrict choice,
 // The selected slots' scores (value, vmax [n * k], selected_slots) into w [n * k] for the
 // sigmoid and the renormalised softmax: one flat loop, compiled per instruction set (in
 // plain_rows_f32, which is not, it ran as SSE2).
-MK_VECTORISE MK_ROW_CLONES void slot_scores(const float* __restrict value, const float* __restrict vmax, int64_t slots,
+MK_VECTORISE MK_ISA_CLONES void slot_scores(const float* __restrict value, const float* __restrict vmax, int64_t slots,
                                             int scoring, float* __restrict w) {
   if (scoring == kSigmoid) {
     for (int64_t j = 0; j < slots; ++j) w[j] = vec_math::sigmoid_torch(value[j]);
@@ -200,13 +202,13 @@ MK_VECTORISE MK_ROW_CLONES void slot_scores(const float* __restrict value, const
 
 // finish_weights of n rows of k slots, k fixed at compile time for the common k (K = 0: any).
 template <int K>
-inline __attribute__((always_inline)) void finish_rows(float* w, int64_t n, int64_t k_any, bool renormalize,
+MK_ALWAYS_INLINE void finish_rows(float* w, int64_t n, int64_t k_any, bool renormalize,
                                                        float scaling) {
   const int64_t k = K > 0 ? K : k_any;
   for (int64_t i = 0; i < n; ++i) topk_router::finish_weights(w + i * k, k, renormalize, scaling);
 }
 
-MK_ROW_CLONES void finish_block(float* w, int64_t n, int64_t k, bool renormalize, float scaling) {
+MK_ISA_CLONES void finish_block(float* w, int64_t n, int64_t k, bool renormalize, float scaling) {
   switch (k) {
     case 1: return finish_rows<1>(w, n, k, renormalize, scaling);
     case 2: return finish_rows<2>(w, n, k, renormalize, scaling);
@@ -425,7 +427,7 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
 // A float32 row's full-softmax gradient off the selection: out[e] = p[e] * scale, compiled per
 // instruction set (in router_backward_rows, which is not, this loop ran as scalar SSE code: ~45%
 // of that function's samples at E = 64, k = 8).
-MK_VECTORISE MK_ROW_CLONES void scaled_row_f32(const float* __restrict p, int64_t E, float scale,
+MK_VECTORISE MK_ISA_CLONES void scaled_row_f32(const float* __restrict p, int64_t E, float scale,
                                                float* __restrict out) {
   for (int64_t e = 0; e < E; ++e) out[e] = p[e] * scale;
 }
@@ -563,7 +565,7 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
 // are tested for 0, not the first alone: a bias can rank first an expert whose score is 0 (a
 // masked or underflowing logit) while the others' are not. float32 rows compiled per instruction
 // set, the fill loop kept inline.
-MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ROW_CLONES void
+MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ISA_CLONES void
 router_grad_from_weights_f32(const float* __restrict w, const float* __restrict g, const int64_t* __restrict experts,
                              int64_t n, int64_t k, int64_t E, float scaling, float* __restrict out) {
   renormalized_grad_rows<true>(w, g, experts, n, k, E, scaling, out);

@@ -18,6 +18,7 @@
 
 #include "moe_kernels/common.h"
 #include "select/candidates.h"
+#include "score/exp_sums.h"
 #include "score/exp_terms.h"
 #include "select/top8_avx512.h"
 #include "select/select.h"

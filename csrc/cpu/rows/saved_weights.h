@@ -49,7 +49,7 @@ inline SavedWeights saved_weights(const at::Tensor& grad_weights, const at::Tens
 // GCC's rewrite of the fill loop into a memset call per row turned off (that call cost as much as
 // the rest of the backward).
 template <bool kNanRows, typename out_t>
-MK_VEC_INLINE void renormalized_grad_rows(const float* __restrict w, const float* __restrict g,
+MK_VECTORISE MK_ALWAYS_INLINE void renormalized_grad_rows(const float* __restrict w, const float* __restrict g,
                                           const int64_t* __restrict experts, int64_t n, int64_t k, int64_t E,
                                           float scaling, out_t* __restrict out) {
   for (int64_t i = 0; i < n; ++i) {

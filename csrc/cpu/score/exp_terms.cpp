@@ -1,6 +1,5 @@
-// row_exp_terms.h's softmax terms with AVX-512 F, compiled under a target pragma in the dispatch
-// build, or where the compiler's flags allow AVX-512 F; elsewhere rows_exp_terms_f32 returns
-// false.
+// exp_terms.h's softmax terms with AVX-512 F intrinsics, compiled for AVX-512 (isa.h); where this
+// build or the CPU lacks it, every function returns false and the caller's terms run.
 #include "score/exp_terms.h"
 #include "isa.h"
 
@@ -25,18 +24,8 @@
 namespace moe_kernels {
 namespace {
 
-#if defined(MK_ISA_DISPATCH)
-#define MK_EXP_TERMS_DISPATCH 1
-#define MK_EXP_TERMS_AVX512 1
-#elif defined(__AVX512F__)
-#define MK_EXP_TERMS_AVX512 1
-#endif
-
-#if defined(MK_EXP_TERMS_AVX512)
-#if defined(MK_EXP_TERMS_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-#endif
+#if MK_ISA_HAS_AVX512
+MK_ISA_BEGIN(AVX512)
 
 // 2^(j / 32) rounded to float, j = 0 .. 31.
 constexpr float kPow2Over32[32] = {
@@ -326,29 +315,14 @@ void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts,
   }
 }
 
-#if defined(MK_EXP_TERMS_DISPATCH)
-#pragma GCC pop_options
-#endif
-
-// Whether this CPU runs the variant.
-bool cpu_supported() {
-#if defined(MK_EXP_TERMS_DISPATCH)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-#else
-  return true;
-#endif
-}
+MK_ISA_END
 #endif
 
 }  // namespace
 
-#if defined(MK_EXP_TERMS_AVX512)
+#if MK_ISA_HAS_AVX512
 namespace {
-bool supported() {
-  static const bool cpu = cpu_supported();
-  return cpu;
-}
+bool supported() { return isa::cpu_runs(isa::Set::kAvx512); }
 
 // f(std::integral_constant<int, k>()) for 1 <= k <= 16; false otherwise.
 template <int K = 1, typename F>

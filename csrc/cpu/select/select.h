@@ -1,49 +1,15 @@
-// Vectorised primitives over one contiguous float32 row, for the row-per-token routing kernels
-// (topk_softmax). Their scalar loops spend their time on data-dependent branches (the argmax) and
-// libm expf calls (the softmax denominators); these bodies have neither.
+// The selections of the routing ops: the k largest (value, index) rank pairs of float32 rows
+// (rank_pair, moe_kernels/common.h: larger value first, then the lower index; NaN highest, -0 ==
+// +0), a row or a block of rows at a time, and the selection decoded into slots. topk_router,
+// noisy_topk_gate and load_probabilities select through here. select.cpp picks among the paths
+// by k, E and the CPU; each path's file says how it works.
 #pragma once
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "moe_kernels/common.h"
 
 namespace moe_kernels {
-
-// A [T, E] input of any float dtype and strides, read element-wise as float32.
-struct Strided {
-  const void* data;
-  int64_t stride_t, stride_e;
-};
-
-template <typename scalar_t>
-float at(const Strided& s, int64_t t, int64_t e) {
-  return (float)static_cast<const scalar_t*>(s.data)[t * s.stride_t + e * s.stride_e];
-}
-
-// The row as contiguous float32: itself when it already is, else converted into `buffer` [E].
-// The conversion is exact and keeps the order, -0 and NaN, so selecting on it selects on the row.
-template <typename scalar_t>
-const float* float_row(const scalar_t* row, int64_t stride_e, int64_t E, float* buffer) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (stride_e == 1) return row;
-  }
-  for (int64_t e = 0; e < E; ++e) buffer[e] = (float)row[e * stride_e];
-  return buffer;
-}
-
-// Row t of a Strided input as contiguous float32 (float_row).
-template <typename scalar_t>
-const float* float_row(const Strided& s, int64_t t, int64_t E, float* buffer) {
-  return float_row(static_cast<const scalar_t*>(s.data) + t * s.stride_t, s.stride_e, E, buffer);
-}
-
-// Rows per block of the row kernels that take a block of rows at a time (noisy_topk_gate,
-// load_probabilities): up to `most`, fewer for wide rows so that each of a block's [rows, E]
-// float32 buffers stays within 256 KiB.
-inline int64_t block_rows(int64_t E, int64_t most = 64) {
-  return std::clamp<int64_t>(65536 / std::max<int64_t>(E, 1), 1, most);
-}
 
 // Rows per block of topk_softmax's and topk_router's loops, which select a block
 // (rows_top_pairs_f32) and then compute its weights, or its softmax sums from its logits again
@@ -64,23 +30,6 @@ inline int64_t selection_block_rows(int64_t E, int64_t k, bool renormalize) {
   if ((k <= 2 && renormalize) || E > 128) return std::clamp<int64_t>(16384 / E, 1, 64);
   const int64_t elements = !renormalize && k >= 3 ? 1024 : 2048;
   return std::clamp<int64_t>(elements / E / 16 * 16, 16, 64);
-}
-
-// Rows [t0, t0 + n) of a [T, E] input as contiguous float32 rows: the input itself when it is
-// float32 with stride_e = 1, else converted into buffer [n, E] (float_row's exact conversion).
-// Returns the first row and sets *stride to the result's row stride.
-template <typename scalar_t>
-const float* float_rows(const scalar_t* data, int64_t stride_t, int64_t stride_e, int64_t t0, int64_t n, int64_t E,
-                        float* buffer, int64_t* stride) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (stride_e == 1) {
-      *stride = stride_t;
-      return data + t0 * stride_t;
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) float_row(data + (t0 + i) * stride_t, stride_e, E, buffer + i * E);
-  *stride = E;
-  return buffer;
 }
 
 // The slots of a block's selection (best: k rank pairs per row, from rows_top_pairs_f32): for row
@@ -140,32 +89,5 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
 // (the caller then selects and weights a block at a time); true for n = 0.
 bool rows_top_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* experts,
                                float* w);
-
-// sum over e of exp(row[e] - vmax), each term also stored to exps[e] (exps [E], not aliasing
-// row). vmax is the row's largest value (every argument is <= 0), finite or NaN (NaN terms and
-// sum). Terms below e^-80 (including those of -inf logits) are 0; a few ulp each: row_exp_terms.h's
-// with AVX-512 F, vec_math::exp's elsewhere.
-float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps);
-
-// row_exp_sum_f32's sum for a block of n rows x[i * stride ..] (a forward's softmax): the sum of
-// row i's terms relative to vmax[i * vmax_stride], its largest value as its selection found it,
-// to sums[i] (in row_exp_sum_f32's order and with its values). scratch [n * E] is overwritten.
-// With AVX-512 F the terms are row_exp_terms.h's (not stored: a forward that needs some takes
-// softmax_terms_f32); elsewhere a finite vmax (every term in [-inf, 0]) takes
-// vec_math::exp_nonpositive, a third fewer vector operations than exp, and a row with an infinite
-// or NaN vmax takes exp.
-void rows_softmax_sums_f32(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
-                           int64_t vmax_stride, float* scratch, float* sums);
-
-// out[j] = the term row_exp_sum_f32 and rows_softmax_sums_f32 compute for an element value[j] of a
-// row whose largest value is vmax[j], bit for bit (j < count): a forward's selected experts'
-// softmax numerators.
-void softmax_terms_f32(const float* value, const float* vmax, int64_t count, float* out);
-
-// The same with torch's tails: the terms keep denormals below e^-87.3 (down to e^-104) where
-// they are compared rather than only summed (topk_router ranks softmax scores when it has a bias
-// or groups, and a flushed 0 would tie with an expert torch ranks above it). row_exp_terms.h's
-// row_exp_terms_full_f32 with AVX-512 F, vec_math::exp_full elsewhere.
-float row_exp_sum_full_f32(const float* row, int64_t E, float vmax, float* exps);
 
 }  // namespace moe_kernels

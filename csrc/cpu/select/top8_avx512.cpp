@@ -1,7 +1,7 @@
-// row_top8.h's selection with AVX-512 intrinsics (a byte compress and permutes place the
-// candidates in registers), compiled under a target pragma in the dispatch build, or where the
-// compiler's flags allow AVX-512 F, BW and VBMI2; elsewhere rows_top8_pairs_f32 and
-// rows_top8_renormalized_f32 return false and the caller's selection runs.
+// top8_avx512.h's selection with AVX-512 intrinsics (a byte compress and permutes place the
+// candidates in registers), compiled for AVX-512 VBMI2 (isa.h); where this build or the CPU lacks
+// it, rows_top8_pairs_f32 and rows_top8_renormalized_f32 return false and the caller's selection
+// runs.
 #include "select/top8_avx512.h"
 #include "isa.h"
 
@@ -22,18 +22,8 @@
 namespace moe_kernels {
 namespace {
 
-#if defined(MK_ISA_DISPATCH)
-#define MK_TOP8_DISPATCH 1
-#define MK_TOP8_AVX512 1
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__)
-#define MK_TOP8_AVX512 1
-#endif
-
-#if defined(MK_TOP8_AVX512)
-#if defined(MK_TOP8_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vbmi2,popcnt")
-#endif
+#if MK_ISA_HAS_AVX512_VBMI2
+MK_ISA_BEGIN(AVX512_VBMI2)
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -452,32 +442,16 @@ void rows_top8_any(const float* x, int64_t stride, int64_t n, int64_t E, int k, 
   return rows_top8_each<4, 0>(x, stride, n, E, k, best, redo, n_redo);
 }
 
-#if defined(MK_TOP8_DISPATCH)
-#pragma GCC pop_options
-#endif
-#endif
-
-#if defined(MK_TOP8_AVX512)
-// Whether this CPU runs the variant: AVX-512 F, BW and VBMI2 (the byte compress), popcnt.
-bool cpu_supported() {
-#if defined(MK_TOP8_DISPATCH)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt");
-#else
-  return true;
-#endif
-}
+MK_ISA_END
 #endif
 
 }  // namespace
 
-#if defined(MK_TOP8_AVX512)
+#if MK_ISA_HAS_AVX512_VBMI2
 bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best,
                          int64_t* redo, int64_t* n_redo) {
   *n_redo = 0;
-  static const bool supported = cpu_supported();
-  if (!supported || E < 16 || E > 256 || k < 1 || k > 8) return false;
+  if (!isa::cpu_runs(isa::Set::kAvx512Vbmi2) || E < 16 || E > 256 || k < 1 || k > 8) return false;
   rows_top8_any(x, stride, n, E, k, best, redo, n_redo);
   return true;
 }
@@ -485,7 +459,8 @@ bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, i
 bool rows_top8_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* experts,
                                 float* w, int64_t* redo, int64_t* n_redo) {
   *n_redo = 0;
-  static const bool supported = cpu_supported() && renormalized_pairs_f32(nullptr, 0, 1, nullptr, nullptr);
+  static const bool supported =
+      isa::cpu_runs(isa::Set::kAvx512Vbmi2) && renormalized_pairs_f32(nullptr, 0, 1, nullptr, nullptr);
   if (!supported || E < 16 || E > 128 || k < 1 || k > 8) return false;
   alignas(64) int64_t pairs[16 * 8 + 8];
   rows_top8_narrow(x, stride, n, E, k, WeightsOut{pairs, k, experts, w}, redo, n_redo);
