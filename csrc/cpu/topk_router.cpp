@@ -24,7 +24,7 @@
 
 #include "moe_kernels/topk_router.h"
 #include "rows/float_rows.h"
-#include "rows/saved_weights.h"
+#include "rows/index_check.h"
 #include "score/exp_sums.h"
 #include "score/exp_terms.h"
 #include "score/vec_math.h"
@@ -46,6 +46,61 @@ struct RouterArgs {
   double scaling;
   bool grouped() const { return topk_groups < num_groups; }
 };
+
+// The inputs of topk_router_backward_from_weights, checked.
+struct SavedWeights {
+  at::Tensor w, g, ex;  // contiguous: weights float32, grad_weights as float32, experts int64
+  int64_t T = 0, k = 0, E = 0;
+};
+
+// weights [T, k] float32, grad_weights [T, k] floating, experts [T, k] int64 ids in [0, E),
+// 1 <= k <= E = num_experts; a RuntimeError (IndexError for an id) names op and the argument.
+inline SavedWeights saved_weights(const at::Tensor& grad_weights, const at::Tensor& weights, const at::Tensor& experts,
+                                  int64_t num_experts, const char* op) {
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat, op,
+              ": weights must be a float32 [T, k] tensor");
+  TORCH_CHECK(grad_weights.sizes() == weights.sizes() && experts.sizes() == weights.sizes(), op,
+              ": grad_weights and experts must have the weights' shape ", weights.sizes());
+  TORCH_CHECK(at::isFloatingType(grad_weights.scalar_type()), op, ": grad_weights must be floating");
+  SavedWeights s;
+  s.T = weights.size(0);
+  s.k = weights.size(1);
+  s.E = num_experts;
+  TORCH_CHECK(s.k >= 1 && s.k <= s.E, op, ": need 1 <= k <= num_experts, got k=", s.k, ", num_experts=", s.E);
+  s.w = weights.contiguous();
+  s.g = grad_weights.to(at::kFloat).contiguous();
+  s.ex = experts.contiguous();
+  check_routing_ids(s.ex, s.E, s.k, op, "experts");
+  return s;
+}
+
+// The gradient of n rows (out [n, E] contiguous) of renormalised weights w = scaling * r (r a
+// softmax over the k selected logits; w, g [n * k] float32): each row filled, then
+// grad_s = w_s (g_s - sum_j g_j (w_j / scaling)) at its k experts. A row whose weights are all 0
+// (fully masked, or every selected score underflowed) stays 0 even for a non-finite g; a row whose
+// first weight is NaN (its logits held NaN or +inf: every weight is then NaN) is NaN everywhere,
+// as router_backward_rows has it. w / scaling is exact for scaling = 1, and exactly 1 for a
+// weight of exactly scaling (whose gradient is then exactly 0). The float32 caller compiles it
+// per instruction set, with GCC's rewrite of the fill loop into a memset call per row turned off
+// (a call per row, as costly as the rest of the backward at small E).
+template <typename out_t>
+MK_VECTORISE MK_ALWAYS_INLINE void renormalized_grad_rows(const float* __restrict w, const float* __restrict g,
+                                          const int64_t* __restrict experts, int64_t n, int64_t k, int64_t E,
+                                          float scaling, out_t* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) {
+    out_t* row = out + i * E;
+    const float first = w[i * k];
+    const bool nan_row = first != first;
+    const out_t fill = nan_row ? (out_t)NAN : (out_t)0.0f;
+    for (int64_t e = 0; e < E; ++e) row[e] = fill;
+    bool any = false;
+    for (int64_t s = 0; s < k; ++s) any |= w[i * k + s] != 0.0f;
+    if (!any || nan_row) continue;
+    float dot = 0.0f;
+    for (int64_t s = 0; s < k; ++s) dot += g[i * k + s] * (w[i * k + s] / scaling);
+    for (int64_t s = 0; s < k; ++s) row[experts[i * k + s]] = (out_t)(w[i * k + s] * (g[i * k + s] - dot));
+  }
+}
 
 int parse_scoring(const std::string& s) {
   TORCH_CHECK(s == "softmax" || s == "sigmoid", "topk_router: scoring must be 'softmax' or 'sigmoid', got '", s, "'");
@@ -436,8 +491,7 @@ MK_VECTORISE MK_ISA_CLONES void scaled_row_f32(const float* __restrict p, int64_
 // p_s, gp_s = scaling * g_s, a block of rows at a time: every row's max and exp terms (float32:
 // torch's tails), then every row's gradient, so that one row's chain (its sum, the division, k
 // dependent products, the scaled row) overlaps the next rows' instead of waiting between two
-// rows' exps. T = 65536, E = 64, k = 8, one thread, fwd+bwd through autograd: 8.1-8.6 ms a row at
-// a time, 7.5-7.75 with scaled_row_f32 alone, 7.0-7.25 by blocks (the same bits).
+// rows' exps (the same bits as a row at a time; docs/routers.md has the timings).
 template <typename scalar_t, typename acc_t, typename grad_t>
 void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e, const grad_t* grad_w,
                                 const int64_t* experts, int64_t begin, int64_t end, int64_t E, acc_t scaling,
@@ -568,13 +622,13 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
 MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ISA_CLONES void
 router_grad_from_weights_f32(const float* __restrict w, const float* __restrict g, const int64_t* __restrict experts,
                              int64_t n, int64_t k, int64_t E, float scaling, float* __restrict out) {
-  renormalized_grad_rows<true>(w, g, experts, n, k, E, scaling, out);
+  renormalized_grad_rows(w, g, experts, n, k, E, scaling, out);
 }
 
 template <typename out_t>
 void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,
                               float scaling, out_t* out) {
-  renormalized_grad_rows<true>(w, g, experts, n, k, E, scaling, out);
+  renormalized_grad_rows(w, g, experts, n, k, E, scaling, out);
 }
 
 void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,

@@ -1,9 +1,9 @@
-// The row selections of csrc/cpu/row_vector.cpp checked against a scalar specification (every
+// The row selections of csrc/cpu/select/ checked against a scalar specification (every
 // rank pair of the row, sorted), built once per instruction set by python_tests/test_isa_variants.py
 // with MOE_KERNELS_NO_CLONES: the extension's load-time dispatch runs only the clone the machine
 // supports, so the AVX2 and SSE2 variants are otherwise never executed where AVX-512 exists.
-// Also the softmax terms and sums, and the renormalised weights (row_exp_terms.cpp where the
-// variant has AVX-512 F). Prints the number of rows checked; exits 1 at the first mismatch.
+// Also the softmax terms and sums (csrc/cpu/score/exp_sums.cpp), and the renormalised weights
+// (score/exp_terms.cpp where the variant has AVX-512 F). Prints the number of rows checked; exits 1 at the first mismatch.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -269,11 +269,11 @@ bool check_top8_direct(long* finished) {
   return true;
 }
 
-// The softmax terms (row_exp_terms.cpp's where this variant has AVX-512 F, vec_math::exp's
+// The softmax terms (score/exp_terms.cpp's where this variant has AVX-512 F, vec_math::exp's
 // elsewhere): each within 1.5e-7 of exp (float's x - vmax, in double), exactly 1 at the row's
-// largest value, 0 below -80 and for -inf, NaN for NaN; the per-row call's sum, the block call's
-// (rows cut from a wider buffer) and the slots' terms bit for bit the per-row call's stored terms;
-// the terms with torch's tails (row_exp_sum_full_f32) as exp down to e^-104.
+// largest value, 0 below -80 and for -inf, NaN for NaN; the per-row call's sum and the block
+// call's (rows cut from a wider buffer) the same; the terms with torch's tails
+// (row_exp_sum_full_f32) as exp down to e^-104.
 bool check_softmax_terms(long* checked) {
   const double tiny = (_mm_getcsr() & 0x8000) ? 1.2e-38 : 1.5e-45;
   std::vector<int64_t> widths;
@@ -301,22 +301,19 @@ bool check_softmax_terms(long* checked) {
         vmax[i] = row[pair_index(top[0])];
       }
       rows_softmax_sums_f32(x.data(), stride, kRows, E, vmax.data(), 1, scratch.data(), sums.data());
-      std::vector<float> exps(E), slots(E), maxes(E), full(E);
+      std::vector<float> exps(E), full(E);
       for (int64_t i = 0; i < kRows; ++i) {
         const float* row = x.data() + i * stride;
         const float sum = row_exp_sum_f32(row, E, vmax[i], exps.data());
         const float full_sum = row_exp_sum_full_f32(row, E, vmax[i], full.data());
-        std::fill(maxes.begin(), maxes.end(), vmax[i]);
-        softmax_terms_f32(row, maxes.data(), E, slots.data());
         double exact = 0.0;
         for (int64_t e = 0; e < E; ++e) {
           const float d = row[e] - vmax[i], t = exps[e];
-          const bool same = t == slots[e] || (t != t && slots[e] != slots[e]);
           const double want = d != d ? NAN : (d < -80.0f ? 0.0 : std::exp((double)d));
           const bool close = d != d ? t != t : (d == 0.0f ? t == 1.0f : std::fabs(t - want) <= 1.5e-7 * want);
-          if (!same || !close) {
-            std::printf("softmax terms E=%lld row %d element %lld: d=%.9g term %.9g slot %.9g exp %.9g\n", (long long)E,
-                        (int)i, (long long)e, d, t, slots[e], want);
+          if (!close) {
+            std::printf("softmax terms E=%lld row %d element %lld: d=%.9g term %.9g exp %.9g\n", (long long)E, (int)i,
+                        (long long)e, d, t, want);
             return false;
           }
           exact += t;
@@ -350,7 +347,7 @@ bool check_softmax_terms(long* checked) {
   return true;
 }
 
-// row_exp_terms.cpp's renormalised weights, where the variant has AVX-512 F: each within 3e-7
+// score/exp_terms.cpp's renormalised weights, where the variant has AVX-512 F: each within 3e-7
 // (3.6e-7 for k > 8; relative, or two of float's smallest denormals, or float's smallest normal
 // when flushing to zero) of the float64 value of exp(v - vmax) over its row's sum (terms below
 // -104 are 0), exactly 1 for k = 1, 0 for a row whose vmax is -inf, NaN for a NaN row; partial

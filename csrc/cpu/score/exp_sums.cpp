@@ -63,7 +63,7 @@ void rows_softmax_sums_f32(const float* __restrict x, int64_t stride, int64_t n,
   if (rows_exp_terms_f32(x, stride, n, E, vmax, vmax_stride, nullptr, sums)) return;
   float* exps = scratch;
   // A block of rows in one call, the terms first and then the sums: the rows' exp chains
-  // overlap in the core (a call per row measured ~10% slower at E = 64).
+  // overlap in the core (a call per row was slower).
   for (int64_t i = 0; i < n; ++i) {
     const float m = vmax[i * vmax_stride];
     const float* row = x + i * stride;
@@ -75,13 +75,6 @@ void rows_softmax_sums_f32(const float* __restrict x, int64_t stride, int64_t n,
     }
   }
   for (int64_t i = 0; i < n; ++i) sums[i] = lane_sum(exps + i * E, E);
-}
-
-MK_VECTORISE MK_ISA_CLONES
-void softmax_terms_f32(const float* __restrict value, const float* __restrict vmax, int64_t count,
-                       float* __restrict out) {
-  if (exp_terms_f32(value, vmax, count, out)) return;
-  for (int64_t j = 0; j < count; ++j) out[j] = vec_math::exp(value[j] - vmax[j]);
 }
 
 MK_VECTORISE MK_ISA_CLONES

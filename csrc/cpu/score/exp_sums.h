@@ -22,12 +22,7 @@ float row_exp_sum_f32(const float* row, int64_t E, float vmax, float* exps);
 void rows_softmax_sums_f32(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
                            int64_t vmax_stride, float* scratch, float* sums);
 
-// out[j] = the term row_exp_sum_f32 and rows_softmax_sums_f32 compute for an element value[j] of a
-// row whose largest value is vmax[j], bit for bit (j < count): a forward's selected experts'
-// softmax numerators.
-void softmax_terms_f32(const float* value, const float* vmax, int64_t count, float* out);
-
-// The same with torch's tails: the terms keep denormals below e^-87.3 (down to e^-104) where
+// row_exp_sum_f32 with torch's tails: the terms keep denormals below e^-87.3 (down to e^-104) where
 // they are compared rather than only summed (topk_router ranks softmax scores when it has a bias
 // or groups, and a flushed 0 would tie with an expert torch ranks above it). row_exp_terms.h's
 // row_exp_terms_full_f32 with AVX-512 F, vec_math::exp_full elsewhere.

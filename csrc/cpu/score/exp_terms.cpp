@@ -81,9 +81,8 @@ inline Reduced reduce16(__m512 d) {
 // shifted up by 18: j's bits cancel, n lands in the exponent field, and 1.5 * 2^23's own bits
 // shift out); s is normal for every d >= -80 (n >= -116). Lanes below -80 (-inf among them) are
 // zeroed by the mask rather than clamped; NaN lanes stay live (the compare is unordered) and give
-// NaN through e^r - 1. Seven FMA-unit operations (the loop's bottleneck: the scale by a multiply
-// and vscalefps, two more, left the full softmax's forward at E = 64, k = 2 at 2.15-2.2 ms instead
-// of 2.0-2.1).
+// NaN through e^r - 1. Seven FMA-unit operations, the loop's bottleneck (the scale by a multiply
+// and vscalefps, as exp_tail16 does it, would be two more).
 inline __m512 exp_nonpositive16(__m512 d, __mmask16 live, const Pow2Table& table) {
   live = _mm512_mask_cmp_ps_mask(live, d, _mm512_set1_ps(-80.0f), _CMP_NLT_UQ);
   const Reduced x = reduce16(d);
@@ -155,14 +154,6 @@ void rows_exp_terms_avx512(const float* x, int64_t stride, int64_t n, int64_t E,
 
 float row_terms_full_avx512(const float* row, int64_t E, float vmax, float* exps) {
   return row_terms<true, true>(row, E, vmax, exps, load_table());
-}
-
-void exp_terms_avx512(const float* v, const float* vmax, int64_t count, float* out) {
-  const Pow2Table table = load_table();
-  for_blocks(count, [&](int64_t j, __mmask16 in) {
-    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, v + j), _mm512_maskz_loadu_ps(in, vmax + j));
-    _mm512_mask_storeu_ps(out + j, in, exp_nonpositive16(d, in, table));
-  });
 }
 
 // Each K-lane group's sum in all of its lanes (K divides 16): halves folded onto each other, so
@@ -276,7 +267,7 @@ void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts,
   } else {
     // As renormalized_avx512: each half's pairs expanded into its groups, the results compressed.
     // While a vector's 16 slots' worth lies inside the arrays, by whole-vector loads and stores
-    // (masked 512-bit ones measured ~1.5x and ~2.3x plain ones here, Zen 4): the stores' lanes
+    // (masked 512-bit loads and stores cost more than plain ones on Zen 4): the stores' lanes
     // past the vector's slots land on the next vector's, which are written after.
     constexpr int64_t kRows = 16 / G;
     constexpr __mmask8 lo = (__mmask8)slot_lanes<K>(kRows), hi = (__mmask8)(slot_lanes<K>(kRows) >> 8);
@@ -341,11 +332,6 @@ bool rows_exp_terms_f32(const float* x, int64_t stride, int64_t n, int64_t E, co
   return supported();
 }
 
-bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out) {
-  if (supported()) exp_terms_avx512(v, vmax, count, out);
-  return supported();
-}
-
 bool row_exp_terms_full_f32(const float* row, int64_t E, float vmax, float* exps, float* sum) {
   if (supported()) *sum = row_terms_full_avx512(row, E, vmax, exps);
   return supported();
@@ -363,7 +349,6 @@ bool renormalized_pairs_f32(const int64_t* best, int64_t n, int64_t k, int64_t* 
 bool rows_exp_terms_f32(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, float*) {
   return false;
 }
-bool exp_terms_f32(const float*, const float*, int64_t, float*) { return false; }
 bool renormalized_pairs_f32(const int64_t*, int64_t, int64_t, int64_t*, float*) { return false; }
 bool row_exp_terms_full_f32(const float*, int64_t, float, float*, float*) { return false; }
 bool renormalized_weights_f32(const float*, const float*, int64_t, int64_t, float*) { return false; }

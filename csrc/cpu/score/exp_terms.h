@@ -1,11 +1,9 @@
 // Softmax denominators of float32 rows with AVX-512 F intrinsics: the terms exp(x - vmax) by a
 // 32-entry table of 2^(j / 32) and a degree-3 polynomial, with FMA (~15 vector operations per 16
-// terms, 7 of them on the FMA unit, which bounds the loop: ~12 cycles per 16 terms here).
-// row_vector.cpp's vec_math::exp_nonpositive is auto-vectorised without FMA contraction (its
-// scalar and vector values must agree, and not every build has FMA) and takes ~30. With these
-// terms (and the forward no longer storing every term: the selected ones are recomputed), the
-// full softmax at T = 65536, E = 64, k = 2, one thread (Zen 4): forward 3.3 -> 2.2 ms, backward
-// 4.0 -> 2.4 ms; E = 256: 10.8 -> 7.1 and 12.3 -> 7.3 ms.
+// terms, 7 of them on the FMA unit, which bounds the loop), where vec_math::exp_nonpositive
+// (exp_sums.cpp's terms on other CPUs) is auto-vectorised without FMA contraction (its scalar and
+// vector values must agree, and not every build has FMA) and takes ~30 (docs/topk_softmax.md has
+// the timings).
 //
 // The terms are exp's to ~1 ulp (the table entry's rounding, then the result's); exactly 1 at
 // x == vmax, 0 below x - vmax = -80 (as vec_math::exp: those terms are noise in a sum >= 1, and
@@ -29,12 +27,6 @@ namespace moe_kernels {
 // lacks AVX-512 F; the caller's own terms run then.
 bool rows_exp_terms_f32(const float* x, int64_t stride, int64_t n, int64_t E, const float* vmax,
                         int64_t vmax_stride, float* exps, float* sums);
-
-// out[j] = exp(v[j] - vmax[j]) for j < count, bit for bit the term rows_exp_terms_f32 computes for
-// an element v[j] of a row whose largest value is vmax[j] (a forward's selected experts' terms,
-// without storing every term of the row). Returns false, writing nothing, where rows_exp_terms_f32
-// does.
-bool exp_terms_f32(const float* v, const float* vmax, int64_t count, float* out);
 
 // rows_exp_terms_f32's terms of one row, stored, with torch's tails instead of the flush below
 // -80: denormals down to e^-104, 0 below (vec_math::exp_full's range; the same values where the
