@@ -241,9 +241,8 @@ void batchwise_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_
 // Rows [begin, end) of the mask [T, E] from the experts' ascending token lists tokens [E, m], a
 // block of rows (256 KiB) at a time: the block zeroed, then each expert's entries in it set, the
 // expert's place in its list carried from block to block (the first found by binary search).
-// Setting the bytes over the whole mask after a zero fill of it missed the cache on most of them:
-// T = 65536, E = 64, m = 2048 took 0.2 ms longer, E = 256 0.3 ms. Blocks much smaller cost as much
-// again at E = 256 (an expert's loop exits once per block).
+// Setting the bytes over the whole mask after a zero fill of it missed the cache on most of them;
+// much smaller blocks are slower at large E (an expert's loop exits once per block).
 void write_mask_rows(const int64_t* tokens, int64_t E, int64_t m, int64_t begin, int64_t end, bool* mask) {
   constexpr int64_t kBlockBytes = 256 << 10;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / E);

@@ -48,7 +48,7 @@ void softmax_row(const scalar_t* a, int64_t k, float* p) {
 
 // The forward for a block of rows with the rows in vector lanes (at most kLaneRows, 2^m at most
 // kLaneMaxL): with few experts a row's own loops are a few elements long, and the per-row work
-// around them (about 34 ns a selector at n = 16) cost more than the arithmetic. Every array is
+// around them costs more than the arithmetic. Every array is
 // [what, lane] with R lanes; each value is computed by the same operations in the same order as
 // the row path (softmax_row, smooth_step, selector) and the backward's recomputation, so both give
 // the same bits where the row path is not contracted into FMAs either (the build's baseline

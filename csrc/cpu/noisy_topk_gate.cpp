@@ -88,8 +88,7 @@ MK_VECTORISE MK_ISA_CLONES void add_probabilities_rows(const float* const* clean
     const float* __restrict s = stddev + i * E;
     const float* __restrict chosen = selected + i * E;
     const float below = kth[i], above = k1th[i], weight = w[i];
-    // z first, then Phi: two loops vectorise better than one (here ~6% faster at E = 64; in
-    // load_probabilities.cpp 11% at E = 256).
+    // z first, then Phi: two loops vectorise better than one.
     for (int64_t e = 0; e < E; ++e) z[e] = vec_math::z_score(c[e], chosen[e] != 0.0f ? above : below, s[e]);
     for (int64_t e = 0; e < E; ++e) load[e] += weight * vec_math::normal_cdf(z[e]);
   }

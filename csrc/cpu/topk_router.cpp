@@ -154,9 +154,9 @@ int64_t row_max_index(const double* v, int64_t n) {
   return m;
 }
 
-// exps[e] = exp(v[e] - vmax), returns their sum. float: the vectorised pass of row_vector.h.
+// exps[e] = exp(v[e] - vmax), returns their sum. float: the vectorised pass of score/exp_sums.h.
 // exp_full terms: scores are ranked (bias, groups) and returned as weights, so their tails are
-// torch's (row_vector.h).
+// torch's (row_exp_sum_full_f32).
 float exp_sum(const float* v, int64_t n, float vmax, float* exps) { return row_exp_sum_full_f32(v, n, vmax, exps); }
 double exp_sum(const double* v, int64_t n, double vmax, double* exps) {
   double total = 0;
@@ -285,7 +285,7 @@ inline void scale_rows(float* w, int64_t n, int64_t k, float scaling) {
 
 // The common router (no bias, one group) in float32: a renormalised softmax's float32 rows in one
 // pass where rows_top_renormalized_f32 runs; otherwise rows in blocks, selected by
-// rows_top_pairs_f32 (as topk_softmax), the selected scores of the whole block in flat loops that
+// rows_top_pairs_f32, the selected scores of the whole block in flat loops that
 // vectorise, then each row's finish_weights.
 template <typename scalar_t>
 MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
@@ -320,7 +320,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
-    // Renormalised softmax: topk_softmax's weights from the pairs where they run (AVX-512 F,
+    // Renormalised softmax: the weights from the pairs (renormalized_pairs_f32) where they run (AVX-512 F,
     // k <= 16; with the selection in one pass for 3 <= k <= 8 where that runs), times the scaling
     // as finish_weights multiplies it, and as there a fully masked row (its first weight 0: a
     // live row's is 1 / a sum of k terms in (0, 1]) stays +0 whatever the scaling (negative, or a
@@ -338,7 +338,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
     if (a.scoring == kSoftmax && !a.renormalize) {
       // Full softmax: the slots' exp_full terms over the row sums. The sums by flushed terms
-      // (rows_softmax_sums_f32: row_exp_terms' table exp on AVX-512, within an ulp of exp_full
+      // (rows_softmax_sums_f32: exp_terms.h's table exp on AVX-512, within an ulp of exp_full
       // above e^-80, and a sum is >= 1: a tail could not change it).
       rows_softmax_sums_f32(x, stride, n, E, vmax.data(), k, exps.data(), sums.data());
       for (int64_t i = 0; i < n; ++i) {
@@ -613,8 +613,7 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
 }
 
 // The softmax renormalised backward from the forward's float32 weights w = scaling * r (autograd
-// saves a copy of them instead of the logits, ops/topk_router.py): saved_weights.h's
-// renormalized_grad_rows, router_backward_rows' gradient without reading the logits, its rows
+// saves a copy of them instead of the logits, ops/topk_router.py): renormalized_grad_rows, router_backward_rows' gradient without reading the logits, its rows
 // apart told by the weights (all 0: gradient 0; a NaN first weight: NaN everywhere). All k weights
 // are tested for 0, not the first alone: a bias can rank first an expert whose score is 0 (a
 // masked or underflowing logit) while the others' are not. float32 rows compiled per instruction

@@ -9,9 +9,8 @@
 // x == vmax, 0 below x - vmax = -80 (as vec_math::exp: those terms are noise in a sum >= 1, and
 // their denormals would be slow) and for -inf, NaN for a NaN difference (a NaN row, or an
 // infinite or NaN vmax). A term of an element above vmax is undefined (its exponent wraps): vmax
-// must be the row's largest value. Their values differ from vec_math::exp's in the last bit, so
-// topk_softmax's full-softmax forward and its backward, which recomputes the terms, both come
-// through here (both ask these functions first, and they answer the same on one CPU).
+// must be the row's largest value. Their values differ from vec_math::exp's in the last bit: a
+// forward and a backward that must agree bit for bit take their terms from the same source.
 // topk_router's full-softmax forward takes only the sums from here (its k numerators are
 // vec_math::exp_full's); its backward recomputes every term from the logits with torch's tails
 // (row_exp_terms_full_f32), so nothing there needs the forward's bits.

@@ -1,6 +1,6 @@
 // Bitonic sorting-network steps across the lanes of one GCC vector (rank pairs as int64 lanes,
-// or float lanes), shared by the top-k selections: row_vector.cpp's candidate sorts (compiled per
-// instruction set) and row_top8.cpp's AVX-512 top eight. Branch-free: a step is one shuffle, one
+// or float lanes), shared by the top-k selections: pairs_topk.h's candidate sorts (compiled per
+// instruction set) and top8_avx512.cpp's AVX-512 top eight. Branch-free: a step is one shuffle, one
 // max, one min and one blend by a constant mask, whatever the data. The compares are the lane
 // type's own (`x > y`): int64 rank pairs order as rank_pair (moe_kernels/common.h); float lanes
 // order as floats, so float callers must exclude NaN.
@@ -87,7 +87,7 @@ MK_ALWAYS_INLINE V merge_into_top8(V top, V more) {
 // chain of dependent shuffles, maxima and blends, and an out-of-order core only overlaps R such
 // chains when their instructions come interleaved (a whole chain ahead of the next one fills the
 // scheduler with waiting instructions). Exchange::step<block, j, descending>(v) is one step on one
-// vector, the caller's own (row_top8.cpp's with intrinsics; bitonic_step is the generic one).
+// vector, the caller's own (top8_avx512.cpp's with intrinsics; bitonic_step is the generic one).
 template <int block, int j, bool descending, int R, typename Exchange, typename V>
 MK_ALWAYS_INLINE void bitonic_steps(V* x) {
   for (int r = 0; r < R; ++r) x[r] = Exchange::template step<block, j, descending>(x[r]);

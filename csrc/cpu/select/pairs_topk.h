@@ -128,7 +128,7 @@ constexpr int kRoundRows = 4;
 // then top8_pairs on their first three vectors of pairs (kNoPair where a row has fewer) with the
 // four rows' network steps interleaved, then any further vectors row by row. One row's sort is a
 // single chain of dependent steps; four side by side keep the core busy. A 64-wide random row
-// has 18 candidates on average, at most 24 in 86% of rows (row_candidates.h).
+// has 18 candidates on average, at most 24 in 86% of rows (candidates.h).
 MK_ALWAYS_INLINE void top8_rows4(const float* x, int64_t stride, int64_t E, int k, int64_t* best) {
   alignas(64) int32_t index[kRoundRows][kRoundsMaxE + kCandidatePad];
   alignas(64) float value[kRoundRows][kRoundsMaxE + kCandidatePad];
@@ -139,8 +139,8 @@ MK_ALWAYS_INLINE void top8_rows4(const float* x, int64_t stride, int64_t E, int 
     n[j] = n[j] >= 0 ? candidate_pairs(index[j], value[j], n[j], pairs[j]) : row_pairs(x + j * stride, E, pairs[j]);
   }
   // The first three vectors of pairs (kNoPair where a row has fewer), as top8_pairs merges them,
-  // written step by step across the four rows: the same as four merge_into_top8 chains, which
-  // measured 10% slower (k = 8, E = 64: GCC keeps each row's chain together).
+  // written step by step across the four rows: the same as four merge_into_top8 chains, which were
+  // slower (GCC keeps each row's chain together).
   const lanes_i64 none = lanes_i64{} + kNoPair;
   lanes_i64 top[kRoundRows], third[kRoundRows];
   for (int j = 0; j < kRoundRows; ++j) {

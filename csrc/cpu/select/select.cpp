@@ -36,7 +36,7 @@ void row_topk_rounds_f32(const float* row, int64_t E, int k, int64_t* best) { ro
 // rows_top_pairs_f32's candidate sort for rows [0, n) (E <= kRoundsMaxE, k * E <= kRoundsMaxWork),
 // four at a time where it can, out of line: inlined, its buffers (~34 KB for four rows) made
 // every call's frame ~39 KB, and its first stores (the arguments' spills, at the frame's far
-// end) showed up in the register selection's profile (1% of topk_softmax at E = 64, k = 8).
+// end) showed up in the register selection's profile.
 MK_ISA_CLONES
 void rows_topk_rounds_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best) {
   int64_t i = 0;
@@ -73,7 +73,7 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
       best[i] = rank_pair(row[e], e);
     }
   } else if (k == 2) {
-    // By values first where row_top2.h applies (AVX-512, 16 <= E <= 64), 64 rows a call; the rows
+    // By values first where top2_avx512.h applies (AVX-512, 16 <= E <= 64), 64 rows a call; the rows
     // it leaves (a NaN sum) by top2_row.
     constexpr int64_t kChunk = 64;
     int64_t redo[kChunk], n_redo;
@@ -87,7 +87,7 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
   } else if (E <= kRoundsMaxE && k * E <= kRoundsMaxWork) {
     int64_t i = 0;
     if (k <= kLanes && E >= kLanes) {
-      // In registers where row_top8.h applies (AVX-512 F/BW/VBMI2, 16 <= E <= 256), 64 rows a
+      // In registers where top8_avx512.h applies (AVX-512 F/BW/VBMI2, 16 <= E <= 256), 64 rows a
       // call; the rows it leaves (a NaN, over 16 candidates, two different keys sharing a
       // 28-bit prefix) by rounds_row.
       constexpr int64_t kChunk = 64;
@@ -116,7 +116,7 @@ void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, in
 
 bool rows_top_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* experts,
                                float* w) {
-  // (k <= 2 select faster by row_top2.h and the argmax.)
+  // (k <= 2 select faster by top2.h, top2_avx512.h and the argmax.)
   if (k < 3 || k > kLanes || E > kRoundsMaxE || k * E > kRoundsMaxWork) return false;
   constexpr int64_t kChunk = 1024;  // rows a call: its redo list's bound
   int64_t redo[kChunk], n_redo;

@@ -11,20 +11,14 @@
 
 namespace moe_kernels {
 
-// Rows per block of topk_softmax's and topk_router's loops, which select a block
-// (rows_top_pairs_f32) and then compute its weights, or its softmax sums from its logits again
-// (renormalised float32 rows that rows_top_renormalized_f32 takes go in one pass instead).
-// Up to 64 rows, but for E <= 128 with 3 <= k <= 8 or the full softmax, blocks of ~2048 elements
-// (~1024 for the full softmax with k >= 3), a multiple of 16 rows (the register selection's
-// block). T = 65536, one thread, one process alternating block sizes: renormalised k = 8 at
-// E = 64 1.70 -> 1.49 ms (64 -> 32 rows), E = 96 3.03 -> 2.62, E = 128 4.8 -> 3.9 (-> 16); the
-// full softmax at E = 64: k = 2 2.06 -> 1.81 ms (32 rows), k = 8 3.2 -> 2.6 ms (16 rows). Where
-// the full softmax reads a block's logits twice, a smaller block keeps them in L1. The
-// renormalised selection does not, and gains too: a C++ driver computing the weights inside the
-// selection per 16 rows still ran 256-row calls 1.2x slower than 32-row ones, so most likely it
-// is the selection's pairs buffer (64 B a row) that a smaller block keeps in L1. Renormalised
-// k <= 2 keep 64 rows (32 were 2-5% slower at E <= 64), and E > 128 too (16 rows: the full
-// softmax k = 2 at E = 256 6.8 -> 7.9 ms).
+// Rows per block of topk_router's loop, which selects a block (rows_top_pairs_f32) and then
+// computes its weights, or its softmax sums from its logits again (renormalised float32 rows that
+// rows_top_renormalized_f32 takes go in one pass instead). Up to 64 rows, but for E <= 128 with
+// 3 <= k <= 8 or the full softmax, blocks of ~2048 elements (~1024 for the full softmax with
+// k >= 3), a multiple of 16 rows (the register selection's block): where the full softmax reads a
+// block's logits twice, a smaller block keeps them in L1, and the selection's pairs buffer (64 B a
+// row) stays there too. Renormalised k <= 2 and E > 128 keep 64 rows (smaller blocks were slower
+// there; docs/topk_softmax.md has the timings).
 inline int64_t selection_block_rows(int64_t E, int64_t k, bool renormalize) {
   E = std::max<int64_t>(E, 1);
   if ((k <= 2 && renormalize) || E > 128) return std::clamp<int64_t>(16384 / E, 1, 64);
@@ -47,7 +41,7 @@ int32_t row_argmax_f32(const float* row, int64_t E);
 
 // The k largest (value, index) rank pairs of row[0 .. E) into best[0 .. k), descending (rank_pair
 // of common.h), for 1 <= k <= E. Chunks of 8 are compared against the k-th key in one vector
-// compare; only chunks holding a larger key go through the insertion list (topk_softmax.h).
+// compare; only chunks holding a larger key go through the insertion list (insertion.h).
 void row_topk_f32(const float* row, int64_t E, int k, int64_t* best);
 
 // The two largest rank pairs of row[0 .. E) into best[0 .. 2), descending, for E >= 2: one pass
@@ -60,7 +54,7 @@ void row_top2_f32(const float* row, int64_t E, int64_t* best);
 // data-dependent branches. For k <= 8 the pairs, eight to a vector, are sorted by a bitonic network
 // and merged into a running top eight; for larger k, k rounds of a vectorised max knock out each
 // round's winner. For k <= 8 on a row holding no NaN only candidates are sorted: the elements at
-// or above the smallest of 8 group maxima (row_candidates.h: at least k elements are, and no
+// or above the smallest of 8 group maxima (candidates.h: at least k elements are, and no
 // element below it can be in the top k).
 constexpr int64_t kRoundsMaxE = 512;
 constexpr int64_t kRoundsMaxWork = 8 * 512;
@@ -72,9 +66,7 @@ constexpr int64_t kRowInsertionMaxK = 16;
 
 // The k largest rank pairs of row[0 .. E) into best, descending, 1 <= k <= E: row_argmax_f32
 // (k = 1), row_top2_f32 (k = 2), row_topk_rounds_f32 (small k * E), row_topk_f32
-// (k <= kRowInsertionMaxK), else a partial sort (best must then hold E pairs). topk_softmax,
-// topk_router, noisy_topk_gate and load_probabilities select through here (or the block form,
-// rows_top_pairs_f32).
+// (k <= kRowInsertionMaxK), else a partial sort (best must then hold E pairs).
 void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 
 // row_top_pairs for each of the n rows x[i * stride .. i * stride + E), into best[i * k .. i * k + k):
@@ -82,8 +74,8 @@ void row_top_pairs(const float* row, int64_t E, int64_t k, int64_t* best);
 void rows_top_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t k, int64_t* best);
 
 // rows_top_pairs_f32's selection of each row's k experts (by descending logit) and its
-// renormalised softmax weights (row_exp_terms.h's renormalized_pairs_f32 on those pairs), bit for
-// bit, into experts and w [n * k], in one pass over the rows where row_top8.h's
+// renormalised softmax weights (score/exp_terms.h's renormalized_pairs_f32 on those pairs), bit for
+// bit, into experts and w [n * k], in one pass over the rows where top8_avx512.h's
 // rows_top8_renormalized_f32 runs (AVX-512 VBMI2, 16 <= E <= 128) for 3 <= k <= 8; the rows it
 // leaves are selected and weighted one by one after. Returns false, writing nothing, elsewhere
 // (the caller then selects and weights a block at a time); true for n = 0.
