@@ -289,13 +289,13 @@ inline void scale_rows(float* w, int64_t n, int64_t k, float scaling) {
 // vectorise, then each row's finish_weights.
 template <typename scalar_t>
 MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
-                                 int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                                 int64_t begin, int64_t end, int64_t E, const RouterArgs& args,
                                  float* weights,      // [T, k] contiguous
                                  int64_t* experts) {  // [T, k] contiguous
-  const int64_t k = a.k;
-  const float scaling = (float)a.scaling;
+  const int64_t k = args.k;
+  const float scaling = (float)args.scaling;
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
-  const bool renormalized_softmax = a.scoring == kSoftmax && a.renormalize;
+  const bool renormalized_softmax = args.scoring == kSoftmax && args.renormalize;
   if constexpr (std::is_same_v<scalar_t, float>) {
     // Renormalised softmax: selection and weights in one pass over runs of rows where that runs
     // (it either runs for every run or for none), each run scaled while in the cache.
@@ -310,8 +310,8 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
       if (ran) return;
     }
   }
-  const int64_t block = selection_block_rows(E, k, a.renormalize);
-  std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : block * E), sums(block);
+  const int64_t block = selection_block_rows(E, k, args.renormalize);
+  std::vector<float> rows(direct ? 0 : block * E), exps(args.renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
   std::vector<float> value(block * k), vmax(block * k);
   for (int64_t t0 = begin; t0 < end; t0 += block) {
@@ -335,8 +335,8 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
       continue;
     }
     selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
-    slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
-    if (a.scoring == kSoftmax && !a.renormalize) {
+    slot_scores(value.data(), vmax.data(), slots, args.scoring, w);
+    if (args.scoring == kSoftmax && !args.renormalize) {
       // Full softmax: the slots' exp_full terms over the row sums. The sums by flushed terms
       // (rows_softmax_sums_f32: exp_terms.h's table exp on AVX-512, within an ulp of exp_full
       // above e^-80, and a sum is >= 1: a tail could not change it).
@@ -347,7 +347,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
         for (int64_t s = 0; s < k; ++s) w[i * k + s] /= sums[i];
       }
     }
-    finish_block(w, n, k, a.renormalize, scaling);
+    finish_block(w, n, k, args.renormalize, scaling);
   }
 }
 
@@ -356,30 +356,30 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
 // first on ties), gathered in ascending expert order so that the selection's "lower position
 // first" is still "lower expert first", their experts into pool_id. Returns the pool's size.
 template <typename acc_t>
-int64_t scored_pool(const acc_t* x, const acc_t* bias, int64_t E, const RouterArgs& a, RowBuffers<acc_t>& buf,
+int64_t scored_pool(const acc_t* x, const acc_t* bias, int64_t E, const RouterArgs& args, RowBuffers<acc_t>& buf,
                     acc_t* p, acc_t* pool, int64_t* pool_id) {
-  const int64_t G = a.num_groups, size = E / G;
-  all_scores(x, E, a.scoring, p);
+  const int64_t G = args.num_groups, size = E / G;
+  all_scores(x, E, args.scoring, p);
   acc_t* choice = pool;
   for (int64_t e = 0; e < E; ++e) choice[e] = bias ? p[e] + bias[e] : p[e];
-  if (!a.grouped()) return E;
+  if (!args.grouped()) return E;
   if constexpr (std::is_same_v<acc_t, float>) {
-    group_scores_f32(choice, G, size, a.group_scoring, buf.group_scores.data());
+    group_scores_f32(choice, G, size, args.group_scoring, buf.group_scores.data());
   } else {
-    for (int64_t g = 0; g < G; ++g) buf.group_scores[g] = topk_router::group_score(choice + g * size, size, a.group_scoring);
+    for (int64_t g = 0; g < G; ++g) buf.group_scores[g] = topk_router::group_score(choice + g * size, size, args.group_scoring);
   }
   int64_t* order = buf.group_order.data();
   std::iota(order, order + G, 0);
   const acc_t* gs = buf.group_scores.data();
-  std::partial_sort(order, order + a.topk_groups, order + G,
+  std::partial_sort(order, order + args.topk_groups, order + G,
                     [gs](int64_t u, int64_t v) { return ranks_above(gs[u], u, gs[v], v); });
-  std::sort(order, order + a.topk_groups);
+  std::sort(order, order + args.topk_groups);
   // Compacted in place: eligible groups are gathered in ascending order, never overtaking the
   // positions they read from (a group's values moved whole: an element-wise loop re-read
   // order[j] after every store, which might alias it, and was a third of the row's time for
   // DeepSeek-V3's router).
   int64_t n = 0;
-  for (int64_t j = 0; j < a.topk_groups; ++j) {
+  for (int64_t j = 0; j < args.topk_groups; ++j) {
     const int64_t first = order[j] * size;
     std::memmove(choice + n, choice + first, size * sizeof(acc_t));
     for (int64_t e = 0; e < size; ++e) pool_id[n + e] = first + e;
@@ -393,19 +393,19 @@ int64_t scored_pool(const acc_t* x, const acc_t* bias, int64_t E, const RouterAr
 // register selection a row at a time (select_top) does not reach), then the weights.
 template <typename scalar_t>
 void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e, const float* bias, int64_t begin,
-                     int64_t end, int64_t E, const RouterArgs& a, float* weights, int64_t* experts) {
+                     int64_t end, int64_t E, const RouterArgs& args, float* weights, int64_t* experts) {
   constexpr int64_t kBlock = 16;  // rows_top8_blocks' block; larger measured no faster
-  const int64_t k = a.k;
-  RowBuffers<float> buf(E, a.num_groups);
+  const int64_t k = args.k;
+  RowBuffers<float> buf(E, args.num_groups);
   std::vector<float> scores(kBlock * E), pools(kBlock * E);
-  std::vector<int64_t> ids(a.grouped() ? kBlock * E : 0), best(kBlock * k);
+  std::vector<int64_t> ids(args.grouped() ? kBlock * E : 0), best(kBlock * k);
   for (int64_t t0 = begin; t0 < end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, end - t0);
     int64_t pool_size = E;
     for (int64_t i = 0; i < n; ++i) {
       const float* x = load_row<scalar_t, float>(logits + (t0 + i) * stride_t, stride_e, E, buf.x.data());
-      pool_size = scored_pool(x, bias, E, a, buf, scores.data() + i * E, pools.data() + i * E,
-                              a.grouped() ? ids.data() + i * E : nullptr);
+      pool_size = scored_pool(x, bias, E, args, buf, scores.data() + i * E, pools.data() + i * E,
+                              args.grouped() ? ids.data() + i * E : nullptr);
     }
     rows_top_pairs_f32(pools.data(), E, n, pool_size, k, best.data());
     for (int64_t i = 0; i < n; ++i) {
@@ -413,11 +413,11 @@ void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
       int64_t* ex = experts + (t0 + i) * k;
       for (int64_t s = 0; s < k; ++s) {
         const int64_t pos = pair_index(best[i * k + s]);
-        const int64_t e = a.grouped() ? ids[i * E + pos] : pos;
+        const int64_t e = args.grouped() ? ids[i * E + pos] : pos;
         ex[s] = e;
         w[s] = scores[i * E + e];
       }
-      topk_router::finish_weights(w, k, a.renormalize, (float)a.scaling);
+      topk_router::finish_weights(w, k, args.renormalize, (float)args.scaling);
     }
   }
 }
@@ -427,16 +427,16 @@ void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
 template <typename scalar_t, typename acc_t>
 void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
                  const acc_t* bias,                                          // [E] or null
-                 int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                 int64_t begin, int64_t end, int64_t E, const RouterArgs& args,
                  acc_t* weights,     // [T, k] contiguous
                  int64_t* experts) { // [T, k] contiguous
-  const int64_t k = a.k, G = a.num_groups;
-  const acc_t scaling = (acc_t)a.scaling;
+  const int64_t k = args.k, G = args.num_groups;
+  const acc_t scaling = (acc_t)args.scaling;
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (bias == nullptr && !a.grouped()) {
-      plain_rows_f32<scalar_t>(logits, stride_t, stride_e, begin, end, E, a, weights, experts);
+    if (bias == nullptr && !args.grouped()) {
+      plain_rows_f32<scalar_t>(logits, stride_t, stride_e, begin, end, E, args, weights, experts);
     } else {
-      scored_rows_f32<scalar_t>(logits, stride_t, stride_e, bias, begin, end, E, a, weights, experts);
+      scored_rows_f32<scalar_t>(logits, stride_t, stride_e, bias, begin, end, E, args, weights, experts);
     }
     return;
   }
@@ -446,15 +446,15 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
     acc_t* w = weights + t * k;
     int64_t* ex = experts + t * k;
     int64_t* best = buf.best.data();
-    if (bias == nullptr && !a.grouped()) {
+    if (bias == nullptr && !args.grouped()) {
       select_top(x, E, k, best);  // ranked by the logits
-      if (a.scoring == kSigmoid) {
+      if (args.scoring == kSigmoid) {
         for (int64_t s = 0; s < k; ++s) w[s] = sigmoid_of(x[best[s]]);
       } else {
         const acc_t vmax = x[best[0]];
         if (vmax == -INFINITY) {
           for (int64_t s = 0; s < k; ++s) w[s] = 0;
-        } else if (a.renormalize) {
+        } else if (args.renormalize) {
           // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
           for (int64_t s = 0; s < k; ++s) w[s] = term_exp(x[best[s]] - vmax);
         } else {
@@ -463,19 +463,19 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
         }
       }
       for (int64_t s = 0; s < k; ++s) ex[s] = best[s];
-      topk_router::finish_weights(w, k, a.renormalize, scaling);
+      topk_router::finish_weights(w, k, args.renormalize, scaling);
       continue;
     }
     acc_t* p = buf.p.data();
     acc_t* pool = buf.cand.data();
-    const int64_t pool_size = scored_pool(x, bias, E, a, buf, p, pool, buf.cand_id.data());
+    const int64_t pool_size = scored_pool(x, bias, E, args, buf, p, pool, buf.cand_id.data());
     select_top(pool, pool_size, k, best);
     for (int64_t s = 0; s < k; ++s) {
-      const int64_t e = a.grouped() ? buf.cand_id[best[s]] : best[s];
+      const int64_t e = args.grouped() ? buf.cand_id[best[s]] : best[s];
       ex[s] = e;
       w[s] = p[e];
     }
-    topk_router::finish_weights(w, k, a.renormalize, scaling);
+    topk_router::finish_weights(w, k, args.renormalize, scaling);
   }
 }
 
@@ -557,11 +557,11 @@ template <typename scalar_t, typename acc_t, typename grad_t>
 void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
                           const grad_t* grad_w,    // [T, k] contiguous
                           const int64_t* experts,  // [T, k] contiguous, ids checked in [0, E)
-                          int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                          int64_t begin, int64_t end, int64_t E, const RouterArgs& args,
                           scalar_t* grad) {        // [T, E] contiguous
-  const int64_t k = a.k;
-  const acc_t scaling = (acc_t)a.scaling;
-  if (a.scoring == kSoftmax && !a.renormalize) {
+  const int64_t k = args.k;
+  const acc_t scaling = (acc_t)args.scaling;
+  if (args.scoring == kSoftmax && !args.renormalize) {
     full_softmax_backward_rows(logits, stride_t, stride_e, grad_w, experts, begin, end, E, scaling, k, grad);
     return;
   }
@@ -574,12 +574,12 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
                         " is out of range for E = ", E);
     scalar_t* out = grad + t * E;
     const acc_t* x = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, buf.x.data());
-    if (a.scoring == kSigmoid) {
+    if (args.scoring == kSigmoid) {
       for (int64_t s = 0; s < k; ++s) {
         ps[s] = sigmoid_of(x[ex[s]]);
         g[s] = (acc_t)grad_w[t * k + s];
       }
-      topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, a.renormalize, scaling);
+      topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, args.renormalize, scaling);
       // Zero off the selection, except at a NaN logit: the reference's sigmoid over the whole row
       // backpropagates 0 * sigmoid'(NaN) = NaN there (docs/reliability.md: a NaN input's gradient
       // is NaN, selected or not).
@@ -613,7 +613,8 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
 }
 
 // The softmax renormalised backward from the forward's float32 weights w = scaling * r (autograd
-// saves a copy of them instead of the logits, ops/topk_router.py): renormalized_grad_rows, router_backward_rows' gradient without reading the logits, its rows
+// saves a copy of them instead of the logits, ops/topk_router.py): renormalized_grad_rows,
+// router_backward_rows' gradient without reading the logits, its rows
 // apart told by the weights (all 0: gradient 0; a NaN first weight: NaN everywhere). All k weights
 // are tested for 0, not the first alone: a bias can rank first an expert whose score is 0 (a
 // masked or underflowing logit) while the others' are not. float32 rows compiled per instruction
@@ -663,12 +664,12 @@ std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int
   const int64_t eligible = topk_groups * (E / num_groups);
   TORCH_CHECK(k >= 1 && k <= eligible, "topk_router: need 1 <= k <= topk_groups * E / num_groups = ", eligible,
               ", got k = ", k);
-  RouterArgs a{k, parse_scoring(scoring), parse_group_scoring(group_scoring), num_groups, topk_groups, renormalize,
+  RouterArgs args{k, parse_scoring(scoring), parse_group_scoring(group_scoring), num_groups, topk_groups, renormalize,
                scaling_factor};
-  TORCH_CHECK(!a.grouped() || a.group_scoring == topk_router::kMax || E / num_groups >= 2,
+  TORCH_CHECK(!args.grouped() || args.group_scoring == topk_router::kMax || E / num_groups >= 2,
               "topk_router: group_scoring 'top2_sum' needs groups of >= 2 experts");
   const auto acc = compute_type(logits);
-  at::Tensor b;
+  at::Tensor bias_acc;  // [E] in the compute type
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E, "topk_router: bias must be [E] = [", E, "], got ",
                 bias->sizes());
@@ -676,7 +677,7 @@ std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int
                 logits.device());
     TORCH_CHECK(at::isFloatingType(bias->scalar_type()), "topk_router: bias must be floating, got ",
                 bias->scalar_type());
-    b = bias->to(acc).contiguous();
+    bias_acc = bias->to(acc).contiguous();
   }
   auto weights = at::empty({T, k}, logits.options().dtype(acc));
   auto experts = at::empty({T, k}, logits.options().dtype(at::kLong));
@@ -685,10 +686,10 @@ std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int
     using logit_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES(acc, "topk_router_acc", [&] {
       using acc_t = scalar_t;
-      const acc_t* bp = b.defined() ? b.const_data_ptr<acc_t>() : nullptr;
+      const acc_t* bias_ptr = bias_acc.defined() ? bias_acc.const_data_ptr<acc_t>() : nullptr;
       at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
-        router_rows<logit_t, acc_t>(logits.const_data_ptr<logit_t>(), logits.stride(0), logits.stride(1), bp, begin,
-                                    end, E, a, weights.mutable_data_ptr<acc_t>(),
+        router_rows<logit_t, acc_t>(logits.const_data_ptr<logit_t>(), logits.stride(0), logits.stride(1), bias_ptr,
+                                    begin, end, E, args, weights.mutable_data_ptr<acc_t>(),
                                     experts.mutable_data_ptr<int64_t>());
       });
     });
@@ -711,7 +712,7 @@ at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Te
               "topk_router_backward: grad_weights, logits and experts must be on one device");
   const int64_t k = experts.size(1);
   TORCH_CHECK(k >= 1, "topk_router_backward: experts must have k >= 1 columns");
-  RouterArgs a{k, parse_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize, scaling_factor};
+  RouterArgs args{k, parse_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize, scaling_factor};
   auto grad = at::empty({T, E}, logits.options());
   if (T == 0) return grad;
   const auto g = grad_weights.contiguous();
@@ -725,7 +726,7 @@ at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Te
         at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
           router_backward_rows<logit_t, acc_t, grad_t>(logits.const_data_ptr<logit_t>(), logits.stride(0),
                                                        logits.stride(1), g.const_data_ptr<grad_t>(),
-                                                       ex.const_data_ptr<int64_t>(), begin, end, E, a,
+                                                       ex.const_data_ptr<int64_t>(), begin, end, E, args,
                                                        grad.mutable_data_ptr<logit_t>());
         });
       };
@@ -744,19 +745,19 @@ at::Tensor topk_router_backward_from_weights_cpu(const at::Tensor& grad_weights,
   TORCH_CHECK(scaling_factor != 0.0, op, ": scaling_factor must not be 0 (the weights then say nothing of the scores)");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": dtype must be float32, float16 or bfloat16, got ", dtype);
-  auto grad = at::empty({in.T, E}, weights.options().dtype(dtype));
-  const float* wp = in.w.const_data_ptr<float>();
-  const float* gp = in.g.const_data_ptr<float>();
-  const int64_t* ep = in.ex.const_data_ptr<int64_t>();
+  auto grad_logits = at::empty({in.T, E}, weights.options().dtype(dtype));
+  const float* weights_TK = in.w.const_data_ptr<float>();
+  const float* grad_weights_TK = in.g.const_data_ptr<float>();
+  const int64_t* experts_TK = in.ex.const_data_ptr<int64_t>();
   const float scaling = (float)scaling_factor;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "topk_router_backward_from_weights", [&] {
-    scalar_t* out = grad.mutable_data_ptr<scalar_t>();
+    scalar_t* grad_logits_TE = grad_logits.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, in.T, row_grain(E), [&](int64_t begin, int64_t end) {
-      router_grad_from_weights(wp + begin * k, gp + begin * k, ep + begin * k, end - begin, k, E, scaling,
-                               out + begin * E);
+      router_grad_from_weights(weights_TK + begin * k, grad_weights_TK + begin * k, experts_TK + begin * k,
+                               end - begin, k, E, scaling, grad_logits_TE + begin * E);
     });
   });
-  return grad;
+  return grad_logits;
 }
 
 }  // namespace
