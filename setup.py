@@ -256,8 +256,10 @@ def extensions():
     nvcc_opt = [f for f in opt if f != "-g0"]  # nvcc has no -g0 (it emits no host debug info unless -g)
     limited = f"-DPy_LIMITED_API=0x{LIMITED_API[0]:02x}{LIMITED_API[1]:02x}0000"
     cxx = opt + ["-std=c++20", "-fopenmp", limited]
-    include_dirs = [os.path.join(ROOT, "csrc", "include")]
-    sources = _rel([os.path.join(ROOT, "csrc", "ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    # csrc/cpu's own headers are included by their path under csrc/cpu ("select/select.h").
+    include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "cpu")]
+    cpu_sources = glob.glob(os.path.join(ROOT, "csrc", "cpu", "**", "*.cpp"), recursive=True)
+    sources = _rel([os.path.join(ROOT, "csrc", "ops.cpp")] + cpu_sources)
 
     cuda, why = cuda_choice(os.environ.get("MOE_KERNELS_CUDA", ""), torch.__version__, torch.version.cuda, CUDA_HOME)
     if not cuda:

@@ -1,5 +1,5 @@
 // Batchwise top-m mask (eq 18 of Shazeer et al. 2017, Appendix F) on CPU: parallel over experts.
-// For m << T (T >= 4096) the sampled-threshold select of batchwise_filter.h runs first and settles
+// For m << T (T >= 4096) the sampled-threshold select of select/column_filter.h runs first and settles
 // almost every column; the radix select below takes the rest, and every column otherwise.
 // Each expert's column is read once into 32-bit order keys (a group of experts at a time, so the
 // row-major scores are read a cache line at a time). A radix select finds the m-th largest key:
@@ -19,9 +19,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "batchwise_filter.h"
+#include "select/column_filter.h"
 #include "moe_kernels/batchwise_mask.h"
-#include "vec_math.h"
+#include "score/vec_math.h"
 
 namespace moe_kernels {
 namespace {
@@ -122,12 +122,12 @@ void select_column(const uint32_t* keys, int64_t T, int64_t m, Scratch& s, int64
   std::merge(above, above + n_above, s.picked.begin(), s.picked.end(), tokens);
 }
 
-using batchwise_filter::order_key_f32;
+using column_filter::order_key_f32;
 
 // The common case of gather_keys (float32, contiguous rows, a full group of 16 experts): 16 rows
 // at a time, their keys computed a row (one vector) at a time into a 16 x 16 tile, then written
 // out column by column (16 consecutive tokens: one cache line per column).
-MK_VECTORISE MK_ROW_CLONES
+MK_VECTORISE MK_ISA_CLONES
 void gather_keys_f32_16(const float* scores, int64_t stride_t, int64_t T, uint32_t* keys, int64_t ld) {
   uint32_t tile[kMaxGroup][kMaxGroup];
   int64_t t0 = 0;
@@ -171,33 +171,33 @@ void gather_keys(const scalar_t* scores, int64_t stride_t, int64_t stride_e, int
 // candidate lists, which shrink as m = O(T / E) does, stay a few MB.
 constexpr int64_t kMaxFilterBlock = 512;
 
-// Experts [begin, end) by batchwise_filter (the sampled-threshold select), a block of columns at
+// Experts [begin, end) by column_filter (the sampled-threshold select), a block of columns at
 // a time; a column it cannot settle is selected over the whole column.
 template <typename scalar_t>
 void filtered_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_e, int64_t T, int64_t m,
-                      int64_t begin, int64_t end, const batchwise_filter::Plan& plan, int64_t* tokens) {
+                      int64_t begin, int64_t end, const column_filter::Plan& plan, int64_t* tokens) {
   const int64_t S = plan.sample_rows;
   // Kept by each thread between calls (a few MB at T = 65536): memory fresh from the system costs
   // a page fault per 4 KiB touched, which measured as much as the row pass itself.
   thread_local std::vector<float> sample, lo, rows;
   thread_local std::vector<uint32_t> lo_key;
-  thread_local batchwise_filter::CandidateLists lists;
-  thread_local batchwise_filter::SelectScratch select_scratch;
+  thread_local column_filter::CandidateLists lists;
+  thread_local column_filter::SelectScratch select_scratch;
   Scratch s;
   for (int64_t c0 = begin; c0 < end; c0 += kMaxFilterBlock) {
     const int64_t w = std::min(kMaxFilterBlock, end - c0);
     const scalar_t* x = scores + c0 * stride_e;
     sample.resize(S * w);
     for (int64_t i = 0; i < S; ++i) {
-      const scalar_t* row = x + batchwise_filter::sample_row(i, S, T) * stride_t;
+      const scalar_t* row = x + column_filter::sample_row(i, S, T) * stride_t;
       for (int64_t j = 0; j < w; ++j) sample[i * w + j] = (float)row[j * stride_e];
     }
     lo.resize(w);
     lo_key.resize(w);
-    batchwise_filter::thresholds(sample.data(), S, w, plan.rank, lo.data(), lo_key.data());
+    column_filter::thresholds(sample.data(), S, w, plan.rank, lo.data(), lo_key.data());
     lists.reset(w, plan.capacity);
     if (std::is_same_v<scalar_t, float> && stride_e == 1) {
-      batchwise_filter::filter_rows(reinterpret_cast<const float*>(x), stride_t, 0, T, lo.data(), lists);
+      column_filter::filter_rows(reinterpret_cast<const float*>(x), stride_t, 0, T, lo.data(), lists);
     } else {  // other dtypes and strides: blocks of rows converted to contiguous float32 first
       constexpr int64_t kRows = 64;
       rows.resize(kRows * w);
@@ -205,12 +205,12 @@ void filtered_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_e
         const int64_t n = std::min(kRows, T - t0);
         for (int64_t r = 0; r < n; ++r)
           for (int64_t j = 0; j < w; ++j) rows[r * w + j] = (float)x[(t0 + r) * stride_t + j * stride_e];
-        batchwise_filter::filter_rows(rows.data(), w, t0, n, lo.data(), lists);
+        column_filter::filter_rows(rows.data(), w, t0, n, lo.data(), lists);
       }
     }
     for (int64_t j = 0; j < w; ++j) {
       int64_t* out = tokens + (c0 + j) * m;
-      if (batchwise_filter::select_candidates(lists, j, m, lo_key[j], select_scratch, out)) continue;
+      if (column_filter::select_candidates(lists, j, m, lo_key[j], select_scratch, out)) continue;
       const int64_t ld = T + 16;
       s.keys.resize(ld);
       gather_keys<scalar_t>(x + j * stride_e, stride_t, stride_e, T, 1, s.keys.data(), ld);
@@ -222,7 +222,7 @@ void filtered_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_e
 template <typename scalar_t>
 void batchwise_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_e, int64_t T,
                        int64_t m, int64_t begin, int64_t end, int64_t group, int64_t* tokens) {
-  const batchwise_filter::Plan plan = batchwise_filter::plan(T, m);
+  const column_filter::Plan plan = column_filter::plan(T, m);
   if (plan.use) {
     filtered_experts<scalar_t>(scores, stride_t, stride_e, T, m, begin, end, plan, tokens);
     return;
@@ -241,9 +241,8 @@ void batchwise_experts(const scalar_t* scores, int64_t stride_t, int64_t stride_
 // Rows [begin, end) of the mask [T, E] from the experts' ascending token lists tokens [E, m], a
 // block of rows (256 KiB) at a time: the block zeroed, then each expert's entries in it set, the
 // expert's place in its list carried from block to block (the first found by binary search).
-// Setting the bytes over the whole mask after a zero fill of it missed the cache on most of them:
-// T = 65536, E = 64, m = 2048 took 0.2 ms longer, E = 256 0.3 ms. Blocks much smaller cost as much
-// again at E = 256 (an expert's loop exits once per block).
+// Setting the bytes over the whole mask after a zero fill of it missed the cache on most of them;
+// much smaller blocks are slower at large E (an expert's loop exits once per block).
 void write_mask_rows(const int64_t* tokens, int64_t E, int64_t m, int64_t begin, int64_t end, bool* mask) {
   constexpr int64_t kBlockBytes = 256 << 10;
   const int64_t block = std::max<int64_t>(1, kBlockBytes / E);

@@ -13,7 +13,7 @@
 
 #include "moe_kernels/common.h"
 #include "moe_kernels/dispatch.h"
-#include "routing_rows.h"
+#include "rows/routing_rows.h"
 
 namespace moe_kernels {
 namespace {

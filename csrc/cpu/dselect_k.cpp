@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "moe_kernels/dselect_k.h"
-#include "vec_math.h"
+#include "score/vec_math.h"
 
 namespace moe_kernels {
 namespace {
@@ -48,7 +48,7 @@ void softmax_row(const scalar_t* a, int64_t k, float* p) {
 
 // The forward for a block of rows with the rows in vector lanes (at most kLaneRows, 2^m at most
 // kLaneMaxL): with few experts a row's own loops are a few elements long, and the per-row work
-// around them (about 34 ns a selector at n = 16) cost more than the arithmetic. Every array is
+// around them costs more than the arithmetic. Every array is
 // [what, lane] with R lanes; each value is computed by the same operations in the same order as
 // the row path (softmax_row, smooth_step, selector) and the backward's recomputation, so both give
 // the same bits where the row path is not contracted into FMAs either (the build's baseline
@@ -56,7 +56,7 @@ void softmax_row(const scalar_t* a, int64_t k, float* p) {
 constexpr int64_t kLaneRows = 64;
 constexpr int64_t kLaneMaxL = 64;
 
-MK_VECTORISE MK_ROW_CLONES void softmax_lanes(const float* __restrict a, int64_t k, int64_t R, float* __restrict p) {
+MK_VECTORISE MK_ISA_CLONES void softmax_lanes(const float* __restrict a, int64_t k, int64_t R, float* __restrict p) {
   float vmax[kLaneRows], denom[kLaneRows];
   for (int64_t r = 0; r < R; ++r) vmax[r] = -INFINITY;
   for (int64_t i = 0; i < k; ++i) {
@@ -72,7 +72,7 @@ MK_VECTORISE MK_ROW_CLONES void softmax_lanes(const float* __restrict a, int64_t
 }
 
 // One selector of every lane: s = S(z) [m, R] from z [m, R], then r [2^m, R] by doubling.
-MK_VEC_INLINE void selector_of_lanes(const float* __restrict z, int64_t m, int64_t R, dselect_k::SmoothStep sp,
+MK_VECTORISE MK_ALWAYS_INLINE void selector_of_lanes(const float* __restrict z, int64_t m, int64_t R, dselect_k::SmoothStep sp,
                                      float* __restrict s, float* __restrict r) {
   for (int64_t j = 0; j < m; ++j) {
     for (int64_t l = 0; l < R; ++l) s[j * R + l] = dselect_k::smooth_step(z[j * R + l], sp);
@@ -91,7 +91,7 @@ MK_VEC_INLINE void selector_of_lanes(const float* __restrict z, int64_t m, int64
 }
 
 // selector_of_lanes, then acc [n, R] += p [R] * r.
-MK_VECTORISE MK_ROW_CLONES void selector_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R,
+MK_VECTORISE MK_ISA_CLONES void selector_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R,
                                                dselect_k::SmoothStep sp, const float* __restrict p,
                                                float* __restrict s, float* __restrict r, float* __restrict acc) {
   selector_of_lanes(z, m, R, sp, s, r);
@@ -103,7 +103,7 @@ MK_VECTORISE MK_ROW_CLONES void selector_lanes(const float* __restrict z, int64_
 // The backward of one selector of every lane (the row path's loop body, by lanes): from z [m, R],
 // p_i [R], the upstream gates g [n, R] and selectors gs [2^m, R] (or null): c [R] = <g, r[:n]>,
 // pc [R] += p_i c, and dz [m, R] = S'(z) * selector_grad(u, r) with u = p_i g (0 past n) + gs.
-MK_VECTORISE MK_ROW_CLONES void selector_backward_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R,
+MK_VECTORISE MK_ISA_CLONES void selector_backward_lanes(const float* __restrict z, int64_t m, int64_t n, int64_t R,
                                                         dselect_k::SmoothStep sp, const float* __restrict p,
                                                         const float* __restrict g, const float* __restrict gs,
                                                         float* __restrict s, float* __restrict r,

@@ -15,9 +15,10 @@
 #include <vector>
 
 #include "moe_kernels/load_probabilities.h"
-#include "row_vector.h"
-#include "vec_math.h"
-#include "index_check.h"
+#include "rows/float_rows.h"
+#include "rows/index_check.h"
+#include "score/vec_math.h"
+#include "select/select.h"
 
 namespace moe_kernels {
 namespace {
@@ -28,7 +29,7 @@ using vec_math::normal_cdf;
 // selected[i * E + e] choosing the row's threshold: the (k+1)-th largest k1th[i] for an element
 // of the top k, else the k-th kth[i] (vectorised; one call per block, where a call per row
 // through the load-time dispatch cost as much as a 16-wide row's arithmetic).
-MK_VECTORISE MK_ROW_CLONES void probabilities_rows(const float* const* clean, const float* const* stddev,
+MK_VECTORISE MK_ISA_CLONES void probabilities_rows(const float* const* clean, const float* const* stddev,
                                                    const uint8_t* __restrict selected, const float* kth,
                                                    const float* k1th, int64_t n, int64_t E, float* __restrict out) {
   for (int64_t i = 0; i < n; ++i) {
@@ -37,14 +38,14 @@ MK_VECTORISE MK_ROW_CLONES void probabilities_rows(const float* const* clean, co
     const uint8_t* __restrict chosen = selected + i * E;
     float* __restrict p = out + i * E;
     const float below = kth[i], above = k1th[i];
-    // z first, then Phi in place: two loops vectorise better than one (E = 256: 11% faster).
+    // z first, then Phi in place: two loops vectorise better than one.
     for (int64_t e = 0; e < E; ++e) p[e] = vec_math::z_score(c[e], chosen[e] ? above : below, s[e]);
     for (int64_t e = 0; e < E; ++e) p[e] = normal_cdf(p[e]);
   }
 }
 
 // gc[e] = g[e] phi(z[e]) / s[e], 0 where z is infinite (vectorised).
-MK_VECTORISE MK_ROW_CLONES void density_row(const float* g, const float* z, const float* s, float* gc, int64_t n) {
+MK_VECTORISE MK_ISA_CLONES void density_row(const float* g, const float* z, const float* s, float* gc, int64_t n) {
   constexpr float kInvSqrt2Pi = 0.3989422804014327f;
   for (int64_t e = 0; e < n; ++e) {
     const bool infinite = z[e] == INFINITY || z[e] == -INFINITY;

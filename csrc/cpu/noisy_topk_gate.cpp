@@ -24,9 +24,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "row_vector.h"
-#include "vec_math.h"
-#include "index_check.h"
+#include "rows/float_rows.h"
+#include "rows/index_check.h"
+#include "score/vec_math.h"
+#include "select/select.h"
 
 namespace moe_kernels {
 namespace {
@@ -38,7 +39,7 @@ constexpr int64_t kBlockRows = 64;
 
 // x rounded to scalar_t, as torch rounds the output of each unfused op (free for float32).
 template <typename scalar_t>
-MK_VEC_INLINE float round_to(float x) {
+MK_VECTORISE MK_ALWAYS_INLINE float round_to(float x) {
   if constexpr (std::is_same_v<scalar_t, float>) return x;
   return (float)(scalar_t)x;
 }
@@ -54,18 +55,18 @@ float epsilon_as(double noise_epsilon) {
 
 // noise_stddev = Softplus(raw) + eps, as torch's `softplus(raw) + eps` (eps from epsilon_as).
 template <typename scalar_t>
-MK_VEC_INLINE float stddev_of(float raw, float eps) {
+MK_VECTORISE MK_ALWAYS_INLINE float stddev_of(float raw, float eps) {
   return round_to<scalar_t>(round_to<scalar_t>(vec_math::softplus(raw)) + eps);
 }
 
 // H = clean + noise * stddev, as torch's `clean + noise * stddev` (two roundings, no FMA).
 template <typename scalar_t>
-MK_VEC_INLINE float noisy_of(float clean, float noise, float stddev) {
+MK_VECTORISE MK_ALWAYS_INLINE float noisy_of(float clean, float noise, float stddev) {
   return round_to<scalar_t>(clean + round_to<scalar_t>(noise * stddev));
 }
 
 template <typename scalar_t>
-MK_VECTORISE MK_ROW_CLONES void noisy_row(const float* __restrict clean, const float* __restrict raw, const float* __restrict noise,
+MK_VECTORISE MK_ISA_CLONES void noisy_row(const float* __restrict clean, const float* __restrict raw, const float* __restrict noise,
                             float eps, int64_t E, float* __restrict stddev, float* __restrict noisy) {
   for (int64_t e = 0; e < E; ++e) {
     const float s = stddev_of<scalar_t>(raw[e], eps);
@@ -78,7 +79,7 @@ MK_VECTORISE MK_ROW_CLONES void noisy_row(const float* __restrict clean, const f
 // threshold_ie) / stddev_ie with threshold_ie the row's (k+1)-th largest noisy logit when e is
 // selected (selected[i * E + e] = 1), else its k-th (eq 9); z [E] is scratch. One call per block: a call per row
 // (through the load-time dispatch) cost as much as a 16-wide row's arithmetic.
-MK_VECTORISE MK_ROW_CLONES void add_probabilities_rows(const float* const* clean, const float* __restrict stddev,
+MK_VECTORISE MK_ISA_CLONES void add_probabilities_rows(const float* const* clean, const float* __restrict stddev,
                                                        const float* __restrict selected, const float* kth,
                                                        const float* k1th, const float* w, int64_t n, int64_t E,
                                                        float* __restrict z, float* __restrict load) {
@@ -87,8 +88,7 @@ MK_VECTORISE MK_ROW_CLONES void add_probabilities_rows(const float* const* clean
     const float* __restrict s = stddev + i * E;
     const float* __restrict chosen = selected + i * E;
     const float below = kth[i], above = k1th[i], weight = w[i];
-    // z first, then Phi: two loops vectorise better than one (here ~6% faster at E = 64; in
-    // load_probabilities.cpp 11% at E = 256).
+    // z first, then Phi: two loops vectorise better than one.
     for (int64_t e = 0; e < E; ++e) z[e] = vec_math::z_score(c[e], chosen[e] != 0.0f ? above : below, s[e]);
     for (int64_t e = 0; e < E; ++e) load[e] += weight * vec_math::normal_cdf(z[e]);
   }
@@ -223,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> noisy_topk_gate_cpu(const at::Ten
 // stddev = Softplus(raw) + eps exactly as the forward computed it, and sigmoid(raw), for rows i < n
 // of a block (raw row i at raw + i * stride; the results [n, E] contiguous).
 template <typename scalar_t>
-MK_VECTORISE MK_ROW_CLONES void stddev_sigmoid_rows(const float* __restrict raw, int64_t stride, int64_t n, float eps,
+MK_VECTORISE MK_ISA_CLONES void stddev_sigmoid_rows(const float* __restrict raw, int64_t stride, int64_t n, float eps,
                                                     int64_t E, float* __restrict stddev, float* __restrict sigmoid) {
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t e = 0; e < E; ++e) {
@@ -238,7 +238,7 @@ MK_VECTORISE MK_ROW_CLONES void stddev_sigmoid_rows(const float* __restrict raw,
 // (selected_sum[i]), whose negatives are the gradients of the two threshold noisy logits. The sums
 // are vector reductions (omp simd: the lanes' partial sums are added at the end, an order fixed
 // by the build).
-MK_VECTORISE MK_ROW_CLONES void load_gradient_rows(const float* const* clean, const float* __restrict stddev,
+MK_VECTORISE MK_ISA_CLONES void load_gradient_rows(const float* const* clean, const float* __restrict stddev,
                                                    const float* __restrict selected, const float* __restrict grad_load,
                                                    const float* w, const float* kth, const float* k1th, int64_t n,
                                                    int64_t E, float* __restrict gc, float* __restrict gs,
@@ -272,7 +272,7 @@ MK_VECTORISE MK_ROW_CLONES void load_gradient_rows(const float* const* clean, co
 }
 
 template <typename scalar_t>
-MK_VECTORISE MK_ROW_CLONES void write_gradients(const float* __restrict gc, const float* __restrict gs,
+MK_VECTORISE MK_ISA_CLONES void write_gradients(const float* __restrict gc, const float* __restrict gs,
                                                 const float* __restrict sigmoid, int64_t n,
                                                 scalar_t* __restrict g_clean, scalar_t* __restrict g_raw) {
   for (int64_t j = 0; j < n; ++j) {

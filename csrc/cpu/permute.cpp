@@ -10,7 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "routing_rows.h"
+#include "rows/routing_rows.h"
 
 namespace moe_kernels {
 namespace {

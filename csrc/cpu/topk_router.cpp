@@ -23,10 +23,12 @@
 #include <vector>
 
 #include "moe_kernels/topk_router.h"
-#include "saved_weights.h"
-#include "row_exp_terms.h"
-#include "row_vector.h"
-#include "vec_math.h"
+#include "rows/float_rows.h"
+#include "rows/index_check.h"
+#include "score/exp_sums.h"
+#include "score/exp_terms.h"
+#include "score/vec_math.h"
+#include "select/select.h"
 
 namespace moe_kernels {
 namespace {
@@ -44,6 +46,61 @@ struct RouterArgs {
   double scaling;
   bool grouped() const { return topk_groups < num_groups; }
 };
+
+// The inputs of topk_router_backward_from_weights, checked.
+struct SavedWeights {
+  at::Tensor w, g, ex;  // contiguous: weights float32, grad_weights as float32, experts int64
+  int64_t T = 0, k = 0, E = 0;
+};
+
+// weights [T, k] float32, grad_weights [T, k] floating, experts [T, k] int64 ids in [0, E),
+// 1 <= k <= E = num_experts; a RuntimeError (IndexError for an id) names op and the argument.
+inline SavedWeights saved_weights(const at::Tensor& grad_weights, const at::Tensor& weights, const at::Tensor& experts,
+                                  int64_t num_experts, const char* op) {
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat, op,
+              ": weights must be a float32 [T, k] tensor");
+  TORCH_CHECK(grad_weights.sizes() == weights.sizes() && experts.sizes() == weights.sizes(), op,
+              ": grad_weights and experts must have the weights' shape ", weights.sizes());
+  TORCH_CHECK(at::isFloatingType(grad_weights.scalar_type()), op, ": grad_weights must be floating");
+  SavedWeights s;
+  s.T = weights.size(0);
+  s.k = weights.size(1);
+  s.E = num_experts;
+  TORCH_CHECK(s.k >= 1 && s.k <= s.E, op, ": need 1 <= k <= num_experts, got k=", s.k, ", num_experts=", s.E);
+  s.w = weights.contiguous();
+  s.g = grad_weights.to(at::kFloat).contiguous();
+  s.ex = experts.contiguous();
+  check_routing_ids(s.ex, s.E, s.k, op, "experts");
+  return s;
+}
+
+// The gradient of n rows (out [n, E] contiguous) of renormalised weights w = scaling * r (r a
+// softmax over the k selected logits; w, g [n * k] float32): each row filled, then
+// grad_s = w_s (g_s - sum_j g_j (w_j / scaling)) at its k experts. A row whose weights are all 0
+// (fully masked, or every selected score underflowed) stays 0 even for a non-finite g; a row whose
+// first weight is NaN (its logits held NaN or +inf: every weight is then NaN) is NaN everywhere,
+// as router_backward_rows has it. w / scaling is exact for scaling = 1, and exactly 1 for a
+// weight of exactly scaling (whose gradient is then exactly 0). The float32 caller compiles it
+// per instruction set, with GCC's rewrite of the fill loop into a memset call per row turned off
+// (a call per row, as costly as the rest of the backward at small E).
+template <typename out_t>
+MK_VECTORISE MK_ALWAYS_INLINE void renormalized_grad_rows(const float* __restrict w, const float* __restrict g,
+                                          const int64_t* __restrict experts, int64_t n, int64_t k, int64_t E,
+                                          float scaling, out_t* __restrict out) {
+  for (int64_t i = 0; i < n; ++i) {
+    out_t* row = out + i * E;
+    const float first = w[i * k];
+    const bool nan_row = first != first;
+    const out_t fill = nan_row ? (out_t)NAN : (out_t)0.0f;
+    for (int64_t e = 0; e < E; ++e) row[e] = fill;
+    bool any = false;
+    for (int64_t s = 0; s < k; ++s) any |= w[i * k + s] != 0.0f;
+    if (!any || nan_row) continue;
+    float dot = 0.0f;
+    for (int64_t s = 0; s < k; ++s) dot += g[i * k + s] * (w[i * k + s] / scaling);
+    for (int64_t s = 0; s < k; ++s) row[experts[i * k + s]] = (out_t)(w[i * k + s] * (g[i * k + s] - dot));
+  }
+}
 
 int parse_scoring(const std::string& s) {
   TORCH_CHECK(s == "softmax" || s == "sigmoid", "topk_router: scoring must be 'softmax' or 'sigmoid', got '", s, "'");
@@ -97,9 +154,9 @@ int64_t row_max_index(const double* v, int64_t n) {
   return m;
 }
 
-// exps[e] = exp(v[e] - vmax), returns their sum. float: the vectorised pass of row_vector.h.
+// exps[e] = exp(v[e] - vmax), returns their sum. float: the vectorised pass of score/exp_sums.h.
 // exp_full terms: scores are ranked (bias, groups) and returned as weights, so their tails are
-// torch's (row_vector.h).
+// torch's (row_exp_sum_full_f32).
 float exp_sum(const float* v, int64_t n, float vmax, float* exps) { return row_exp_sum_full_f32(v, n, vmax, exps); }
 double exp_sum(const double* v, int64_t n, double vmax, double* exps) {
   double total = 0;
@@ -115,10 +172,10 @@ double backward_exp_sum(const double* v, int64_t n, double vmax, double* exps) {
 
 // Sigmoid scores as torch.sigmoid (the reference) gives them: 0 below x = -88.7228 in float32
 // (vec_math::sigmoid_torch), 1 / (1 + e^-x) in float64.
-MK_VEC_INLINE float sigmoid_of(float x) { return vec_math::sigmoid_torch(x); }
+MK_VECTORISE MK_ALWAYS_INLINE float sigmoid_of(float x) { return vec_math::sigmoid_torch(x); }
 inline double sigmoid_of(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
-MK_VECTORISE MK_ROW_CLONES void sigmoid_row(const float* __restrict x, int64_t n, float* __restrict p) {
+MK_VECTORISE MK_ISA_CLONES void sigmoid_row(const float* __restrict x, int64_t n, float* __restrict p) {
   for (int64_t e = 0; e < n; ++e) p[e] = vec_math::sigmoid_torch(x[e]);
 }
 void sigmoid_row(const double* x, int64_t n, double* p) {
@@ -143,7 +200,7 @@ void all_scores(const acc_t* x, int64_t E, int scoring, acc_t* p) {
 
 // exp of a softmax term relative to the row max, the forward's and the backward's: float32 by
 // vec_math::exp_full (inlined, vectorised in flat loops; torch's tails), float64 by std::exp.
-MK_VEC_INLINE float term_exp(float d) { return vec_math::exp_full(d); }
+MK_VECTORISE MK_ALWAYS_INLINE float term_exp(float d) { return vec_math::exp_full(d); }
 inline double term_exp(double d) { return std::exp(d); }
 
 // The G group scores of one row's choice values [G * size] into out [G], float32: group_score's
@@ -151,7 +208,7 @@ inline double term_exp(double d) { return std::exp(d); }
 // (Top2::push's data-dependent branches were most of the grouped router's time), the lanes then
 // merged as Top2::merged merges, the tail pushed as Top2::push does. Only the two values matter,
 // not which of two equal experts they came from.
-MK_VECTORISE MK_ROW_CLONES void group_scores_f32(const float* __restrict choice, int64_t G, int64_t size,
+MK_VECTORISE MK_ISA_CLONES void group_scores_f32(const float* __restrict choice, int64_t G, int64_t size,
                                                  int group_scoring, float* __restrict out) {
   typedef float lanes_f32 __attribute__((vector_size(32)));
   typedef int32_t lanes_i32 __attribute__((vector_size(32)));
@@ -194,7 +251,7 @@ MK_VECTORISE MK_ROW_CLONES void group_scores_f32(const float* __restrict choice,
 // The selected slots' scores (value, vmax [n * k], selected_slots) into w [n * k] for the
 // sigmoid and the renormalised softmax: one flat loop, compiled per instruction set (in
 // plain_rows_f32, which is not, it ran as SSE2).
-MK_VECTORISE MK_ROW_CLONES void slot_scores(const float* __restrict value, const float* __restrict vmax, int64_t slots,
+MK_VECTORISE MK_ISA_CLONES void slot_scores(const float* __restrict value, const float* __restrict vmax, int64_t slots,
                                             int scoring, float* __restrict w) {
   if (scoring == kSigmoid) {
     for (int64_t j = 0; j < slots; ++j) w[j] = vec_math::sigmoid_torch(value[j]);
@@ -206,13 +263,13 @@ MK_VECTORISE MK_ROW_CLONES void slot_scores(const float* __restrict value, const
 
 // finish_weights of n rows of k slots, k fixed at compile time for the common k (K = 0: any).
 template <int K>
-inline __attribute__((always_inline)) void finish_rows(float* w, int64_t n, int64_t k_any, bool renormalize,
+MK_ALWAYS_INLINE void finish_rows(float* w, int64_t n, int64_t k_any, bool renormalize,
                                                        float scaling) {
   const int64_t k = K > 0 ? K : k_any;
   for (int64_t i = 0; i < n; ++i) topk_router::finish_weights(w + i * k, k, renormalize, scaling);
 }
 
-MK_ROW_CLONES void finish_block(float* w, int64_t n, int64_t k, bool renormalize, float scaling) {
+MK_ISA_CLONES void finish_block(float* w, int64_t n, int64_t k, bool renormalize, float scaling) {
   switch (k) {
     case 1: return finish_rows<1>(w, n, k, renormalize, scaling);
     case 2: return finish_rows<2>(w, n, k, renormalize, scaling);
@@ -234,17 +291,17 @@ inline void scale_rows(float* w, int64_t n, int64_t k, float scaling) {
 
 // The common router (no bias, one group) in float32: a renormalised softmax's float32 rows in one
 // pass where rows_top_renormalized_f32 runs; otherwise rows in blocks, selected by
-// rows_top_pairs_f32 (as topk_softmax), the selected scores of the whole block in flat loops that
+// rows_top_pairs_f32, the selected scores of the whole block in flat loops that
 // vectorise, then each row's finish_weights.
 template <typename scalar_t>
 MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
-                                 int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                                 int64_t begin, int64_t end, int64_t E, const RouterArgs& args,
                                  float* weights,      // [T, k] contiguous
                                  int64_t* experts) {  // [T, k] contiguous
-  const int64_t k = a.k;
-  const float scaling = (float)a.scaling;
+  const int64_t k = args.k;
+  const float scaling = (float)args.scaling;
   const bool direct = std::is_same_v<scalar_t, float> && stride_e == 1;  // float_rows: the logits themselves
-  const bool renormalized_softmax = a.scoring == kSoftmax && a.renormalize;
+  const bool renormalized_softmax = args.scoring == kSoftmax && args.renormalize;
   if constexpr (std::is_same_v<scalar_t, float>) {
     // Renormalised softmax: selection and weights in one pass over runs of rows where that runs
     // (it either runs for every run or for none), each run scaled while in the cache.
@@ -259,8 +316,8 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
       if (ran) return;
     }
   }
-  const int64_t block = selection_block_rows(E, k, a.renormalize);
-  std::vector<float> rows(direct ? 0 : block * E), exps(a.renormalize ? 0 : block * E), sums(block);
+  const int64_t block = selection_block_rows(E, k, args.renormalize);
+  std::vector<float> rows(direct ? 0 : block * E), exps(args.renormalize ? 0 : block * E), sums(block);
   std::vector<int64_t> best(block * k);
   std::vector<float> value(block * k), vmax(block * k);
   for (int64_t t0 = begin; t0 < end; t0 += block) {
@@ -269,7 +326,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
     const float* x = float_rows(logits, stride_t, stride_e, t0, n, E, rows.data(), &stride);
     const int64_t slots = n * k;
     float* w = weights + t0 * k;
-    // Renormalised softmax: topk_softmax's weights from the pairs where they run (AVX-512 F,
+    // Renormalised softmax: the weights from the pairs (renormalized_pairs_f32) where they run (AVX-512 F,
     // k <= 16; with the selection in one pass for 3 <= k <= 8 where that runs), times the scaling
     // as finish_weights multiplies it, and as there a fully masked row (its first weight 0: a
     // live row's is 1 / a sum of k terms in (0, 1]) stays +0 whatever the scaling (negative, or a
@@ -284,7 +341,7 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
       continue;
     }
     selected_slots(best.data(), n, k, experts + t0 * k, value.data(), vmax.data());
-    if (a.scoring == kSoftmax && !a.renormalize) {
+    if (args.scoring == kSoftmax && !args.renormalize) {
       // Full softmax: each selected slot's own term of its row's sum (softmax_terms_f32: the
       // sums' exp, bit for bit), divided by that sum: one rounding, and the row's weights are
       // exactly its terms over one denominator.
@@ -295,9 +352,9 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
         for (int64_t s = 0; s < k; ++s) w[i * k + s] = masked ? 0.0f : w[i * k + s] / sums[i];
       }
     } else {
-      slot_scores(value.data(), vmax.data(), slots, a.scoring, w);
+      slot_scores(value.data(), vmax.data(), slots, args.scoring, w);
     }
-    finish_block(w, n, k, a.renormalize, scaling);
+    finish_block(w, n, k, args.renormalize, scaling);
   }
 }
 
@@ -306,30 +363,30 @@ MK_VECTORISE void plain_rows_f32(const scalar_t* logits, int64_t stride_t, int64
 // first on ties), gathered in ascending expert order so that the selection's "lower position
 // first" is still "lower expert first", their experts into pool_id. Returns the pool's size.
 template <typename acc_t>
-int64_t scored_pool(const acc_t* x, const acc_t* bias, int64_t E, const RouterArgs& a, RowBuffers<acc_t>& buf,
+int64_t scored_pool(const acc_t* x, const acc_t* bias, int64_t E, const RouterArgs& args, RowBuffers<acc_t>& buf,
                     acc_t* p, acc_t* pool, int64_t* pool_id) {
-  const int64_t G = a.num_groups, size = E / G;
-  all_scores(x, E, a.scoring, p);
+  const int64_t G = args.num_groups, size = E / G;
+  all_scores(x, E, args.scoring, p);
   acc_t* choice = pool;
   for (int64_t e = 0; e < E; ++e) choice[e] = bias ? p[e] + bias[e] : p[e];
-  if (!a.grouped()) return E;
+  if (!args.grouped()) return E;
   if constexpr (std::is_same_v<acc_t, float>) {
-    group_scores_f32(choice, G, size, a.group_scoring, buf.group_scores.data());
+    group_scores_f32(choice, G, size, args.group_scoring, buf.group_scores.data());
   } else {
-    for (int64_t g = 0; g < G; ++g) buf.group_scores[g] = topk_router::group_score(choice + g * size, size, a.group_scoring);
+    for (int64_t g = 0; g < G; ++g) buf.group_scores[g] = topk_router::group_score(choice + g * size, size, args.group_scoring);
   }
   int64_t* order = buf.group_order.data();
   std::iota(order, order + G, 0);
   const acc_t* gs = buf.group_scores.data();
-  std::partial_sort(order, order + a.topk_groups, order + G,
+  std::partial_sort(order, order + args.topk_groups, order + G,
                     [gs](int64_t u, int64_t v) { return ranks_above(gs[u], u, gs[v], v); });
-  std::sort(order, order + a.topk_groups);
+  std::sort(order, order + args.topk_groups);
   // Compacted in place: eligible groups are gathered in ascending order, never overtaking the
   // positions they read from (a group's values moved whole: an element-wise loop re-read
   // order[j] after every store, which might alias it, and was a third of the row's time for
   // DeepSeek-V3's router).
   int64_t n = 0;
-  for (int64_t j = 0; j < a.topk_groups; ++j) {
+  for (int64_t j = 0; j < args.topk_groups; ++j) {
     const int64_t first = order[j] * size;
     std::memmove(choice + n, choice + first, size * sizeof(acc_t));
     for (int64_t e = 0; e < size; ++e) pool_id[n + e] = first + e;
@@ -343,19 +400,19 @@ int64_t scored_pool(const acc_t* x, const acc_t* bias, int64_t E, const RouterAr
 // register selection a row at a time (select_top) does not reach), then the weights.
 template <typename scalar_t>
 void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e, const float* bias, int64_t begin,
-                     int64_t end, int64_t E, const RouterArgs& a, float* weights, int64_t* experts) {
+                     int64_t end, int64_t E, const RouterArgs& args, float* weights, int64_t* experts) {
   constexpr int64_t kBlock = 16;  // rows_top8_blocks' block; larger measured no faster
-  const int64_t k = a.k;
-  RowBuffers<float> buf(E, a.num_groups);
+  const int64_t k = args.k;
+  RowBuffers<float> buf(E, args.num_groups);
   std::vector<float> scores(kBlock * E), pools(kBlock * E);
-  std::vector<int64_t> ids(a.grouped() ? kBlock * E : 0), best(kBlock * k);
+  std::vector<int64_t> ids(args.grouped() ? kBlock * E : 0), best(kBlock * k);
   for (int64_t t0 = begin; t0 < end; t0 += kBlock) {
     const int64_t n = std::min(kBlock, end - t0);
     int64_t pool_size = E;
     for (int64_t i = 0; i < n; ++i) {
       const float* x = load_row<scalar_t, float>(logits + (t0 + i) * stride_t, stride_e, E, buf.x.data());
-      pool_size = scored_pool(x, bias, E, a, buf, scores.data() + i * E, pools.data() + i * E,
-                              a.grouped() ? ids.data() + i * E : nullptr);
+      pool_size = scored_pool(x, bias, E, args, buf, scores.data() + i * E, pools.data() + i * E,
+                              args.grouped() ? ids.data() + i * E : nullptr);
     }
     rows_top_pairs_f32(pools.data(), E, n, pool_size, k, best.data());
     for (int64_t i = 0; i < n; ++i) {
@@ -363,11 +420,11 @@ void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
       int64_t* ex = experts + (t0 + i) * k;
       for (int64_t s = 0; s < k; ++s) {
         const int64_t pos = pair_index(best[i * k + s]);
-        const int64_t e = a.grouped() ? ids[i * E + pos] : pos;
+        const int64_t e = args.grouped() ? ids[i * E + pos] : pos;
         ex[s] = e;
         w[s] = scores[i * E + e];
       }
-      topk_router::finish_weights(w, k, a.renormalize, (float)a.scaling);
+      topk_router::finish_weights(w, k, args.renormalize, (float)args.scaling);
     }
   }
 }
@@ -377,16 +434,16 @@ void scored_rows_f32(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
 template <typename scalar_t, typename acc_t>
 void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  // [T, E]
                  const acc_t* bias,                                          // [E] or null
-                 int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                 int64_t begin, int64_t end, int64_t E, const RouterArgs& args,
                  acc_t* weights,     // [T, k] contiguous
                  int64_t* experts) { // [T, k] contiguous
-  const int64_t k = a.k, G = a.num_groups;
-  const acc_t scaling = (acc_t)a.scaling;
+  const int64_t k = args.k, G = args.num_groups;
+  const acc_t scaling = (acc_t)args.scaling;
   if constexpr (std::is_same_v<acc_t, float>) {
-    if (bias == nullptr && !a.grouped()) {
-      plain_rows_f32<scalar_t>(logits, stride_t, stride_e, begin, end, E, a, weights, experts);
+    if (bias == nullptr && !args.grouped()) {
+      plain_rows_f32<scalar_t>(logits, stride_t, stride_e, begin, end, E, args, weights, experts);
     } else {
-      scored_rows_f32<scalar_t>(logits, stride_t, stride_e, bias, begin, end, E, a, weights, experts);
+      scored_rows_f32<scalar_t>(logits, stride_t, stride_e, bias, begin, end, E, args, weights, experts);
     }
     return;
   }
@@ -396,15 +453,15 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
     acc_t* w = weights + t * k;
     int64_t* ex = experts + t * k;
     int64_t* best = buf.best.data();
-    if (bias == nullptr && !a.grouped()) {
+    if (bias == nullptr && !args.grouped()) {
       select_top(x, E, k, best);  // ranked by the logits
-      if (a.scoring == kSigmoid) {
+      if (args.scoring == kSigmoid) {
         for (int64_t s = 0; s < k; ++s) w[s] = sigmoid_of(x[best[s]]);
       } else {
         const acc_t vmax = x[best[0]];
         if (vmax == -INFINITY) {
           for (int64_t s = 0; s < k; ++s) w[s] = 0;
-        } else if (a.renormalize) {
+        } else if (args.renormalize) {
           // softmax(x)_s / sum over the selected = exp(x_s - vmax) / sum over the selected.
           for (int64_t s = 0; s < k; ++s) w[s] = term_exp(x[best[s]] - vmax);
         } else {
@@ -413,26 +470,26 @@ void router_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,  //
         }
       }
       for (int64_t s = 0; s < k; ++s) ex[s] = best[s];
-      topk_router::finish_weights(w, k, a.renormalize, scaling);
+      topk_router::finish_weights(w, k, args.renormalize, scaling);
       continue;
     }
     acc_t* p = buf.p.data();
     acc_t* pool = buf.cand.data();
-    const int64_t pool_size = scored_pool(x, bias, E, a, buf, p, pool, buf.cand_id.data());
+    const int64_t pool_size = scored_pool(x, bias, E, args, buf, p, pool, buf.cand_id.data());
     select_top(pool, pool_size, k, best);
     for (int64_t s = 0; s < k; ++s) {
-      const int64_t e = a.grouped() ? buf.cand_id[best[s]] : best[s];
+      const int64_t e = args.grouped() ? buf.cand_id[best[s]] : best[s];
       ex[s] = e;
       w[s] = p[e];
     }
-    topk_router::finish_weights(w, k, a.renormalize, scaling);
+    topk_router::finish_weights(w, k, args.renormalize, scaling);
   }
 }
 
 // A float32 row's full-softmax gradient off the selection: out[e] = p[e] * scale, compiled per
 // instruction set (in router_backward_rows, which is not, this loop ran as scalar SSE code: ~45%
 // of that function's samples at E = 64, k = 8).
-MK_VECTORISE MK_ROW_CLONES void scaled_row_f32(const float* __restrict p, int64_t E, float scale,
+MK_VECTORISE MK_ISA_CLONES void scaled_row_f32(const float* __restrict p, int64_t E, float scale,
                                                float* __restrict out) {
   for (int64_t e = 0; e < E; ++e) out[e] = p[e] * scale;
 }
@@ -521,11 +578,11 @@ template <typename scalar_t, typename acc_t, typename grad_t>
 void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e,
                           const grad_t* grad_w,    // [T, k] contiguous
                           const int64_t* experts,  // [T, k] contiguous, ids checked in [0, E)
-                          int64_t begin, int64_t end, int64_t E, const RouterArgs& a,
+                          int64_t begin, int64_t end, int64_t E, const RouterArgs& args,
                           scalar_t* grad) {        // [T, E] contiguous
-  const int64_t k = a.k;
-  const acc_t scaling = (acc_t)a.scaling;
-  if (a.scoring == kSoftmax && !a.renormalize) {
+  const int64_t k = args.k;
+  const acc_t scaling = (acc_t)args.scaling;
+  if (args.scoring == kSoftmax && !args.renormalize) {
     full_softmax_backward_rows(logits, stride_t, stride_e, grad_w, experts, begin, end, E, scaling, k, grad);
     return;
   }
@@ -538,12 +595,12 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
                         " is out of range for E = ", E);
     scalar_t* out = grad + t * E;
     const acc_t* x = load_row<scalar_t, acc_t>(logits + t * stride_t, stride_e, E, buf.x.data());
-    if (a.scoring == kSigmoid) {
+    if (args.scoring == kSigmoid) {
       for (int64_t s = 0; s < k; ++s) {
         ps[s] = sigmoid_of(x[ex[s]]);
         g[s] = (acc_t)grad_w[t * k + s];
       }
-      topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, a.renormalize, scaling);
+      topk_router::weights_backward(ps.data(), g.data(), gp.data(), k, args.renormalize, scaling);
       // Zero off the selection, except at a NaN logit: the reference's sigmoid over the whole row
       // backpropagates 0 * sigmoid'(NaN) = NaN there (docs/reliability.md: a NaN input's gradient
       // is NaN, selected or not).
@@ -577,22 +634,22 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
 }
 
 // The softmax renormalised backward from the forward's float32 weights w = scaling * r (autograd
-// saves a copy of them instead of the logits, ops/topk_router.py): saved_weights.h's
-// renormalized_grad_rows, router_backward_rows' gradient without reading the logits, its rows
+// saves a copy of them instead of the logits, ops/topk_router.py): renormalized_grad_rows,
+// router_backward_rows' gradient without reading the logits, its rows
 // apart told by the weights (all 0: gradient 0; a NaN first weight: NaN everywhere). All k weights
 // are tested for 0, not the first alone: a bias can rank first an expert whose score is 0 (a
 // masked or underflowing logit) while the others' are not. float32 rows compiled per instruction
 // set, the fill loop kept inline.
-MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ROW_CLONES void
+MK_VECTORISE __attribute__((optimize("no-tree-loop-distribute-patterns"))) MK_ISA_CLONES void
 router_grad_from_weights_f32(const float* __restrict w, const float* __restrict g, const int64_t* __restrict experts,
                              int64_t n, int64_t k, int64_t E, float scaling, float* __restrict out) {
-  renormalized_grad_rows<true>(w, g, experts, n, k, E, scaling, out);
+  renormalized_grad_rows(w, g, experts, n, k, E, scaling, out);
 }
 
 template <typename out_t>
 void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,
                               float scaling, out_t* out) {
-  renormalized_grad_rows<true>(w, g, experts, n, k, E, scaling, out);
+  renormalized_grad_rows(w, g, experts, n, k, E, scaling, out);
 }
 
 void router_grad_from_weights(const float* w, const float* g, const int64_t* experts, int64_t n, int64_t k, int64_t E,
@@ -628,12 +685,12 @@ std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int
   const int64_t eligible = topk_groups * (E / num_groups);
   TORCH_CHECK(k >= 1 && k <= eligible, "topk_router: need 1 <= k <= topk_groups * E / num_groups = ", eligible,
               ", got k = ", k);
-  RouterArgs a{k, parse_scoring(scoring), parse_group_scoring(group_scoring), num_groups, topk_groups, renormalize,
+  RouterArgs args{k, parse_scoring(scoring), parse_group_scoring(group_scoring), num_groups, topk_groups, renormalize,
                scaling_factor};
-  TORCH_CHECK(!a.grouped() || a.group_scoring == topk_router::kMax || E / num_groups >= 2,
+  TORCH_CHECK(!args.grouped() || args.group_scoring == topk_router::kMax || E / num_groups >= 2,
               "topk_router: group_scoring 'top2_sum' needs groups of >= 2 experts");
   const auto acc = compute_type(logits);
-  at::Tensor b;
+  at::Tensor bias_acc;  // [E] in the compute type
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == E, "topk_router: bias must be [E] = [", E, "], got ",
                 bias->sizes());
@@ -641,7 +698,7 @@ std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int
                 logits.device());
     TORCH_CHECK(at::isFloatingType(bias->scalar_type()), "topk_router: bias must be floating, got ",
                 bias->scalar_type());
-    b = bias->to(acc).contiguous();
+    bias_acc = bias->to(acc).contiguous();
   }
   auto weights = at::empty({T, k}, logits.options().dtype(acc));
   auto experts = at::empty({T, k}, logits.options().dtype(at::kLong));
@@ -650,10 +707,10 @@ std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int
     using logit_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES(acc, "topk_router_acc", [&] {
       using acc_t = scalar_t;
-      const acc_t* bp = b.defined() ? b.const_data_ptr<acc_t>() : nullptr;
+      const acc_t* bias_ptr = bias_acc.defined() ? bias_acc.const_data_ptr<acc_t>() : nullptr;
       at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
-        router_rows<logit_t, acc_t>(logits.const_data_ptr<logit_t>(), logits.stride(0), logits.stride(1), bp, begin,
-                                    end, E, a, weights.mutable_data_ptr<acc_t>(),
+        router_rows<logit_t, acc_t>(logits.const_data_ptr<logit_t>(), logits.stride(0), logits.stride(1), bias_ptr,
+                                    begin, end, E, args, weights.mutable_data_ptr<acc_t>(),
                                     experts.mutable_data_ptr<int64_t>());
       });
     });
@@ -676,7 +733,7 @@ at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Te
               "topk_router_backward: grad_weights, logits and experts must be on one device");
   const int64_t k = experts.size(1);
   TORCH_CHECK(k >= 1, "topk_router_backward: experts must have k >= 1 columns");
-  RouterArgs a{k, parse_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize, scaling_factor};
+  RouterArgs args{k, parse_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize, scaling_factor};
   auto grad = at::empty({T, E}, logits.options());
   if (T == 0) return grad;
   const auto g = grad_weights.contiguous();
@@ -690,7 +747,7 @@ at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Te
         at::parallel_for(0, T, row_grain(E), [&](int64_t begin, int64_t end) {
           router_backward_rows<logit_t, acc_t, grad_t>(logits.const_data_ptr<logit_t>(), logits.stride(0),
                                                        logits.stride(1), g.const_data_ptr<grad_t>(),
-                                                       ex.const_data_ptr<int64_t>(), begin, end, E, a,
+                                                       ex.const_data_ptr<int64_t>(), begin, end, E, args,
                                                        grad.mutable_data_ptr<logit_t>());
         });
       };
@@ -709,19 +766,19 @@ at::Tensor topk_router_backward_from_weights_cpu(const at::Tensor& grad_weights,
   TORCH_CHECK(scaling_factor != 0.0, op, ": scaling_factor must not be 0 (the weights then say nothing of the scores)");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": dtype must be float32, float16 or bfloat16, got ", dtype);
-  auto grad = at::empty({in.T, E}, weights.options().dtype(dtype));
-  const float* wp = in.w.const_data_ptr<float>();
-  const float* gp = in.g.const_data_ptr<float>();
-  const int64_t* ep = in.ex.const_data_ptr<int64_t>();
+  auto grad_logits = at::empty({in.T, E}, weights.options().dtype(dtype));
+  const float* weights_TK = in.w.const_data_ptr<float>();
+  const float* grad_weights_TK = in.g.const_data_ptr<float>();
+  const int64_t* experts_TK = in.ex.const_data_ptr<int64_t>();
   const float scaling = (float)scaling_factor;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "topk_router_backward_from_weights", [&] {
-    scalar_t* out = grad.mutable_data_ptr<scalar_t>();
+    scalar_t* grad_logits_TE = grad_logits.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, in.T, row_grain(E), [&](int64_t begin, int64_t end) {
-      router_grad_from_weights(wp + begin * k, gp + begin * k, ep + begin * k, end - begin, k, E, scaling,
-                               out + begin * E);
+      router_grad_from_weights(weights_TK + begin * k, grad_weights_TK + begin * k, experts_TK + begin * k,
+                               end - begin, k, E, scaling, grad_logits_TE + begin * E);
     });
   });
-  return grad;
+  return grad_logits;
 }
 
 }  // namespace

@@ -76,7 +76,7 @@ def exp_accurate(x):
 
 
 # torch.sigmoid(x) = 1 / (1 + e^-x) in float32 is exactly 0 below this float (-0x1.62e42ep6): e^-x
-# overflows there. csrc/cpu/vec_math.h kSigmoidLastNonzero, csrc/include/moe_kernels/topk_router_row.h.
+# overflows there. csrc/cpu/score/vec_math.h kSigmoidLastNonzero, csrc/include/moe_kernels/topk_router_row.h.
 SIGMOID_LAST_NONZERO = tl.constexpr(-88.72283172607422)
 
 

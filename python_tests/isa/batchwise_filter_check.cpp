@@ -1,4 +1,4 @@
-// The sampled-threshold select of csrc/cpu/batchwise_filter.cpp checked against a scalar
+// The sampled-threshold select of csrc/cpu/select/column_filter.cpp checked against a scalar
 // specification (each column's (key, token) pairs sorted, the first m kept), built once per
 // instruction set by python_tests/test_isa_variants.py with MOE_KERNELS_NO_CLONES, since the
 // extension runs only the row pass its machine supports. The candidate lists are checked exactly;
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "batchwise_filter.h"
+#include "select/column_filter.h"
 #include "moe_kernels/batchwise_mask.h"
 #include "xorshift.h"
 
@@ -43,7 +43,7 @@ int main() {
     for (int64_t w : {1, 7, 64, 100}) {
       for (int kind = 0; kind < 6; ++kind) {
         const int64_t m = std::max<int64_t>(1, T / (kind == 4 ? 40 : 25));
-        const batchwise_filter::Plan plan = batchwise_filter::plan(T, m);
+        const column_filter::Plan plan = column_filter::plan(T, m);
         if (!plan.use) {
           std::printf("no plan for T=%ld m=%ld\n", (long)T, (long)m);
           return 1;
@@ -56,8 +56,8 @@ int main() {
         std::vector<float> sample(S * w), lo(w);
         std::vector<uint32_t> lo_key(w);
         for (int64_t i = 0; i < S; ++i)
-          for (int64_t j = 0; j < w; ++j) sample[i * w + j] = x[batchwise_filter::sample_row(i, S, T) * stride + j];
-        batchwise_filter::thresholds(sample.data(), S, w, plan.rank, lo.data(), lo_key.data());
+          for (int64_t j = 0; j < w; ++j) sample[i * w + j] = x[column_filter::sample_row(i, S, T) * stride + j];
+        column_filter::thresholds(sample.data(), S, w, plan.rank, lo.data(), lo_key.data());
         for (int64_t j = 0; j < w; ++j) {  // each column's rank-th largest sampled key, exactly
           std::vector<uint32_t> column(S);
           for (int64_t i = 0; i < S; ++i) column[i] = batchwise_mask::order_key(sample[i * w + j]);
@@ -67,13 +67,13 @@ int main() {
             return 1;
           }
         }
-        batchwise_filter::CandidateLists lists;
+        column_filter::CandidateLists lists;
         lists.reset(w, plan.capacity);
         // In two calls, as the extension does for blocks of converted rows.
         const int64_t half = T / 3;
-        batchwise_filter::filter_rows(x.data(), stride, 0, half, lo.data(), lists);
-        batchwise_filter::filter_rows(x.data() + half * stride, stride, half, T - half, lo.data(), lists);
-        batchwise_filter::SelectScratch scratch;
+        column_filter::filter_rows(x.data(), stride, 0, half, lo.data(), lists);
+        column_filter::filter_rows(x.data() + half * stride, stride, half, T - half, lo.data(), lists);
+        column_filter::SelectScratch scratch;
         std::vector<int64_t> out(m);
         for (int64_t j = 0; j < w; ++j) {
           // The row pass: every score that is not below lo (NaN included; every score when lo is
@@ -90,7 +90,7 @@ int main() {
             std::printf("candidates differ: T=%ld w=%ld kind=%d column %ld\n", (long)T, (long)w, kind, (long)j);
             return 1;
           }
-          const bool settled = batchwise_filter::select_candidates(lists, j, m, lo_key[j], scratch, out.data());
+          const bool settled = column_filter::select_candidates(lists, j, m, lo_key[j], scratch, out.data());
           if (settled != (n >= m && n <= plan.capacity)) {
             std::printf("select_candidates returned %d with %ld candidates: T=%ld w=%ld kind=%d column %ld\n",
                         (int)settled, (long)n, (long)T, (long)w, kind, (long)j);

@@ -1,9 +1,9 @@
-// The row selections of csrc/cpu/row_vector.cpp checked against a scalar specification (every
+// The row selections of csrc/cpu/select/ checked against a scalar specification (every
 // rank pair of the row, sorted), built once per instruction set by python_tests/test_isa_variants.py
 // with MOE_KERNELS_NO_CLONES: the extension's load-time dispatch runs only the clone the machine
 // supports, so the AVX2 and SSE2 variants are otherwise never executed where AVX-512 exists.
-// Also the softmax terms and sums, and the renormalised weights (row_exp_terms.cpp where the
-// variant has AVX-512 F). Prints the number of rows checked; exits 1 at the first mismatch.
+// Also the softmax terms and sums (csrc/cpu/score/exp_sums.cpp), and the renormalised weights
+// (score/exp_terms.cpp where the variant has AVX-512 F). Prints the number of rows checked; exits 1 at the first mismatch.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,10 +17,11 @@
 #include <xmmintrin.h>
 
 #include "moe_kernels/common.h"
-#include "row_candidates.h"
-#include "row_exp_terms.h"
-#include "row_top8.h"
-#include "row_vector.h"
+#include "select/candidates.h"
+#include "score/exp_sums.h"
+#include "score/exp_terms.h"
+#include "select/top8_avx512.h"
+#include "select/select.h"
 #include "xorshift.h"
 
 using namespace moe_kernels;
@@ -268,7 +269,7 @@ bool check_top8_direct(long* finished) {
   return true;
 }
 
-// The softmax terms (row_exp_terms.cpp's where this variant has AVX-512 F, vec_math::exp's
+// The softmax terms (score/exp_terms.cpp's where this variant has AVX-512 F, vec_math::exp's
 // elsewhere): each within 1.5e-7 of exp (float's x - vmax, in double), exactly 1 at the row's
 // largest value, 0 below -80 and for -inf, NaN for NaN; the per-row call's sum, the block call's
 // (rows cut from a wider buffer) and the slots' terms bit for bit the per-row call's stored terms;
@@ -349,7 +350,7 @@ bool check_softmax_terms(long* checked) {
   return true;
 }
 
-// row_exp_terms.cpp's renormalised weights, where the variant has AVX-512 F: each within 3e-7
+// score/exp_terms.cpp's renormalised weights, where the variant has AVX-512 F: each within 3e-7
 // (3.6e-7 for k > 8; relative, or two of float's smallest denormals, or float's smallest normal
 // when flushing to zero) of the float64 value of exp(v - vmax) over its row's sum (terms below
 // -104 are 0), exactly 1 for k = 1, 0 for a row whose vmax is -inf, NaN for a NaN row; partial

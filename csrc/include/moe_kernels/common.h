@@ -3,15 +3,19 @@
 #pragma once
 #include <stdint.h>
 
+// The one spelling of always-inline in host code: for helpers called from functions compiled with
+// their own optimize or target attributes (MK_VECTORISE, the per-instruction-set variants of
+// csrc/cpu/isa.h), into which GCC does not inline a plain inline function (each element would
+// become a call), and for bodies that must be inlined into each of their callers.
+#define MK_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// MK_HD: a function of both the CPU and the CUDA kernels. MK_HD_ALWAYS: the same, always inlined.
 #if defined(__CUDACC__)
 #define MK_HD __host__ __device__ __forceinline__
 #define MK_HD_ALWAYS __host__ __device__ __forceinline__
 #else
 #define MK_HD inline
-// For host helpers called from loops compiled with their own optimize or target attributes
-// (MK_VECTORISE): GCC does not inline a plain inline function across those, and each element
-// would become a call.
-#define MK_HD_ALWAYS inline __attribute__((always_inline))
+#define MK_HD_ALWAYS MK_ALWAYS_INLINE
 #endif
 
 namespace moe_kernels {
@@ -59,23 +63,6 @@ MK_HD int64_t rank_pair(float x, int32_t index) {
 
 MK_HD int32_t pair_index(int64_t pair) {
   return (int32_t)(0xffffffffu - (uint32_t)(pair & 0xffffffff));
-}
-
-// Insert `pair` into `best`, the k largest pairs seen so far in descending order (`filled` of
-// them valid). Returns the new fill count. Pairs are distinct, so no tie handling is needed:
-// rank_pair already put the lower index first.
-MK_HD int insert_pair(int64_t* best, int filled, int k, int64_t pair) {
-  if (filled == k) {
-    if (pair <= best[k - 1]) return filled;  // the common case once the list is warm
-    filled = k - 1;
-  }
-  int j = filled;
-  while (j > 0 && best[j - 1] < pair) {
-    best[j] = best[j - 1];
-    --j;
-  }
-  best[j] = pair;
-  return filled + 1;
 }
 
 // Element types a kernel launcher accepts, passed as an int across the torch-free boundary.

@@ -1,7 +1,8 @@
-// The row pass of batchwise_filter (filter_rows), included by batchwise_filter.cpp once per
-// instruction set. The includer defines MK_FILTER_ROWS (the function's name), kChunk and
+// The row pass of column_filter (filter_rows), included by column_filter.cpp once per instruction
+// set, inside that set's MK_ISA_BEGIN region and namespace (isa.h: GCC compiles a function for the
+// target of the region it is parsed in). The includer defines kChunk and
 // chunk_mask(const float* x, const float* lo) -> uint32_t: bit c set iff !(x[c] < lo[c]), for
-// c < kChunk.
+// c < kChunk; this defines filter_rows_variant, filter_rows for that set.
 //
 // A row's candidate bits are gathered 64 columns to a word before its candidates are appended, so
 // the append loop's unpredictable exit costs one mispredicted branch per loop, not one per chunk;
@@ -27,7 +28,7 @@ struct FilterWord {
 };
 
 template <bool kRoom>
-inline __attribute__((always_inline)) void filter_append(CandidateLists& lists, int64_t j, float v, uint64_t t) {
+MK_ALWAYS_INLINE void filter_append(CandidateLists& lists, int64_t j, float v, uint64_t t) {
   uint64_t*& cursor = lists.cursor[j];
   if (!kRoom && cursor == lists.entries.get() + j * lists.ld + lists.capacity) {
     ++lists.overflow[j];
@@ -39,7 +40,7 @@ inline __attribute__((always_inline)) void filter_append(CandidateLists& lists, 
 // The candidates of words a and b, a's first: one loop, whose every step takes the lowest bit of a
 // while a has one, else b's (selects, not branches).
 template <bool kRoom>
-inline __attribute__((always_inline)) void filter_pair(CandidateLists& lists, FilterWord a, FilterWord b) {
+MK_ALWAYS_INLINE void filter_pair(CandidateLists& lists, FilterWord a, FilterWord b) {
   while (a.bits | b.bits) {
     const bool first = a.bits != 0;
     const uint64_t bits = first ? a.bits : b.bits;
@@ -55,7 +56,7 @@ inline __attribute__((always_inline)) void filter_pair(CandidateLists& lists, Fi
 
 // The word of columns [c0, c1) (c1 - c0 <= 64) of one row.
 template <int64_t kWidth>
-inline __attribute__((always_inline)) uint64_t filter_word(const float* row, const float* lo, int64_t c0, int64_t c1) {
+MK_ALWAYS_INLINE uint64_t filter_word(const float* row, const float* lo, int64_t c0, int64_t c1) {
   uint64_t bits = 0;
   if constexpr (kWidth == 64 && 64 % kChunk == 0) {
     for (int64_t c = 0; c < 64; c += kChunk) bits |= (uint64_t)chunk_mask(row + c, lo + c) << c;
@@ -106,8 +107,8 @@ void filter_rows_width(const float* x, int64_t stride_t, int64_t t0, int64_t row
 
 }  // namespace
 
-void MK_FILTER_ROWS(const float* x, int64_t stride_t, int64_t t0, int64_t rows, const float* lo,
-                    CandidateLists& lists) {
+void filter_rows_variant(const float* x, int64_t stride_t, int64_t t0, int64_t rows, const float* lo,
+                         CandidateLists& lists) {
   lists.begin_appends();
   if (lists.w == 64)
     filter_rows_width<64>(x, stride_t, t0, rows, lo, lists);

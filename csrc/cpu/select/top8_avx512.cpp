@@ -1,15 +1,15 @@
-// row_top8.h's selection with AVX-512 intrinsics (a byte compress and permutes place the
-// candidates in registers), compiled under a target pragma in the dispatch build, or where the
-// compiler's flags allow AVX-512 F, BW and VBMI2; elsewhere rows_top8_pairs_f32 and
-// rows_top8_renormalized_f32 return false and the caller's selection runs.
-#include "row_top8.h"
-#include "isa_dispatch.h"
+// top8_avx512.h's selection with AVX-512 intrinsics (a byte compress and permutes place the
+// candidates in registers), compiled for AVX-512 VBMI2 (isa.h); where this build or the CPU lacks
+// it, rows_top8_pairs_f32 and rows_top8_renormalized_f32 return false and the caller's selection
+// runs.
+#include "select/top8_avx512.h"
+#include "isa.h"
 
 #include <climits>
 #include <cmath>
 
-#include "bitonic.h"
-#include "row_exp_terms.h"
+#include "select/bitonic.h"
+#include "score/exp_terms.h"
 #include "moe_kernels/common.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -22,18 +22,8 @@
 namespace moe_kernels {
 namespace {
 
-#if defined(MK_ISA_DISPATCH)
-#define MK_TOP8_DISPATCH 1
-#define MK_TOP8_AVX512 1
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI2__)
-#define MK_TOP8_AVX512 1
-#endif
-
-#if defined(MK_TOP8_AVX512)
-#if defined(MK_TOP8_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vbmi2,popcnt")
-#endif
+#if MK_ISA_HAS_AVX512_VBMI2
+MK_ISA_BEGIN(AVX512_VBMI2)
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -232,7 +222,7 @@ inline void candidates(const float* x, int64_t stride, int64_t E_any, Floor floo
     } else {
       value = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), used[j], index[j], x + j * stride, 4);
     }
-    // (A branch: accumulating row bits here measured ~4% slower at E = 64.)
+    // (A branch: accumulating row bits here was slower.)
     if (_mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q)) count[j] = INT_MAX;
     // rank_key (common.h): -0 as +0, negative floats' magnitude bits flipped (a NaN row is left).
     const __m512i b = _mm512_castps_si512(_mm512_add_ps(value, _mm512_setzero_ps()));
@@ -281,7 +271,7 @@ inline void sort16_rows(const __m512i* packed, __m512i* sorted) {
 
 // After the sort, R rows at once: each row's k pairs into best + k j (garbage for a row it does
 // not finish); returns the rows it does not finish as bits. Each row's store is all 8 pairs
-// (512-bit masked stores measured ~2.3x a plain one here, Zen 4) where they end by best_end, the
+// (512-bit masked stores cost more than plain ones on Zen 4) where they end by best_end, the
 // end of the caller's output or of the block's buffer (WeightsOut, 8 pairs longer than its 16
 // rows): past k they land on the next rows' slots, which are written after.
 template <int R>
@@ -380,8 +370,7 @@ void rows_top8_blocks(const float* x, int64_t stride, int64_t n, int64_t E, int 
 }
 
 // Rows of up to 256, R at once, each row's floor and sort on its own vector (bitonic.h's
-// networks across lanes): for E = 129 to 256, where the blocks above measured up to 20% slower
-// (E = 160) or no faster (E = 256).
+// networks across lanes): for E = 129 to 256, where the blocks above are slower or no faster.
 template <int W, int R, int kE>
 inline uint32_t top8_rows(const float* x, int64_t stride, int64_t E_any, int k, int64_t* best, const int64_t* best_end) {
   const float* row[R];
@@ -424,12 +413,9 @@ void rows_top8_each(const float* x, int64_t stride, int64_t n, int64_t E, int k,
 }
 
 // The instance for E <= 128: the 64-element words a row needs, and for E <= 64 the masks known at
-// compile time (lanes: E itself at 16, 32, 48 and 64, else the row's vector count), which
-// measured faster (selection alone, T = 65536, k = 8, a C++ driver: E = 16 17.4 -> 12.9 ns a
-// row, 32 18.4 -> 14.3, 48 19.4 -> 16.4; with the weights in one pass, E = 24 21.8 -> 17.3, 40
-// 22.7 -> 18.7, 60 23.3 -> 20.9; topk_softmax k = 8: E = 32 1.50 -> 1.15 ms, 48 1.6 -> 1.24).
-// E = 96 selected faster so (44 -> 39) but with the weights in one pass measured slower
-// (40 -> 44): E = 65 to 127 keep their masks at run time.
+// compile time (lanes: E itself at 16, 32, 48 and 64, else the row's vector count), which are
+// faster there; E = 65 to 127 keep their masks at run time (with the weights in one pass, known
+// masks were slower at E = 96; docs/topk_softmax.md has the timings).
 template <typename Out>
 void rows_top8_narrow(const float* x, int64_t stride, int64_t n, int64_t E, int k, const Out& out, int64_t* redo,
                       int64_t* n_redo) {
@@ -452,32 +438,16 @@ void rows_top8_any(const float* x, int64_t stride, int64_t n, int64_t E, int k, 
   return rows_top8_each<4, 0>(x, stride, n, E, k, best, redo, n_redo);
 }
 
-#if defined(MK_TOP8_DISPATCH)
-#pragma GCC pop_options
-#endif
-#endif
-
-#if defined(MK_TOP8_AVX512)
-// Whether this CPU runs the variant: AVX-512 F, BW and VBMI2 (the byte compress), popcnt.
-bool cpu_supported() {
-#if defined(MK_TOP8_DISPATCH)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt");
-#else
-  return true;
-#endif
-}
+MK_ISA_END
 #endif
 
 }  // namespace
 
-#if defined(MK_TOP8_AVX512)
+#if MK_ISA_HAS_AVX512_VBMI2
 bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* best,
                          int64_t* redo, int64_t* n_redo) {
   *n_redo = 0;
-  static const bool supported = cpu_supported();
-  if (!supported || E < 16 || E > 256 || k < 1 || k > 8) return false;
+  if (!isa::cpu_runs(isa::Set::kAvx512Vbmi2) || E < 16 || E > 256 || k < 1 || k > 8) return false;
   rows_top8_any(x, stride, n, E, k, best, redo, n_redo);
   return true;
 }
@@ -485,7 +455,8 @@ bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, i
 bool rows_top8_renormalized_f32(const float* x, int64_t stride, int64_t n, int64_t E, int k, int64_t* experts,
                                 float* w, int64_t* redo, int64_t* n_redo) {
   *n_redo = 0;
-  static const bool supported = cpu_supported() && renormalized_pairs_f32(nullptr, 0, 1, nullptr, nullptr);
+  static const bool supported =
+      isa::cpu_runs(isa::Set::kAvx512Vbmi2) && renormalized_pairs_f32(nullptr, 0, 1, nullptr, nullptr);
   if (!supported || E < 16 || E > 128 || k < 1 || k > 8) return false;
   alignas(64) int64_t pairs[16 * 8 + 8];
   rows_top8_narrow(x, stride, n, E, k, WeightsOut{pairs, k, experts, w}, redo, n_redo);

@@ -1,19 +1,16 @@
 // Softmax denominators of float32 rows with AVX-512 F intrinsics: the terms exp(x - vmax) by a
 // 32-entry table of 2^(j / 32) and a degree-3 polynomial, with FMA (~15 vector operations per 16
-// terms, 7 of them on the FMA unit, which bounds the loop: ~12 cycles per 16 terms here).
-// row_vector.cpp's vec_math::exp_nonpositive is auto-vectorised without FMA contraction (its
-// scalar and vector values must agree, and not every build has FMA) and takes ~30. With these
-// terms (and the forward no longer storing every term: the selected ones are recomputed), the
-// full softmax at T = 65536, E = 64, k = 2, one thread (Zen 4): forward 3.3 -> 2.2 ms, backward
-// 4.0 -> 2.4 ms; E = 256: 10.8 -> 7.1 and 12.3 -> 7.3 ms.
+// terms, 7 of them on the FMA unit, which bounds the loop), where vec_math::exp_nonpositive
+// (exp_sums.cpp's terms on other CPUs) is auto-vectorised without FMA contraction (its scalar and
+// vector values must agree, and not every build has FMA) and takes ~30 (docs/topk_softmax.md has
+// the timings).
 //
 // The terms are exp's to ~1 ulp (the table entry's rounding, then the result's); exactly 1 at
 // x == vmax, 0 below x - vmax = -80 (as vec_math::exp: those terms are noise in a sum >= 1, and
 // their denormals would be slow) and for -inf, NaN for a NaN difference (a NaN row, or an
 // infinite or NaN vmax). A term of an element above vmax is undefined (its exponent wraps): vmax
-// must be the row's largest value. Their values differ from vec_math::exp's in the last bit, so
-// topk_softmax's full-softmax forward and its backward, which recomputes the terms, both come
-// through here (both ask these functions first, and they answer the same on one CPU).
+// must be the row's largest value. Their values differ from vec_math::exp's in the last bit: a
+// forward and a backward that must agree bit for bit take their terms from the same source.
 // topk_router's full-softmax forward takes only the sums from here (its k numerators are
 // vec_math::exp_full's); its backward recomputes every term from the logits with torch's tails
 // (row_exp_terms_full_f32), so nothing there needs the forward's bits.

@@ -15,11 +15,13 @@
 #include <memory>
 #include <vector>
 
+#include "moe_kernels/common.h"  // MK_ALWAYS_INLINE
+
 namespace moe_kernels {
-namespace batchwise_filter {
+namespace column_filter {
 
 // batchwise_mask::order_key without branches (NaN by a select), so that loops of keys vectorise.
-inline __attribute__((always_inline)) uint32_t order_key_f32(float x) {
+MK_ALWAYS_INLINE uint32_t order_key_f32(float x) {
   const uint32_t u = __builtin_bit_cast(uint32_t, x + 0.0f);  // + 0.0f: -0 becomes +0
   const uint32_t ordered = (int32_t)u >= 0 ? u : (u ^ 0x7fffffffu);
   return (x != x ? 0x7fffffffu : ordered) ^ 0x80000000u;
@@ -76,5 +78,5 @@ struct SelectScratch {
 bool select_candidates(const CandidateLists& lists, int64_t j, int64_t m, uint32_t lo_key, SelectScratch& s,
                        int64_t* out);
 
-}  // namespace batchwise_filter
+}  // namespace column_filter
 }  // namespace moe_kernels

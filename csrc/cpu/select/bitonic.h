@@ -1,6 +1,6 @@
 // Bitonic sorting-network steps across the lanes of one GCC vector (rank pairs as int64 lanes,
-// or float lanes), shared by the top-k selections: row_vector.cpp's candidate sorts (compiled per
-// instruction set) and row_top8.cpp's AVX-512 top eight. Branch-free: a step is one shuffle, one
+// or float lanes), shared by the top-k selections: pairs_topk.h's candidate sorts (compiled per
+// instruction set) and top8_avx512.cpp's AVX-512 top eight. Branch-free: a step is one shuffle, one
 // max, one min and one blend by a constant mask, whatever the data. The compares are the lane
 // type's own (`x > y`): int64 rank pairs order as rank_pair (moe_kernels/common.h); float lanes
 // order as floats, so float callers must exclude NaN.
@@ -10,6 +10,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "moe_kernels/common.h"  // MK_ALWAYS_INLINE
+
 // The helpers pass 512-bit vectors by value; GCC warns that a caller without AVX-512 would pass
 // them differently. They are always inlined, so no such call exists.
 #pragma GCC diagnostic push
@@ -18,14 +20,12 @@
 namespace moe_kernels {
 namespace bitonic {
 
-#define MK_BITONIC_INLINE inline __attribute__((always_inline))
-
 // The integer vector a compare of two V vectors gives (the blend masks' type).
 template <typename V>
 using mask_of = decltype(V{} > V{});
 
 template <typename V>
-MK_BITONIC_INLINE V larger(V a, V b) {
+MK_ALWAYS_INLINE V larger(V a, V b) {
   return a > b ? a : b;
 }
 
@@ -48,7 +48,7 @@ constexpr M takes_larger(std::index_sequence<l...>) {
 // One compare-exchange step of that network over every lane of x, or of its mirror image (every
 // exchange reversed: the network then sorts ascending).
 template <int block, int j, bool descending, typename V>
-MK_BITONIC_INLINE V bitonic_step(V x) {
+MK_ALWAYS_INLINE V bitonic_step(V x) {
   using M = mask_of<V>;
   constexpr std::size_t n = sizeof(V) / sizeof(x[0]);
   constexpr M partner = partners<M, j>(std::make_index_sequence<n>{});
@@ -63,7 +63,7 @@ MK_BITONIC_INLINE V bitonic_step(V x) {
 // Eight lanes sorted, descending or ascending: six compare-exchange steps. On a 16-lane vector
 // the same steps sort lanes 0-7 one way and lanes 8-15 the other (blocks alternate direction).
 template <bool descending, typename V>
-MK_BITONIC_INLINE V sort8(V x) {
+MK_ALWAYS_INLINE V sort8(V x) {
   x = bitonic_step<2, 1, descending>(x);
   x = bitonic_step<4, 2, descending>(x);
   x = bitonic_step<4, 1, descending>(x);
@@ -76,7 +76,7 @@ MK_BITONIC_INLINE V sort8(V x) {
 // lane-wise larger of a descending and an ascending run is a bitonic sequence holding the eight
 // largest of both, which three steps sort.
 template <typename V>
-MK_BITONIC_INLINE V merge_into_top8(V top, V more) {
+MK_ALWAYS_INLINE V merge_into_top8(V top, V more) {
   top = larger(top, sort8<false>(more));
   top = bitonic_step<8, 4, true>(top);
   top = bitonic_step<8, 2, true>(top);
@@ -87,15 +87,15 @@ MK_BITONIC_INLINE V merge_into_top8(V top, V more) {
 // chain of dependent shuffles, maxima and blends, and an out-of-order core only overlaps R such
 // chains when their instructions come interleaved (a whole chain ahead of the next one fills the
 // scheduler with waiting instructions). Exchange::step<block, j, descending>(v) is one step on one
-// vector, the caller's own (row_top8.cpp's with intrinsics; bitonic_step is the generic one).
+// vector, the caller's own (top8_avx512.cpp's with intrinsics; bitonic_step is the generic one).
 template <int block, int j, bool descending, int R, typename Exchange, typename V>
-MK_BITONIC_INLINE void bitonic_steps(V* x) {
+MK_ALWAYS_INLINE void bitonic_steps(V* x) {
   for (int r = 0; r < R; ++r) x[r] = Exchange::template step<block, j, descending>(x[r]);
 }
 
 // sort8 of each of x[0 .. R).
 template <bool descending, int R, typename Exchange, typename V>
-MK_BITONIC_INLINE void sort8_each(V* x) {
+MK_ALWAYS_INLINE void sort8_each(V* x) {
   bitonic_steps<2, 1, descending, R, Exchange>(x);
   bitonic_steps<4, 2, descending, R, Exchange>(x);
   bitonic_steps<4, 1, descending, R, Exchange>(x);
@@ -107,7 +107,7 @@ MK_BITONIC_INLINE void sort8_each(V* x) {
 // Each of x[0 .. R) (16 lanes) sorted: sort8's blocks (alternating), then the bitonic merge of
 // the whole vector; ten steps.
 template <bool descending, int R, typename Exchange, typename V>
-MK_BITONIC_INLINE void sort16_each(V* x) {
+MK_ALWAYS_INLINE void sort16_each(V* x) {
   sort8_each<descending, R, Exchange>(x);
   bitonic_steps<16, 8, descending, R, Exchange>(x);
   bitonic_steps<16, 4, descending, R, Exchange>(x);

@@ -1,5 +1,6 @@
-// The candidates of a row's k <= 8 largest elements (row_vector.cpp's top-8 selection sorts only
-// these), written once per x86 instruction set with its own compress instruction, chosen at the first call.
+// The candidates of a row's k <= 8 largest elements (pairs_topk.h's top-8 selection sorts only
+// these), written once per x86 instruction set with its own compress instruction (isa.h), chosen
+// at the first call.
 //
 // Split the row into 8 disjoint groups and take each group's maximum: at least 8 elements are at
 // or above the smallest of them (the floor), and no element below the floor can be among the 8

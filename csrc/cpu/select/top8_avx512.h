@@ -1,9 +1,9 @@
 // The k <= 8 largest rank pairs of rows of 16 to 256 float32 elements on AVX-512 (F, BW, VBMI2).
-// row_vector.cpp's candidate sort (every other CPU and width) writes candidates and their pairs to
+// pairs_topk.h's candidate sort (every other CPU and width) writes candidates and their pairs to
 // memory and reads them back (partial overlaps of those stores with the loads stall store
 // forwarding), keeps ~18 candidates of a 64-wide row (its floor is the least of 8 group maxima) and
-// sorts them as 64-bit pairs; this one took k = 8, E = 64 from ~48 to ~23 ns a row here (Zen 4),
-// E = 128 and 256 ~1.3x faster, and its blocks below (E <= 128) to ~18 ns.
+// sorts them as 64-bit pairs; this one keeps the candidates in registers (about twice as fast at
+// E = 64; docs/topk_softmax.md has the timings).
 //
 //  1. the 16 lane maxima (lane l holds elements l, l + 16, ...);
 //  2. the floor: the 8th largest lane maximum. The 8 lanes whose maxima are at or above it hold 8
@@ -24,7 +24,7 @@
 // rows, with no shuffle (19 exchanges for each half of the floor's 16, Batcher's 63 for the sort),
 // where bitonic networks across one row's lanes take a shuffle, a min and a masked max for each of
 // ~17 steps. The two transposes cost 64 shuffles a block. Wider rows keep the networks across
-// lanes, four rows at a time (the blocks measured up to 20% slower at E = 160).
+// lanes, four rows at a time (the blocks are slower there).
 #pragma once
 #include <cstdint>
 
@@ -42,10 +42,9 @@ bool rows_top8_pairs_f32(const float* x, int64_t stride, int64_t n, int64_t E, i
 
 // rows_top8_pairs_f32's selection of rows of 16 to 128 elements, each block of 16 rows' pairs
 // kept in a buffer of the call's and turned into experts and renormalised weights there
-// (row_exp_terms.h's renormalized_pairs_f32, bit for bit) into experts and w [n * k]: one pass
-// over the rows, where blocks of 32 rows selected into a buffer and then weighted took ~1.1x as
-// long (topk_softmax at T = 65536, E = 64, one thread: k = 8 1.47-1.56 -> 1.33-1.35 ms, k = 4
-// 1.34-1.38 -> 1.19-1.21; E = 96 to 128 the same within the noise). A row left for the
+// (score/exp_terms.h's renormalized_pairs_f32, bit for bit) into experts and w [n * k]: one pass
+// over the rows, faster than blocks of rows selected into a buffer and then weighted (the pairs
+// stay in L1). A row left for the
 // caller (redo, *n_redo, as rows_top8_pairs_f32) holds garbage in experts and w. Returns false,
 // writing nothing but *n_redo = 0, where rows_top8_pairs_f32 or renormalized_pairs_f32 would, or
 // for E > 128. Writes nothing past experts[n * k] and w[n * k].

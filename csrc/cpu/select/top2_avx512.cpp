@@ -1,9 +1,8 @@
-// row_top2.h's selection, written with AVX-512 intrinsics (mask registers turn a vector compare
-// into the bits whose lowest set one is the index) and compiled under a target pragma in the
-// dispatch build, or where the compiler's flags allow AVX-512; elsewhere rows_top2_values_f32
-// returns false and the caller's selection runs.
-#include "row_top2.h"
-#include "isa_dispatch.h"
+// top2_avx512.h's selection, written with AVX-512 intrinsics (mask registers turn a vector compare
+// into the bits whose lowest set one is the index), compiled for AVX-512 BW (isa.h); where this
+// build or the CPU lacks it, rows_top2_values_f32 returns false and the caller's selection runs.
+#include "select/top2_avx512.h"
+#include "isa.h"
 
 #include <cmath>
 
@@ -16,18 +15,8 @@
 namespace moe_kernels {
 namespace {
 
-#if defined(MK_ISA_DISPATCH)
-#define MK_TOP2_DISPATCH 1
-#define MK_TOP2_AVX512 1
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
-#define MK_TOP2_AVX512 1
-#endif
-
-#if defined(MK_TOP2_AVX512)
-#if defined(MK_TOP2_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,bmi,popcnt")
-#endif
+#if MK_ISA_HAS_AVX512_BW
+MK_ISA_BEGIN(AVX512_BW)
 
 // The elements of row[0 .. E) compared with t (E <= 64; bit e: element e), four compares joined
 // in mask registers (a branch per 16 elements would be mispredicted on most rows: where the
@@ -124,32 +113,16 @@ void rows_top2_avx512(const float* x, int64_t stride, int64_t n, int64_t E, int6
     }
   }
 }
-#if defined(MK_TOP2_DISPATCH)
-#pragma GCC pop_options
+MK_ISA_END
 #endif
-#endif
-
-// Whether this CPU runs the variant: AVX-512 F and BW, BMI (tzcnt) and popcnt.
-bool cpu_supported() {
-#if defined(MK_TOP2_DISPATCH)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi") &&
-         __builtin_cpu_supports("popcnt");
-#elif defined(MK_TOP2_AVX512)
-  return true;
-#else
-  return false;
-#endif
-}
 
 }  // namespace
 
 bool rows_top2_values_f32(const float* x, int64_t stride, int64_t n, int64_t E, int64_t* best, int64_t* redo,
                           int64_t* n_redo) {
   *n_redo = 0;
-  static const bool supported = cpu_supported();
-  if (!supported || E < 16 || E > 64) return false;
-#if defined(MK_TOP2_AVX512)
+  if (!isa::cpu_runs(isa::Set::kAvx512Bw) || E < 16 || E > 64) return false;
+#if MK_ISA_HAS_AVX512_BW
   rows_top2_avx512(x, stride, n, E, best, redo, n_redo);
   return true;
 #else

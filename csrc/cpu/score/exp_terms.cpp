@@ -1,8 +1,7 @@
-// row_exp_terms.h's softmax terms with AVX-512 F, compiled under a target pragma in the dispatch
-// build, or where the compiler's flags allow AVX-512 F; elsewhere rows_exp_terms_f32 returns
-// false.
-#include "row_exp_terms.h"
-#include "isa_dispatch.h"
+// exp_terms.h's softmax terms with AVX-512 F intrinsics, compiled for AVX-512 (isa.h); where this
+// build or the CPU lacks it, every function returns false and the caller's terms run.
+#include "score/exp_terms.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <array>
@@ -25,18 +24,8 @@
 namespace moe_kernels {
 namespace {
 
-#if defined(MK_ISA_DISPATCH)
-#define MK_EXP_TERMS_DISPATCH 1
-#define MK_EXP_TERMS_AVX512 1
-#elif defined(__AVX512F__)
-#define MK_EXP_TERMS_AVX512 1
-#endif
-
-#if defined(MK_EXP_TERMS_AVX512)
-#if defined(MK_EXP_TERMS_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
-#endif
+#if MK_ISA_HAS_AVX512
+MK_ISA_BEGIN(AVX512)
 
 // 2^(j / 32) rounded to float, j = 0 .. 31.
 constexpr float kPow2Over32[32] = {
@@ -92,9 +81,8 @@ inline Reduced reduce16(__m512 d) {
 // shifted up by 18: j's bits cancel, n lands in the exponent field, and 1.5 * 2^23's own bits
 // shift out); s is normal for every d >= -80 (n >= -116). Lanes below -80 (-inf among them) are
 // zeroed by the mask rather than clamped; NaN lanes stay live (the compare is unordered) and give
-// NaN through e^r - 1. Seven FMA-unit operations (the loop's bottleneck: the scale by a multiply
-// and vscalefps, two more, left the full softmax's forward at E = 64, k = 2 at 2.15-2.2 ms instead
-// of 2.0-2.1).
+// NaN through e^r - 1. Seven FMA-unit operations, the loop's bottleneck (the scale by a multiply
+// and vscalefps, as exp_tail16 does it, would be two more).
 inline __m512 exp_nonpositive16(__m512 d, __mmask16 live, const Pow2Table& table) {
   live = _mm512_mask_cmp_ps_mask(live, d, _mm512_set1_ps(-80.0f), _CMP_NLT_UQ);
   const Reduced x = reduce16(d);
@@ -287,7 +275,7 @@ void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts,
   } else {
     // As renormalized_avx512: each half's pairs expanded into its groups, the results compressed.
     // While a vector's 16 slots' worth lies inside the arrays, by whole-vector loads and stores
-    // (masked 512-bit ones measured ~1.5x and ~2.3x plain ones here, Zen 4): the stores' lanes
+    // (masked 512-bit loads and stores cost more than plain ones on Zen 4): the stores' lanes
     // past the vector's slots land on the next vector's, which are written after.
     constexpr int64_t kRows = 16 / G;
     constexpr __mmask8 lo = (__mmask8)slot_lanes<K>(kRows), hi = (__mmask8)(slot_lanes<K>(kRows) >> 8);
@@ -326,29 +314,14 @@ void renormalized_pairs_avx512(const int64_t* best, int64_t n, int64_t* experts,
   }
 }
 
-#if defined(MK_EXP_TERMS_DISPATCH)
-#pragma GCC pop_options
-#endif
-
-// Whether this CPU runs the variant.
-bool cpu_supported() {
-#if defined(MK_EXP_TERMS_DISPATCH)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-#else
-  return true;
-#endif
-}
+MK_ISA_END
 #endif
 
 }  // namespace
 
-#if defined(MK_EXP_TERMS_AVX512)
+#if MK_ISA_HAS_AVX512
 namespace {
-bool supported() {
-  static const bool cpu = cpu_supported();
-  return cpu;
-}
+bool supported() { return isa::cpu_runs(isa::Set::kAvx512); }
 
 // f(std::integral_constant<int, k>()) for 1 <= k <= 16; false otherwise.
 template <int K = 1, typename F>

@@ -1,11 +1,11 @@
-// row_candidates.h's filter, once per instruction set: AVX-512 compresses 16 lanes a step in
+// candidates.h's filter, once per instruction set (isa.h): AVX-512 compresses 16 lanes a step in
 // registers, AVX2 permutes 8 lanes through a table indexed by the compare's move mask, the
 // baseline appends an element at a time without a branch. Written with intrinsics rather than
 // GCC's generic vectors: a vector compare's lanes reach a scalar register in one instruction
 // (kmov, vmovmskps) instead of a shuffle-and-or reduction, which made the generic filter cost
 // four times the pass that reads the row.
-#include "row_candidates.h"
-#include "isa_dispatch.h"
+#include "select/candidates.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,19 +16,6 @@
 
 namespace moe_kernels {
 namespace {
-
-// The dispatch build compiles every x86 variant (each under its own target pragma) and picks one at
-// the first call; MOE_KERNELS_NO_CLONES (or another compiler / platform) compiles only the widest one
-// the compiler's own flags allow, and the portable loop.
-#if defined(MK_ISA_DISPATCH)
-#define MK_CANDIDATES_DISPATCH 1
-#define MK_CANDIDATES_AVX512 1
-#define MK_CANDIDATES_AVX2 1
-#elif defined(__AVX512F__)
-#define MK_CANDIDATES_AVX512 1
-#elif defined(__AVX2__)
-#define MK_CANDIDATES_AVX2 1
-#endif
 
 // Appends the elements of row[begin .. end) at or above floor to index, value [n ..); returns the
 // new count. Every element is written and the count advances for those kept: no branch.
@@ -60,11 +47,8 @@ int64_t candidates_portable(const float* row, int64_t E, int32_t* index, float* 
   return n;
 }
 
-#if defined(MK_CANDIDATES_AVX512)
-#if defined(MK_CANDIDATES_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f,popcnt")
-#endif
+#if MK_ISA_HAS_AVX512
+MK_ISA_BEGIN(AVX512)
 // Steps of 16; the groups are e % 8 over the full steps (each step's halves folded together).
 int64_t candidates_avx512(const float* row, int64_t E, int32_t* index, float* value) {
   if (E < 16) return candidates_portable(row, E, index, value);
@@ -101,16 +85,11 @@ int64_t candidates_avx512(const float* row, int64_t E, int32_t* index, float* va
   _mm512_storeu_ps(value + n, _mm512_setzero_ps());
   return n;
 }
-#if defined(MK_CANDIDATES_DISPATCH)
-#pragma GCC pop_options
-#endif
+MK_ISA_END
 #endif
 
-#if defined(MK_CANDIDATES_AVX2)
-#if defined(MK_CANDIDATES_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx2,popcnt")
-#endif
+#if MK_ISA_HAS_AVX2
+MK_ISA_BEGIN(AVX2)
 // For each 8-bit mask: its set lanes in ascending order, then zeros.
 struct CompressTable {
   int32_t lanes[256][8];
@@ -157,29 +136,19 @@ int64_t candidates_avx2(const float* row, int64_t E, int32_t* index, float* valu
   _mm256_storeu_ps(value + n, _mm256_setzero_ps());
   return n;
 }
-#if defined(MK_CANDIDATES_DISPATCH)
-#pragma GCC pop_options
-#endif
+MK_ISA_END
 #endif
 
 using CandidatesFn = int64_t (*)(const float*, int64_t, int32_t*, float*);
 
 CandidatesFn pick_candidates() {
-#if defined(MK_CANDIDATES_DISPATCH)
-  __builtin_cpu_init();
-  // popcnt: both variants count a mask's bits with it (every CPU with AVX2 has it, but a virtual
-  // machine may hide it).
-  const bool popcnt = __builtin_cpu_supports("popcnt");
-  if (popcnt && __builtin_cpu_supports("avx512f")) return candidates_avx512;
-  if (popcnt && __builtin_cpu_supports("avx2")) return candidates_avx2;
-  return candidates_portable;
-#elif defined(MK_CANDIDATES_AVX512)
-  return candidates_avx512;
-#elif defined(MK_CANDIDATES_AVX2)
-  return candidates_avx2;
-#else
-  return candidates_portable;
+#if MK_ISA_HAS_AVX512
+  if (isa::cpu_runs(isa::Set::kAvx512)) return candidates_avx512;
 #endif
+#if MK_ISA_HAS_AVX2
+  if (isa::cpu_runs(isa::Set::kAvx2)) return candidates_avx2;
+#endif
+  return candidates_portable;
 }
 
 }  // namespace

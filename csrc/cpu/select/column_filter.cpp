@@ -1,7 +1,7 @@
-// The sampled-threshold select of batchwise_mask on CPU: batchwise_filter.h says what and why.
-#include "batchwise_filter.h"
-#include "isa_dispatch.h"
-#include "vec_math.h"
+// The sampled-threshold select of batchwise_mask on CPU: column_filter.h says what and why.
+#include "select/column_filter.h"
+#include "isa.h"
+#include "score/vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,7 +14,7 @@
 #endif
 
 namespace moe_kernels {
-namespace batchwise_filter {
+namespace column_filter {
 
 namespace {
 
@@ -55,7 +55,7 @@ Plan plan(int64_t T, int64_t m) {
 namespace {
 // The counts of one step of thresholds: count[j] = #{i < S: keys[i * w + j] >= probe[j]}, over
 // whole rows of the sample (the compiler vectorises across columns; one clone per instruction set).
-MK_ROW_CLONES
+MK_ISA_CLONES
 void count_at_least(const uint32_t* __restrict keys, int64_t S, int64_t w, const uint32_t* __restrict probe,
                     uint32_t* __restrict count) {
   for (int64_t j = 0; j < w; ++j) count[j] = 0;
@@ -108,84 +108,50 @@ void CandidateLists::end_appends() {
   for (int64_t j = 0; j < w; ++j) count[j] = (cursor[j] - (entries.get() + j * ld)) + overflow[j];
 }
 
-// filter_rows, once per instruction set. Each chunk_mask is !(x < lo) lane-wise (true for NaN:
-// the _NLT_UQ predicate), as a bit mask.
+// filter_rows, once per instruction set (isa.h): each variant's namespace defines kChunk and
+// chunk_mask (!(x < lo) lane-wise, true for NaN: the _NLT_UQ predicate, as a bit mask), then
+// includes the row pass written once in column_filter_rows.h, which defines filter_rows_variant.
 namespace {
 
-// The dispatch build compiles all three x86 variants (each under its own target pragma) and picks
-// one at load time; MOE_KERNELS_NO_CLONES (or another compiler / platform) compiles only the
-// widest one the compiler's own flags allow, or the scalar loop.
-#if defined(MK_ISA_DISPATCH)
-#define MK_FILTER_DISPATCH 1
-#define MK_FILTER_AVX512 1
-#define MK_FILTER_AVX2 1
-#define MK_FILTER_SSE2 1
-#elif defined(__AVX512F__)
-#define MK_FILTER_AVX512 1
-#elif defined(__AVX__)
-#define MK_FILTER_AVX2 1
-#elif defined(__SSE2__)
-#define MK_FILTER_SSE2 1
-#endif
-
-#if defined(MK_FILTER_AVX512)
-#if defined(MK_FILTER_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-#endif
+#if MK_ISA_HAS_AVX512
+MK_ISA_BEGIN(AVX512)
 namespace avx512 {
 constexpr int64_t kChunk = 16;
 inline uint32_t chunk_mask(const float* x, const float* lo) {
   return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_loadu_ps(lo), _CMP_NLT_UQ);
 }
-#define MK_FILTER_ROWS filter_rows_avx512
-#include "batchwise_filter_rows.inc"
-#undef MK_FILTER_ROWS
+#include "select/column_filter_rows.h"
 }  // namespace avx512
-#if defined(MK_FILTER_DISPATCH)
-#pragma GCC pop_options
-#endif
+MK_ISA_END
 #endif
 
-#if defined(MK_FILTER_AVX2)
-#if defined(MK_FILTER_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx2")
-#endif
+#if MK_ISA_HAS_AVX2
+MK_ISA_BEGIN(AVX2)
 namespace avx2 {
 constexpr int64_t kChunk = 8;
 inline uint32_t chunk_mask(const float* x, const float* lo) {
   return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(lo), _CMP_NLT_UQ));
 }
-#define MK_FILTER_ROWS filter_rows_avx2
-#include "batchwise_filter_rows.inc"
-#undef MK_FILTER_ROWS
+#include "select/column_filter_rows.h"
 }  // namespace avx2
-#if defined(MK_FILTER_DISPATCH)
-#pragma GCC pop_options
-#endif
+MK_ISA_END
 #endif
 
-#if defined(MK_FILTER_SSE2)
-namespace sse2 {
+// The baseline: SSE2 on x86-64, the portable loop elsewhere.
+#if defined(__SSE2__)
+namespace baseline {
 constexpr int64_t kChunk = 4;
 inline uint32_t chunk_mask(const float* x, const float* lo) {
   return (uint32_t)_mm_movemask_ps(_mm_cmpnlt_ps(_mm_loadu_ps(x), _mm_loadu_ps(lo)));
 }
-#define MK_FILTER_ROWS filter_rows_sse2
-#include "batchwise_filter_rows.inc"
-#undef MK_FILTER_ROWS
-}  // namespace sse2
-#endif
-
-#if !defined(MK_FILTER_AVX512) && !defined(MK_FILTER_AVX2) && !defined(MK_FILTER_SSE2)
-namespace scalar {
+#include "select/column_filter_rows.h"
+}  // namespace baseline
+#else
+namespace baseline {
 constexpr int64_t kChunk = 64 + 1;  // never taken: the row loop's scalar tail does every column
 inline uint32_t chunk_mask(const float*, const float*) { return 0; }
-#define MK_FILTER_ROWS filter_rows_scalar
-#include "batchwise_filter_rows.inc"
-#undef MK_FILTER_ROWS
-}  // namespace scalar
+#include "select/column_filter_rows.h"
+}  // namespace baseline
 #endif
 
 // select_candidates' split of n candidates (entries, their keys) by bin (key - lo_key) >> shift:
@@ -208,11 +174,8 @@ int64_t split_portable(const uint64_t* entries, const uint32_t* keys, int64_t n,
   return n_above;
 }
 
-#if defined(MK_FILTER_AVX512)
-#if defined(MK_FILTER_DISPATCH)
-#pragma GCC push_options
-#pragma GCC target("avx512f,popcnt")
-#endif
+#if MK_ISA_HAS_AVX512
+MK_ISA_BEGIN(AVX512)
 // 16 candidates a step: their bins by one subtract and shift, the tokens above compressed in
 // registers (8 int64 lanes at a time) and stored under a mask of their count (the compress-to-
 // memory form is microcoded on some cores; a full store could write past out's m slots).
@@ -244,43 +207,29 @@ int64_t split_avx512(const uint64_t* entries, const uint32_t* keys, int64_t n, u
   *in_bin = k + tail_in;
   return n_above;
 }
-#if defined(MK_FILTER_DISPATCH)
-#pragma GCC pop_options
-#endif
+MK_ISA_END
 #endif
 
 using SplitFn = int64_t (*)(const uint64_t*, const uint32_t*, int64_t, uint32_t, int, uint32_t, int64_t*, uint64_t*,
                             int64_t*);
 
 SplitFn pick_split() {
-#if defined(MK_FILTER_DISPATCH)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("popcnt")) return split_avx512;
-  return split_portable;
-#elif defined(MK_FILTER_AVX512)
-  return split_avx512;
-#else
-  return split_portable;
+#if MK_ISA_HAS_AVX512
+  if (isa::cpu_runs(isa::Set::kAvx512)) return split_avx512;
 #endif
+  return split_portable;
 }
 
 using RowsFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, CandidateLists&);
 
 RowsFn pick_filter_rows() {
-#if defined(MK_FILTER_DISPATCH)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return avx512::filter_rows_avx512;
-  if (__builtin_cpu_supports("avx2")) return avx2::filter_rows_avx2;
-  return sse2::filter_rows_sse2;
-#elif defined(MK_FILTER_AVX512)
-  return avx512::filter_rows_avx512;
-#elif defined(MK_FILTER_AVX2)
-  return avx2::filter_rows_avx2;
-#elif defined(MK_FILTER_SSE2)
-  return sse2::filter_rows_sse2;
-#else
-  return scalar::filter_rows_scalar;
+#if MK_ISA_HAS_AVX512
+  if (isa::cpu_runs(isa::Set::kAvx512)) return avx512::filter_rows_variant;
 #endif
+#if MK_ISA_HAS_AVX2
+  if (isa::cpu_runs(isa::Set::kAvx2)) return avx2::filter_rows_variant;
+#endif
+  return baseline::filter_rows_variant;
 }
 
 }  // namespace
@@ -352,5 +301,5 @@ bool select_candidates(const CandidateLists& lists, int64_t j, int64_t m, uint32
   return true;
 }
 
-}  // namespace batchwise_filter
+}  // namespace column_filter
 }  // namespace moe_kernels
