@@ -267,7 +267,8 @@ std::tuple<at::Tensor, at::Tensor> topk_router_gpu(const at::Tensor& logits, int
 }
 
 at::Tensor topk_router_backward_gpu(const at::Tensor& grad_weights, const at::Tensor& logits, const at::Tensor& experts,
-                                   std::string scoring, bool renormalize, double scaling_factor) {
+                                   std::string scoring, bool renormalize, double scaling_factor,
+                                   bool /*ranked_by_logits: unused, the kernel finds each row's max itself*/) {
   TORCH_CHECK(logits.dim() == 2 && experts.dim() == 2 && experts.size(0) == logits.size(0) &&
                   experts.scalar_type() == at::kLong && grad_weights.sizes() == experts.sizes(),
               "topk_router_backward: bad arguments");

@@ -25,12 +25,13 @@ _, top_gate, _ = ops.noisy_topk_gate(clean, raw, noise, k, 1e-2, None)
 
 # (index tensor, position, call with the edited index as `i`): one line per op and position.
 CASES = [
-    ("experts", "1, 1", "ops.topk_router_backward(g_w, x, i, 'softmax', True, 1.0)"),
-    ("experts", "0, 0", "ops.topk_router_backward(g_w, x, i, 'softmax', False, 1.0)"),
+    ("experts", "1, 1", "ops.topk_router_backward(g_w, x, i, 'softmax', True, 1.0, True)"),
+    ("experts", "0, 0", "ops.topk_router_backward(g_w, x, i, 'softmax', False, 1.0, True)"),
     ("experts", "3, 1", "ops.topk_router_backward_from_weights(g_w, w_x, i, E, 1.0, torch.float32)"),
     ("experts", "1, 0", "ops.topk_router_backward_from_weights(g_w, w_x, i, E, 1.0, torch.bfloat16)"),
-    ("experts", "2, 1", "ops.topk_router_backward(g_w, x, i, 'softmax', True, 1.0)"),
-    ("experts", "2, 0", "ops.topk_router_backward(g_w, x, i, 'sigmoid', False, 1.0)"),
+    ("experts", "2, 1", "ops.topk_router_backward(g_w, x, i, 'softmax', True, 1.0, False)"),
+    ("experts", "2, 0", "ops.topk_router_backward(g_w, x, i, 'sigmoid', False, 1.0, False)"),
+    ("experts", "3, 0", "ops.topk_router_backward(g_w, x, i, 'softmax', False, 1.0, False)"),
     ("top", "1, 1", "ops.load_probabilities_backward(g_p, clean, noisy, stddev, i, k)"),
     ("top", "3, k", "ops.load_probabilities_backward(g_p, clean, noisy, stddev, i, k)"),
     ("top_gate", "0, 0", "ops.noisy_topk_gate_backward(g_w, g_load, clean, raw, noise, None, i, k, 1e-2)"),
@@ -60,7 +61,7 @@ def script():
         textwrap.dedent("""
         print("case: topk_router_backward with k = 0", flush=True)
         try:
-            ops.topk_router_backward(torch.randn(T, 0), x, experts[:, :0].contiguous(), "softmax", True, 1.0)
+            ops.topk_router_backward(torch.randn(T, 0), x, experts[:, :0].contiguous(), "softmax", True, 1.0, False)
         except RuntimeError as error:
             assert "k >= 1" in str(error), error
         else:

@@ -216,7 +216,7 @@ def test_opcheck():
             _, experts = reference.topk_router(logits.detach(), k, scoring=scoring)
             torch.library.opcheck(
                 torch.ops.moe_kernels.topk_router_backward,
-                (torch.randn(T, k), logits.detach(), experts, scoring, True, 1.5),
+                (torch.randn(T, k), logits.detach(), experts, scoring, True, 1.5, True),
             )
 
 
@@ -227,7 +227,35 @@ def test_backward_rejects_out_of_range_experts(bad):
         pytest.skip("no C++ kernel in this build")
     experts = torch.tensor([[0, 1], [2, bad]])
     with pytest.raises(IndexError, match="experts"):
-        torch.ops.moe_kernels.topk_router_backward(torch.randn(2, 2), torch.randn(2, 8), experts, "softmax", True, 1.0)
+        torch.ops.moe_kernels.topk_router_backward(
+            torch.randn(2, 2), torch.randn(2, 8), experts, "softmax", True, 1.0, False
+        )
+
+
+@pytest.mark.parametrize("kind", [*ADVERSARIAL_KINDS, "nan", "pos_inf"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_backward_ranked_by_logits_reads_the_shift_at_the_first_expert(kind, renormalize, dtype):
+    """ranked_by_logits=True (the forward ranked the logits: no bias, one group) takes each row's
+    softmax shift at experts[:, 0] instead of a pass over the row: the same bits as finding it, on
+    masked, NaN and +inf rows too."""
+    if not moe_kernels._extension.has_kernel("topk_router_backward", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    E, k = 37, 5
+    if kind in ("nan", "pos_inf"):
+        logits = torch.randn(40, E, generator=torch.Generator().manual_seed(5))
+        logits[3, 11] = float("nan" if kind == "nan" else "inf")
+        logits[9, 2] = float("nan" if kind == "nan" else "inf")
+    else:
+        logits = adversarial_logits(kind, 40, E, seed=5)
+    logits = logits.to(dtype)
+    _, experts = reference.topk_router(logits, k)
+    g = torch.randn(40, k, generator=torch.Generator().manual_seed(6))
+    op = torch.ops.moe_kernels.topk_router_backward
+    found = op(g, logits, experts, "softmax", renormalize, 1.5, False)
+    read = op(g, logits, experts, "softmax", renormalize, 1.5, True)
+    assert torch.equal(found.isnan(), read.isnan()), kind
+    assert torch.equal(found.nan_to_num(), read.nan_to_num()), kind
 
 
 def _from_weights_kernel():
@@ -261,7 +289,8 @@ def test_backward_from_weights_is_the_logits_backward(router, kind, dtype):
     w, experts = run("cpu", x, k, **kwargs)
     w.backward(g)
     scaling = kwargs.get("scaling_factor", 1.0)
-    from_logits = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, scaling)
+    ranked = "bias" not in kwargs and kwargs.get("topk_groups", 1) >= kwargs.get("num_groups", 1)
+    from_logits = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, scaling, ranked)
     assert x.grad.dtype == dtype
     assert torch.equal(x.grad.isnan(), from_logits.isnan()), kind
     assert torch.equal(x.grad == 0, from_logits == 0), kind
@@ -301,7 +330,7 @@ def test_backward_from_weights_masked_experts_with_bias():
     w, experts = run("cpu", x, 8, bias=bias, renormalize=True, scaling_factor=2.0)
     assert (w[:, 0] == 0).sum() > 1  # rows whose first-ranked expert is masked
     w.backward(g)
-    from_logits = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, 2.0)
+    from_logits = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, 2.0, False)
     assert torch.equal(x.grad[7], torch.zeros(64))
     assert_close(x.grad, from_logits)
 

@@ -362,7 +362,7 @@ def test_backward_kernel_opcheck():
         logits = torch.randn(T, E)
         _, experts = reference.topk_softmax(logits, k)
         for renormalize in (True, False):
-            torch.library.opcheck(op, (torch.randn(T, k), logits, experts, "softmax", renormalize, 1.0))
+            torch.library.opcheck(op, (torch.randn(T, k), logits, experts, "softmax", renormalize, 1.0, True))
 
 
 def _from_weights_kernel():
@@ -392,7 +392,7 @@ def test_backward_from_weights_is_the_logits_backward(kind, E, k):
     with moe_kernels.use_backend("cpu"):
         w, experts = topk_softmax(x, k)
     w.backward(g)
-    recomputed = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, 1.0)
+    recomputed = torch.ops.moe_kernels.topk_router_backward(g, logits, experts, "softmax", True, 1.0, True)
     assert torch.equal(x.grad.isnan(), recomputed.isnan()), kind
     assert_close(x.grad.nan_to_num(), recomputed.nan_to_num(), msg=kind)
 

@@ -44,6 +44,9 @@ struct RouterArgs {
   int64_t num_groups, topk_groups;
   bool renormalize;
   double scaling;
+  // Backward only: experts[t, 0] is row t's largest logit (the forward ranked the logits: no
+  // bias, one group), so the softmax's shift is read there instead of found by a pass over the row.
+  bool ranked_by_logits = false;
   bool grouped() const { return topk_groups < num_groups; }
 };
 
@@ -502,7 +505,7 @@ MK_VECTORISE MK_ISA_CLONES void scaled_row_f32(const float* __restrict p, int64_
 template <typename scalar_t, typename acc_t, typename grad_t>
 void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stride_e, const grad_t* grad_w,
                                 const int64_t* experts, int64_t begin, int64_t end, int64_t E, acc_t scaling,
-                                int64_t k, scalar_t* grad) {
+                                int64_t k, bool ranked_by_logits, scalar_t* grad) {
   const int64_t block = std::clamp<int64_t>(512 / std::max<int64_t>(E, 1), 1, 16);  // ~2 KiB of float terms
   std::vector<acc_t> rows(block * E), exps(block * E), vmax(block), sums(block), ps(k), gp(k);
   std::vector<const acc_t*> x(block);
@@ -523,7 +526,9 @@ void full_softmax_backward_rows(const scalar_t* logits, int64_t stride_t, int64_
     } else {
       for (int64_t i = 0; i < n; ++i) x[i] = load_row<scalar_t, acc_t>(logits + (t0 + i) * stride_t, stride_e, E, rows.data() + i * E);
     }
-    for (int64_t i = 0; i < n; ++i) vmax[i] = x[i][row_max_index(x[i], E)];
+    for (int64_t i = 0; i < n; ++i) {
+      vmax[i] = ranked_by_logits ? x[i][experts[(t0 + i) * k]] : x[i][row_max_index(x[i], E)];
+    }
     // The block's terms and sums in one call where it runs (rows_exp_terms_f32, AVX-512 F: the
     // rows' exp chains overlap); elsewhere row by row. A masked, NaN or +inf row's terms are not
     // used: its gradient is a fill below.
@@ -583,7 +588,8 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
   const int64_t k = args.k;
   const acc_t scaling = (acc_t)args.scaling;
   if (args.scoring == kSoftmax && !args.renormalize) {
-    full_softmax_backward_rows(logits, stride_t, stride_e, grad_w, experts, begin, end, E, scaling, k, grad);
+    full_softmax_backward_rows(logits, stride_t, stride_e, grad_w, experts, begin, end, E, scaling, k,
+                               args.ranked_by_logits, grad);
     return;
   }
   RowBuffers<acc_t> buf(E, 1);
@@ -608,7 +614,7 @@ void router_backward_rows(const scalar_t* logits, int64_t stride_t, int64_t stri
       for (int64_t s = 0; s < k; ++s) out[ex[s]] = (scalar_t)((acc_t)out[ex[s]] + gp[s] * ps[s] * (1 - ps[s]));
       continue;
     }
-    const acc_t vmax = x[row_max_index(x, E)];
+    const acc_t vmax = args.ranked_by_logits ? x[ex[0]] : x[row_max_index(x, E)];
     if (vmax == -INFINITY) {  // a fully masked token: scores 0, gradient 0
       std::fill_n(out, E, (scalar_t)0);
       continue;
@@ -720,7 +726,7 @@ std::tuple<at::Tensor, at::Tensor> topk_router_cpu(const at::Tensor& logits, int
 
 at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Tensor& logits,
                                     const at::Tensor& experts, std::string scoring, bool renormalize,
-                                    double scaling_factor) {
+                                    double scaling_factor, bool ranked_by_logits) {
   check_logits(logits, "topk_router_backward");
   const int64_t T = logits.size(0), E = logits.size(1);
   TORCH_CHECK(experts.dim() == 2 && experts.size(0) == T && experts.scalar_type() == at::kLong,
@@ -733,7 +739,8 @@ at::Tensor topk_router_backward_cpu(const at::Tensor& grad_weights, const at::Te
               "topk_router_backward: grad_weights, logits and experts must be on one device");
   const int64_t k = experts.size(1);
   TORCH_CHECK(k >= 1, "topk_router_backward: experts must have k >= 1 columns");
-  RouterArgs args{k, parse_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize, scaling_factor};
+  RouterArgs args{k, parse_scoring(scoring), topk_router::kTop2Sum, 1, 1, renormalize, scaling_factor,
+                  ranked_by_logits};
   auto grad = at::empty({T, E}, logits.options());
   if (T == 0) return grad;
   const auto g = grad_weights.contiguous();
@@ -789,7 +796,7 @@ TORCH_LIBRARY_FRAGMENT(moe_kernels, m) {
       "str group_scoring, bool renormalize, float scaling_factor) -> (Tensor weights, Tensor experts)");
   m.def(
       "topk_router_backward(Tensor grad_weights, Tensor logits, Tensor experts, str scoring, bool renormalize, "
-      "float scaling_factor) -> Tensor");
+      "float scaling_factor, bool ranked_by_logits) -> Tensor");
   m.def(
       "topk_router_backward_from_weights(Tensor grad_weights, Tensor weights, Tensor experts, int num_experts, "
       "float scaling_factor, ScalarType dtype) -> Tensor");

@@ -72,6 +72,9 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero gradient made for the int64 experts
     ctx.save_for_backward(logits, output[1])
     ctx.scoring, ctx.renormalize, ctx.scaling_factor = scoring, renormalize, scaling_factor
+    # No bias and one eligible pool: the experts were ranked by the logits, so experts[:, 0] holds
+    # each row's largest logit (the kernel backward's softmax shift, without a pass to find it).
+    ctx.ranked_by_logits = bias is None and topk_groups >= num_groups
     ctx.from_weights = False
 
 
@@ -110,7 +113,7 @@ def _backward(ctx, grad_weights, grad_experts):
     grad = None
     if grad_weights is not None and ctx.needs_input_grad[0]:
         grad = torch.ops.moe_kernels.topk_router_backward(
-            grad_weights, logits, experts, ctx.scoring, ctx.renormalize, ctx.scaling_factor
+            grad_weights, logits, experts, ctx.scoring, ctx.renormalize, ctx.scaling_factor, ctx.ranked_by_logits
         )
     return grad, None, None, None, None, None, None, None, None
 
@@ -126,7 +129,7 @@ if backends._extension.has_kernel("topk_router", "CPU"):
         return logits.new_empty((T, k), dtype=dtype), logits.new_empty((T, k), dtype=torch.int64)
 
     @torch.library.register_fake("moe_kernels::topk_router_backward")
-    def _fake_backward(grad_weights, logits, experts, scoring, renormalize, scaling_factor):
+    def _fake_backward(grad_weights, logits, experts, scoring, renormalize, scaling_factor, ranked_by_logits):
         return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
     if backends._extension.defines("topk_router_backward_from_weights"):
