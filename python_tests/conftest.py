@@ -5,10 +5,13 @@ The suite runs twice (see the Makefile's `test` target):
   2. under TRITON_INTERPRET=1 with `-m triton`: the Triton kernels on CPU tensors.
 TRITON_INTERPRET must be set before triton decorates a kernel, hence a separate process.
 
-The device axis (python_tests/devices.py): tests taking `backend` also run with the GPU backends
+The device axis (python_tests/support/devices.py): tests taking `backend` also run with the GPU backends
 "cuda:cuda" and "cuda:triton" on CUDA tensors, skipped with the reason where no GPU is present
 (`pytest -rs` lists them). `kernel_backend` tests (opcheck, torch.compile) stay on CPU backends:
 they name the registered op directly; the CUDA registrations are checked by `make check-cuda-build`.
+
+The shared helpers (devices, shapes, tolerances, ...) are in python_tests/support/, which
+pyproject.toml's `pythonpath` puts on sys.path: tests import them by their bare names.
 """
 
 import os

@@ -646,7 +646,7 @@ def test_ops_on_second_device(gpu_backend):
     a Triton kernel launched on the current device with another device's pointers faults, and
     the fault is sticky."""
     code = (
-        f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_gpu; "
+        f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE / 'support')!r}]; import test_gpu; "
         f"test_gpu._second_device_main({gpu_backend!r}, 256)"
     )
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
