@@ -71,7 +71,8 @@ def test_groups_split_heavy_files_by_function():
     assert len(fuzz) >= 8, "the fuzz file goes to the groups test by test"
     assert all(any(u.startswith("python_tests/test_fuzz_ops.py") for u in g) for g in groups)
     whole = {u for u in units if "::" not in u}
-    assert {f"python_tests/{p.name}" for p in files if p.name not in gpu_check.SPLIT} <= whole
+    assert {str(p.relative_to(ROOT)) for p in files if gpu_check.under_tests(p) not in gpu_check.SPLIT} <= whole
+    assert all((gpu_check.TESTS / name).is_file() for name in gpu_check.HEAVY + gpu_check.SPLIT)
 
 
 def test_junit_counts(tmp_path):
