@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 from shapes import ASSIGNMENT_SHAPES
-from test_balanced_assignment import instance, optimum
 
 import moe_kernels
 from moe_kernels import _extension
 from moe_kernels.ops import balanced_assignment
+
+from .test_balanced_assignment import instance, optimum
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "python_tests" / "emulate" / "balanced_assignment_cuda.cpp"

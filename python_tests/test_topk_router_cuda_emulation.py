@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from shapes import ADVERSARIAL_KINDS, adversarial_logits
-from test_topk_router import ROUTER_IDS, ROUTERS, assert_same_selection, kwargs_for
 from tolerances import assert_close
 
 from moe_kernels import reference
+
+from .test_topk_router import ROUTER_IDS, ROUTERS, assert_same_selection, kwargs_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "python_tests" / "emulate" / "topk_router_cuda.cpp"

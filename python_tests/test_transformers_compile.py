@@ -7,10 +7,11 @@ import torch
 
 pytest.importorskip("transformers")
 from hf_tiny import tiny_model  # noqa: E402
-from test_transformers_experts import LAYOUTS, eager, experts_of, routing  # noqa: E402
 
 from moe_kernels.integrations import transformers_experts  # noqa: E402
 from moe_kernels.integrations.transformers import apply_moe_kernels  # noqa: E402
+
+from .test_transformers_experts import LAYOUTS, eager, experts_of, routing  # noqa: E402
 
 COMPILED = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 
