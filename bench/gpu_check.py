@@ -187,18 +187,18 @@ def under_tests(path: Path) -> str:
 # over the groups first. SPLIT files go to the groups test function by test function. Both name
 # paths under python_tests/.
 HEAVY = (
-    "test_fuzz_ops.py",
+    "ops/test_fuzz.py",
     "test_gpu.py",
-    "test_topk_router.py",
-    "test_topk_softmax.py",
-    "test_dispatch.py",
-    "test_load_probabilities.py",
-    "test_batchwise_mask.py",
-    "test_noisy_topk_gate.py",
-    "test_balanced_assignment.py",
-    "test_nonfinite.py",
+    "ops/test_topk_router.py",
+    "ops/test_topk_softmax.py",
+    "ops/test_dispatch.py",
+    "ops/test_load_probabilities.py",
+    "ops/test_batchwise_mask.py",
+    "ops/test_noisy_topk_gate.py",
+    "ops/test_balanced_assignment.py",
+    "ops/test_nonfinite.py",
 )
-SPLIT = ("test_fuzz_ops.py", "test_gpu.py")
+SPLIT = ("ops/test_fuzz.py", "test_gpu.py")
 
 
 def units(files: list[Path]) -> list[str]:

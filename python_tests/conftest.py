@@ -83,7 +83,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "triton: runs a Triton kernel (needs TRITON_INTERPRET=1 on CPU)")
     config.addinivalue_line("markers", "gpu: runs on a CUDA device (make gpu-check runs `pytest -m gpu`)")
     config.addinivalue_line("markers", "slow: long-running (paper reproductions)")
-    config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (test_fuzz_ops.py)")
+    config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (ops/test_fuzz.py)")
 
 
 def pytest_runtest_logreport(report):

@@ -38,7 +38,7 @@ def test_gpu_check_smoke(tmp_path):
             "2",
             "--files",
             "python_tests/test_devices.py",
-            "python_tests/test_smooth_step.py",
+            "python_tests/ops/test_smooth_step.py",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -67,9 +67,9 @@ def test_groups_split_heavy_files_by_function():
     groups = gpu_check.split(files, 4)
     units = [u for g in groups for u in g]
     assert len(units) == len(set(units))
-    fuzz = [u for u in units if u.startswith("python_tests/test_fuzz_ops.py::")]
+    fuzz = [u for u in units if u.startswith("python_tests/ops/test_fuzz.py::")]
     assert len(fuzz) >= 8, "the fuzz file goes to the groups test by test"
-    assert all(any(u.startswith("python_tests/test_fuzz_ops.py") for u in g) for g in groups)
+    assert all(any(u.startswith("python_tests/ops/test_fuzz.py") for u in g) for g in groups)
     whole = {u for u in units if "::" not in u}
     assert {str(p.relative_to(ROOT)) for p in files if gpu_check.under_tests(p) not in gpu_check.SPLIT} <= whole
     assert all((gpu_check.TESTS / name).is_file() for name in gpu_check.HEAVY + gpu_check.SPLIT)

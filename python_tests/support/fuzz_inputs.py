@@ -1,4 +1,4 @@
-"""Inputs for the fuzz tests (test_fuzz_ops.py): hypothesis draws the case (sizes, dtype, the kind
+"""Inputs for the fuzz tests (ops/test_fuzz.py): hypothesis draws the case (sizes, dtype, the kind
 of values, the layout, a seed) and the tensors are built from it with a torch.Generator, so a
 failing case shrinks to small sizes and simple kinds and replays exactly.
 

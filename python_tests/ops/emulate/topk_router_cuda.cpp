@@ -4,7 +4,7 @@
 // lane l ^ offset's value, offsets 16, 8, 4, 2, 1), so sums round exactly as on the device. A
 // reduction whose lanes ended with different results (a divergent warp on the device) aborts.
 // Built as a shared library and called through ctypes by
-// python_tests/test_topk_router_cuda_emulation.py.
+// python_tests/ops/test_topk_router_cuda_emulation.py.
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>

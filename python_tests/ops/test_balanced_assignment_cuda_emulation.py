@@ -2,7 +2,7 @@
 
 csrc/cuda/balanced_assignment.cu is only compiled here (no GPU). Its phases are written once in
 csrc/include/moe_kernels/balanced_assignment_steps.h over plain arrays and an executor;
-python_tests/emulate/balanced_assignment_cuda.cpp (built with g++ below) runs them with a
+python_tests/ops/emulate/balanced_assignment_cuda.cpp (built with g++ below) runs them with a
 sequential executor in the kernels' order. What this checks: the device algorithm is exactly
 optimal (scipy on the expanded matrix), agrees with the C++ CPU kernel where the optimum is unique,
 and its result does not depend on the order of the items of any parallel phase nor on the block
@@ -26,8 +26,8 @@ from moe_kernels.ops import balanced_assignment
 
 from .test_balanced_assignment import instance, optimum
 
-ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "python_tests" / "emulate" / "balanced_assignment_cuda.cpp"
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "python_tests" / "ops" / "emulate" / "balanced_assignment_cuda.cpp"
 FORWARDS, BACKWARDS, SHUFFLED = 0, 1, 2
 DEVICE_WIDTH = 256  # move_costs_kernel's block size
 

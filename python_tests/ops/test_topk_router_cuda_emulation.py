@@ -1,7 +1,7 @@
 """The CUDA topk_router kernels' logic, executed on the host.
 
 csrc/cuda/topk_router.cu is only compiled here (no GPU). Its row algorithm is written once in
-csrc/include/moe_kernels/topk_router_row.h over a warp executor; python_tests/emulate/
+csrc/include/moe_kernels/topk_router_row.h over a warp executor; python_tests/ops/emulate/
 topk_router_cuda.cpp (built with g++ below) runs it with the 32 lanes in sequence and the
 device's butterfly reductions. What this checks: the device algorithm's selection (ties, NaN,
 -inf, groups, bias), weights and fused backward against the reference, and that every warp
@@ -23,8 +23,8 @@ from moe_kernels import reference
 
 from .test_topk_router import ROUTER_IDS, ROUTERS, assert_same_selection, kwargs_for
 
-ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "python_tests" / "emulate" / "topk_router_cuda.cpp"
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "python_tests" / "ops" / "emulate" / "topk_router_cuda.cpp"
 SCORING = {"softmax": 0, "sigmoid": 1}
 GROUP_SCORING = {"top2_sum": 0, "max": 1}
 i64, f64, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p

@@ -3,7 +3,7 @@
 // the host loop, with a sequential executor. Each for_each visits its items forwards, backwards
 // or in a shuffled order, and blocks of move_costs run in that order too, so a phase whose result
 // depended on the order of its items (a race on the device) shows up as a changed result.
-// Built and run by python_tests/test_balanced_assignment_cuda_emulation.py with g++.
+// Built and run by python_tests/ops/test_balanced_assignment_cuda_emulation.py with g++.
 //
 // Usage: balanced_assignment_cuda <in> <out>
 //   in:  int64 n, k, capacity, float64 (1) or float32 (0), width, order (0 forwards,
