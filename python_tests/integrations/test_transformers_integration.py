@@ -266,7 +266,7 @@ def test_import_moe_kernels_does_not_import_transformers():
 def test_readme_section_runs():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = text.index("```python", text.index("## Use with Hugging Face transformers")) + len("```python")
     namespace = {"model": tiny_model("qwen3_moe")}
     exec(compile(text[start : text.index("```", start)], "README.md", "exec"), namespace)
@@ -276,7 +276,7 @@ def test_readme_section_runs():
 def test_example_runs():
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "transformers_drop_in.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "transformers_drop_in.py"
     out = subprocess.run(
         [sys.executable, str(example), "--family", "mixtral", "--tokens", "64", "--repeats", "1"],
         check=True,
