@@ -1,4 +1,4 @@
-"""What every rank of a spawned gloo group runs for python_tests/test_expert_parallel.py.
+"""What every rank of a spawned gloo group runs for python_tests/parallel/test_expert_parallel.py.
 
 A run is one process group (W processes, gloo on 127.0.0.1) executing a list of checks in order;
 each check records (name, "ok" | "fail", detail, seconds) on a queue the test reads. Spawning
