@@ -188,7 +188,7 @@ def under_tests(path: Path) -> str:
 # paths under python_tests/.
 HEAVY = (
     "ops/test_fuzz.py",
-    "test_gpu.py",
+    "backends/test_gpu.py",
     "ops/test_topk_router.py",
     "ops/test_topk_softmax.py",
     "ops/test_dispatch.py",
@@ -198,7 +198,7 @@ HEAVY = (
     "ops/test_balanced_assignment.py",
     "ops/test_nonfinite.py",
 )
-SPLIT = ("ops/test_fuzz.py", "test_gpu.py")
+SPLIT = ("ops/test_fuzz.py", "backends/test_gpu.py")
 
 
 def units(files: list[Path]) -> list[str]:

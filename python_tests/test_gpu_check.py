@@ -37,7 +37,7 @@ def test_gpu_check_smoke(tmp_path):
             "--groups",
             "2",
             "--files",
-            "python_tests/test_devices.py",
+            "python_tests/backends/test_device_axis.py",
             "python_tests/ops/test_smooth_step.py",
         ],
         cwd=ROOT,

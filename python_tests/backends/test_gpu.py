@@ -646,13 +646,13 @@ def test_ops_on_second_device(gpu_backend):
     a Triton kernel launched on the current device with another device's pointers faults, and
     the fault is sticky."""
     code = (
-        f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE / 'support')!r}]; import test_gpu; "
+        f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent / 'support')!r}]; import test_gpu; "
         f"test_gpu._second_device_main({gpu_backend!r}, 256)"
     )
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=HERE.parent, capture_output=True, text=True, timeout=240, env=env
+        [sys.executable, "-c", code], cwd=HERE.parents[1], capture_output=True, text=True, timeout=240, env=env
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, f"the subprocess gave no report (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
