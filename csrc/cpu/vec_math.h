@@ -28,7 +28,7 @@ namespace vec_math {
 #define MK_VEC_INLINE MK_VECTORISE inline __attribute__((always_inline))
 
 // MOE_KERNELS_NO_CLONES builds one variant for the compiler's own target flags: the tests compile
-// row_vector.cpp that way for each instruction set (python_tests/test_isa_variants.py), since a
+// row_vector.cpp that way for each instruction set (python_tests/builds/test_isa_variants.py), since a
 // machine runs only the clone it supports.
 #if defined(MK_ISA_DISPATCH)
 #define MK_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))

@@ -1,5 +1,5 @@
-"""nvcc for the tests that compile CUDA sources without a GPU (test_cuda_compile.py,
-test_build_config.py): its path, or the test skips saying nvcc is missing. With
+"""nvcc for the tests that compile CUDA sources without a GPU (builds/test_cuda_compile.py,
+builds/test_config.py): its path, or the test skips saying nvcc is missing. With
 MOE_KERNELS_REQUIRE_NVCC=1 (.ci/run sets it: this project's machines have the CUDA toolkit) a
 missing nvcc is a failure instead, so CI cannot lose those checks quietly."""
 

@@ -19,7 +19,7 @@ import pytest
 import moe_kernels
 from moe_kernels import _extension, backends
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # An editable install of the package (make build: pip install -e .) adds a finder after the path
 # finder that maps every moe_kernels.* name to the tree it was installed from: it would find that

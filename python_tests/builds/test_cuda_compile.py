@@ -17,7 +17,7 @@ import pytest
 import setup_py
 from cuda_toolkit import nvcc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CU_FILES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
 
 

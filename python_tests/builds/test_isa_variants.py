@@ -2,9 +2,9 @@
 and checked against a scalar specification: the row selections (csrc/cpu/row_vector.cpp, the
 candidate filter of row_candidates.cpp, the top-2 by values of row_top2.cpp, the top eight in
 registers of row_top8.cpp, and the softmax terms and sums with row_exp_terms.cpp's table exp
-where the variant has AVX-512 F, checked by python_tests/isa/row_vector_check.cpp) and
+where the variant has AVX-512 F, checked by python_tests/builds/isa/row_vector_check.cpp) and
 batchwise_mask's sampled-threshold select (csrc/cpu/batchwise_filter.cpp, checked by
-python_tests/isa/batchwise_filter_check.cpp).
+python_tests/builds/isa/batchwise_filter_check.cpp).
 
 The extension compiles them for AVX-512, AVX2 and SSE2 and runs only the variant the CPU supports,
 so without this test the others (what an AVX2-only user runs) would never execute here. Each build
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # (driver, the sources it checks, the least count of rows or columns a run must report checked)
 CHECKS = [
     (
@@ -77,7 +77,7 @@ def test_per_instruction_set(name, flags, needs, driver, sources, least, tmp_pat
         *flags,
         f"-I{ROOT / 'csrc' / 'include'}",
         f"-I{ROOT / 'csrc' / 'cpu'}",
-        str(ROOT / "python_tests" / "isa" / driver),
+        str(ROOT / "python_tests" / "builds" / "isa" / driver),
         *(str(ROOT / "csrc" / "cpu" / source) for source in sources),
         "-o",
         str(exe),

@@ -1,6 +1,6 @@
 // The sampled-threshold select of csrc/cpu/batchwise_filter.cpp checked against a scalar
 // specification (each column's (key, token) pairs sorted, the first m kept), built once per
-// instruction set by python_tests/test_isa_variants.py with MOE_KERNELS_NO_CLONES, since the
+// instruction set by python_tests/builds/test_isa_variants.py with MOE_KERNELS_NO_CLONES, since the
 // extension runs only the row pass its machine supports. The candidate lists are checked exactly;
 // columns select_candidates must decline (too few or too many candidates) are counted, not
 // selected: the extension selects them whole.

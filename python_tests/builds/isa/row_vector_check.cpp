@@ -1,5 +1,5 @@
 // The row selections of csrc/cpu/row_vector.cpp checked against a scalar specification (every
-// rank pair of the row, sorted), built once per instruction set by python_tests/test_isa_variants.py
+// rank pair of the row, sorted), built once per instruction set by python_tests/builds/test_isa_variants.py
 // with MOE_KERNELS_NO_CLONES: the extension's load-time dispatch runs only the clone the machine
 // supports, so the AVX2 and SSE2 variants are otherwise never executed where AVX-512 exists.
 // Also the softmax terms and sums, and the renormalised weights (row_exp_terms.cpp where the

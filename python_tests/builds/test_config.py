@@ -13,7 +13,7 @@ import pytest
 import setup_py as build_setup
 from cuda_toolkit import nvcc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
