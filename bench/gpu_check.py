@@ -12,7 +12,8 @@ nothing:
 Each step writes its log into the output folder (GPU_OUT, `--out`) as it goes, and the report
 (report.md there) is rewritten after every step, so a run cut off at any point leaves everything
 up to there. Without a GPU it still builds and runs the test step, whose GPU cases are skipped
-with their reason, and skips the benchmarks (the suite's smoke form: test_gpu_check.py).
+with their reason, and skips the benchmarks (the suite's smoke form:
+python_tests/bench/test_gpu_check.py).
 
     make gpu-check GPU_OUT=/tmp/gpu          (or: python3 bench/gpu_check.py --out /tmp/gpu)
 """

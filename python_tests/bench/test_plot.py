@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ["op", "provider", "mode", "config", "median_ms", "p20_ms", "p80_ms", "gb_per_s", "machine", "commit"]
 
 
