@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dselect_recovery.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "dselect_recovery.py"
 
 
 def load():

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "aux_loss_free.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "aux_loss_free.py"
 
 
 def test_quick_run(tmp_path):

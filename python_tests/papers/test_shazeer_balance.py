@@ -5,7 +5,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shazeer_balance.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "shazeer_balance.py"
 
 
 def load_example():

@@ -4,7 +4,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "batchwise_thresholds.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "batchwise_thresholds.py"
 
 
 def test_example_runs_and_reports_sane_numbers():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "examples" / "kool_toy.py"
+PATH = Path(__file__).resolve().parents[2] / "examples" / "kool_toy.py"
 spec = importlib.util.spec_from_file_location("kool_toy", PATH)
 kool_toy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kool_toy)
