@@ -443,7 +443,8 @@ def markdown(rows: list[dict], device: str) -> str:
 
 def smoke() -> int:
     """Every case of a tiny grid called once on CPU tensors (ours with this process's backend, and
-    the torch sequence): the cases' inputs, signatures and gradients hold together (test_gpu_check.py)."""
+    the torch sequence): the cases' inputs, signatures and gradients hold together
+    (python_tests/bench/test_gpu_check.py)."""
     global DEV
     DEV = "cpu"
     cases = grid(False, smoke=True)

@@ -12,7 +12,8 @@ nothing:
 Each step writes its log into the output folder (GPU_OUT, `--out`) as it goes, and the report
 (report.md there) is rewritten after every step, so a run cut off at any point leaves everything
 up to there. Without a GPU it still builds and runs the test step, whose GPU cases are skipped
-with their reason, and skips the benchmarks (the suite's smoke form: test_gpu_check.py).
+with their reason, and skips the benchmarks (the suite's smoke form:
+python_tests/bench/test_gpu_check.py).
 
     make gpu-check GPU_OUT=/tmp/gpu          (or: python3 bench/gpu_check.py --out /tmp/gpu)
 """
@@ -33,6 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+TESTS = ROOT / "python_tests"
 
 
 def probe() -> dict:
@@ -173,33 +175,44 @@ def quick_check(run: Run, *, timeout: float) -> bool:
 
 
 def test_files() -> list[Path]:
-    return sorted((ROOT / "python_tests").glob("test_*.py"))
+    """Every test file of the suite, in python_tests/ and its folders (ops/, gates/, ...)."""
+    return sorted(TESTS.rglob("test_*.py"))
+
+
+def under_tests(path: Path) -> str:
+    """A test file's path under python_tests/ ("ops/test_dispatch.py"), as HEAVY and SPLIT name it."""
+    return path.relative_to(TESTS).as_posix()
 
 
 # Files whose GPU cases take longest (many parametrisations, Triton compiles, hypothesis): spread
-# over the groups first. SPLIT files go to the groups test function by test function.
+# over the groups first. SPLIT files go to the groups test function by test function. Both name
+# paths under python_tests/.
 HEAVY = (
-    "test_fuzz_ops.py",
-    "test_gpu.py",
-    "test_topk_router.py",
-    "test_topk_softmax.py",
-    "test_dispatch.py",
-    "test_load_probabilities.py",
-    "test_batchwise_mask.py",
-    "test_noisy_topk_gate.py",
-    "test_balanced_assignment.py",
-    "test_nonfinite.py",
+    "ops/test_fuzz.py",
+    "backends/test_gpu.py",
+    "ops/test_topk_router.py",
+    "ops/test_topk_softmax.py",
+    "ops/test_dispatch.py",
+    "ops/test_load_probabilities.py",
+    "ops/test_batchwise_mask.py",
+    "ops/test_noisy_topk_gate.py",
+    "ops/test_balanced_assignment.py",
+    "ops/test_nonfinite.py",
 )
-SPLIT = ("test_fuzz_ops.py", "test_gpu.py")
+SPLIT = ("ops/test_fuzz.py", "backends/test_gpu.py")
 
 
 def units(files: list[Path]) -> list[str]:
     """pytest arguments, heavy first: a SPLIT file's test functions one by one, other files whole."""
-    ordered = sorted(files, key=lambda p: (p.name not in HEAVY, HEAVY.index(p.name) if p.name in HEAVY else 0, p.name))
+
+    def order(path: Path) -> tuple:
+        name = under_tests(path)
+        return (name not in HEAVY, HEAVY.index(name) if name in HEAVY else 0, name)
+
     out = []
-    for path in ordered:
+    for path in sorted(files, key=order):
         rel = str(path.relative_to(ROOT))
-        if path.name in SPLIT:
+        if under_tests(path) in SPLIT:
             names = re.findall(r"^def (test_\w+)\(", path.read_text(), re.M)
             out += [f"{rel}::{name}" for name in names] or [rel]
         else:
@@ -320,7 +333,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--full-bench", action="store_true", help="the benchmarks' full grid (slow)")
     parser.add_argument("--marker", default="gpu", help="pytest -m expression for the test step")
-    parser.add_argument("--files", nargs="*", help="test files (default: every python_tests/test_*.py)")
+    parser.add_argument("--files", nargs="*", help="test files (default: every python_tests/**/test_*.py)")
     args = parser.parse_args(argv)
 
     run = Run(Path(args.out).resolve(), probe())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests" / "support"))
 from hf_tiny import GENERATES, tiny_model  # noqa: E402  (the test suite's tiny configs)
 
 from moe_kernels.integrations.transformers import apply_moe_kernels  # noqa: E402

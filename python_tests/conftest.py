@@ -5,10 +5,13 @@ The suite runs twice (see the Makefile's `test` target):
   2. under TRITON_INTERPRET=1 with `-m triton`: the Triton kernels on CPU tensors.
 TRITON_INTERPRET must be set before triton decorates a kernel, hence a separate process.
 
-The device axis (python_tests/devices.py): tests taking `backend` also run with the GPU backends
+The device axis (python_tests/support/devices.py): tests taking `backend` also run with the GPU backends
 "cuda:cuda" and "cuda:triton" on CUDA tensors, skipped with the reason where no GPU is present
 (`pytest -rs` lists them). `kernel_backend` tests (opcheck, torch.compile) stay on CPU backends:
 they name the registered op directly; the CUDA registrations are checked by `make check-cuda-build`.
+
+The shared helpers (devices, shapes, tolerances, ...) are in python_tests/support/, which
+pyproject.toml's `pythonpath` puts on sys.path: tests import them by their bare names.
 """
 
 import os
@@ -80,7 +83,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "triton: runs a Triton kernel (needs TRITON_INTERPRET=1 on CPU)")
     config.addinivalue_line("markers", "gpu: runs on a CUDA device (make gpu-check runs `pytest -m gpu`)")
     config.addinivalue_line("markers", "slow: long-running (paper reproductions)")
-    config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (test_fuzz_ops.py)")
+    config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (ops/test_fuzz.py)")
 
 
 def pytest_runtest_logreport(report):

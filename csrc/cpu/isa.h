@@ -14,9 +14,9 @@
 //    target of the region its definition is parsed in).
 //
 // MOE_KERNELS_NO_CLONES (and any compiler or platform but GCC on x86-64 glibc) builds a single
-// variant: the one the compiler's own flags allow. python_tests/test_isa_variants.py builds the
+// variant: the one the compiler's own flags allow. python_tests/builds/test_isa_variants.py builds the
 // per-ISA code that way for each instruction set with -march flags, since a machine runs only the
-// variant it supports; every variant must produce the same bits (python_tests/isa/ checks them).
+// variant it supports; every variant must produce the same bits (python_tests/builds/isa/ checks them).
 #pragma once
 
 #include "moe_kernels/common.h"  // MK_ALWAYS_INLINE

@@ -7,7 +7,7 @@ Implementations: reference (moe_kernels/reference/topk_router.py), C++ CPU
 (csrc/cpu/topk_router.cpp, forward and backward fused), Triton (moe_kernels/triton/topk_router.py,
 forward; its backward is _backward_from_logits in torch), CUDA (csrc/cuda/topk_router.cu, forward
 and backward fused, float64 included; its row algorithm is tested on the host by
-python_tests/test_topk_router_cuda_emulation.py). backends.py chooses among them.
+python_tests/ops/test_topk_router_cuda_emulation.py). backends.py chooses among them.
 """
 
 import math

@@ -103,7 +103,7 @@ def row_tile_config(num_rows: int, row_width: int, tile: int, per_thread: int):
 
 
 def on_tensor_device(launcher):
-    """Decorator of every function that launches a kernel (python_tests/test_triton_launch_device.py
+    """Decorator of every function that launches a kernel (python_tests/backends/test_triton_launch_device.py
     checks): runs it with the current CUDA device set to the device of its first tensor argument.
 
     A Triton launch goes to the current device and its current stream, not the tensors' device, so

@@ -282,7 +282,7 @@ def _(grad_gates, grad_selectors, alpha, z, num_experts, gamma):
     )
 
 
-# Ahead-of-time specialisations (python_tests/test_triton_aot.py): each dtype, with and without
+# Ahead-of-time specialisations (python_tests/builds/test_triton_aot.py): each dtype, with and without
 # selectors, a many-row tile (n = 16) and the widest single-row tile (n = MAX_EXPERTS).
 def _aot(kernel, dt, flag, num_experts, k=4):
     L = triton.next_power_of_2(num_experts)

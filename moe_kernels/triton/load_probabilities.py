@@ -139,7 +139,7 @@ def _(clean_logits, noisy_logits, noise_stddev, k):
     return noisy_logits.new_empty((T, E)), noisy_logits.new_empty((T, k + 1), dtype=torch.int64)
 
 
-# For python_tests/test_triton_aot.py: each dtype, a many-row tile and the widest single-row tile.
+# For python_tests/builds/test_triton_aot.py: each dtype, a many-row tile and the widest single-row tile.
 def _aot(dt, num_experts):
     _, block_t, block_e, num_warps = launch_config(1 << 20, num_experts)
     signature = {

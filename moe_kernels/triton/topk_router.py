@@ -196,7 +196,7 @@ def _(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormal
     return logits.new_empty((T, k), dtype=torch.float32), logits.new_empty((T, k), dtype=torch.int64)
 
 
-# For the ahead-of-time compile test (python_tests/test_triton_aot.py): the Mixtral-style softmax
+# For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): the Mixtral-style softmax
 # router, the DeepSeek-V3 grouped sigmoid router at E = 256, a biased bf16 router, the widest row.
 def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True):
     _, block_t, block_e, num_warps = launch_config(1 << 20, num_experts)

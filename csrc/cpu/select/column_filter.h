@@ -1,5 +1,5 @@
 // The sampled-threshold select of batchwise_mask on CPU (csrc/cpu/batchwise_mask.cpp), without
-// torch headers so that python_tests/isa/ builds and checks it for each instruction set.
+// torch headers so that python_tests/builds/isa/ builds and checks it for each instruction set.
 //
 // For a column of T scores and m << T, a radix select over the whole column costs several passes
 // over T keys. Instead: a strided sample of S rows gives each column a lower bound `lo` that about

@@ -1,7 +1,7 @@
 // The phases of the CUDA balanced-assignment solver (csrc/cuda/balanced_assignment.cu), written
 // once over plain arrays and an executor `Exec`, so that the same code runs on the device (Exec =
 // one CUDA block: for_each spreads items over the threads, barrier is __syncthreads) and
-// sequentially on the host (python_tests/emulate/balanced_assignment_cuda.cpp runs every phase
+// sequentially on the host (python_tests/ops/emulate/balanced_assignment_cuda.cpp runs every phase
 // with the items of each for_each visited forwards, backwards or shuffled, and checks the result
 // against scipy). docs/balanced_assignment.md describes the design.
 //

@@ -1,5 +1,5 @@
 // topk_router's row algorithm for the CUDA kernels (csrc/cuda/topk_router.cu), written once over a
-// warp executor so that the host emulation (python_tests/emulate/topk_router_cuda.cpp) runs this
+// warp executor so that the host emulation (python_tests/ops/emulate/topk_router_cuda.cpp) runs this
 // very code, reductions in the device's butterfly order, against the reference. No torch headers.
 //
 // One warp owns a row. Every step is either a reduction over the row (the warp's lanes take

@@ -1,0 +1,147 @@
+"""The CUDA balanced-assignment solver's logic, executed on the host.
+
+csrc/cuda/balanced_assignment.cu is only compiled here (no GPU). Its phases are written once in
+csrc/include/moe_kernels/balanced_assignment_steps.h over plain arrays and an executor;
+python_tests/ops/emulate/balanced_assignment_cuda.cpp (built with g++ below) runs them with a
+sequential executor in the kernels' order. What this checks: the device algorithm is exactly
+optimal (scipy on the expanded matrix), agrees with the C++ CPU kernel where the optimum is unique,
+and its result does not depend on the order of the items of any parallel phase nor on the block
+width (a phase whose items depended on each other, i.e. a race on the device, would change it).
+What it cannot check: the CUDA execution itself (barriers, atomics, shared memory, the host loop).
+"""
+
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from shapes import ASSIGNMENT_SHAPES
+
+import moe_kernels
+from moe_kernels import _extension
+from moe_kernels.ops import balanced_assignment
+
+from .test_balanced_assignment import instance, optimum
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "python_tests" / "ops" / "emulate" / "balanced_assignment_cuda.cpp"
+FORWARDS, BACKWARDS, SHUFFLED = 0, 1, 2
+DEVICE_WIDTH = 256  # move_costs_kernel's block size
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx is not None, "no C++ compiler found"
+    exe = tmp_path_factory.mktemp("emulate") / "balanced_assignment_cuda"
+    cmd = [cxx, "-O2", "-std=c++20", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'csrc' / 'include'}"]
+    cmd += [str(DRIVER), "-o", str(exe)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return exe
+
+
+def emulate(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0):
+    """Runs the device algorithm on the host. Returns (experts [n] int64, value float,
+    distances [k, k] float64, rounds, auction iterations)."""
+    n, k = scores.shape
+    x = scores.numpy()
+    f64 = x.dtype == np.float64
+    path = exe.parent / "in.bin"
+    result = exe.parent / "out.bin"
+    with open(path, "wb") as f:
+        np.array([n, k, capacity, int(f64), width, order, seed], dtype=np.int64).tofile(f)
+        x.astype(np.float64 if f64 else np.float32).tofile(f)
+    out = subprocess.run([str(exe), str(path), str(result)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    raw = result.read_bytes()
+    converged, rounds, iterations = np.frombuffer(raw[:24], dtype=np.int64)
+    assert converged == 1, "a guard tripped (auction iterations or rounds)"
+    experts = np.frombuffer(raw[24 : 24 + 8 * n], dtype=np.int64)
+    value = float(np.frombuffer(raw[24 + 8 * n : 32 + 8 * n], dtype=np.float64)[0])
+    dist = np.frombuffer(raw[32 + 8 * n :], dtype=np.float64).reshape(k, k)
+    return torch.from_numpy(experts.copy()), value, torch.from_numpy(dist.copy()), int(rounds), int(iterations)
+
+
+def check_optimal(scores, capacity, experts, value):
+    n, k = scores.shape
+    assert experts.min() >= 0 and experts.max() < k
+    assert torch.bincount(experts, minlength=k).max() <= capacity, "capacity exceeded"
+    achieved = float(scores.double()[torch.arange(n), experts].sum())
+    assert math.isclose(value, achieved, rel_tol=0, abs_tol=1e-9)
+    scale = max(1.0, float(scores.abs().max()))
+    assert achieved >= optimum(scores, capacity) - 1e-9 * scale * n, "suboptimal"
+
+
+@pytest.mark.parametrize("kind", ["randn", "integer", "equal", "wide"])
+def test_optimal_on_many_random_instances(emulator, kind):
+    """Every parallel phase visited forwards, backwards or shuffled, at block widths 1, 7 and 256."""
+    g = torch.Generator().manual_seed(11)
+    for t in range(45):
+        n = int(torch.randint(1, 41, (1,), generator=g))
+        k = int(torch.randint(1, 10, (1,), generator=g))
+        capacity = math.ceil(n / k) + int(torch.randint(0, 3, (1,), generator=g))
+        scores = instance(100 + t, n, k, kind)
+        experts, value, _, _, _ = emulate(emulator, scores, capacity, width=(1, 7, 256)[t % 3], order=t % 3, seed=t)
+        check_optimal(scores, capacity, experts, value)
+
+
+@pytest.mark.parametrize("n,k,capacity", [s for s in ASSIGNMENT_SHAPES if s[0] > 0])  # n = 0 never reaches the launcher
+@pytest.mark.parametrize("kind", ["randn", "integer"])
+def test_edge_shapes(emulator, n, k, capacity, kind):
+    scores = instance(n * 31 + k, n, k, kind)
+    cap = capacity if capacity is not None else max(1, math.ceil(n / k))
+    experts, value, dist, _, _ = emulate(emulator, scores, cap, order=SHUFFLED)
+    check_optimal(scores, cap, experts, value)
+    assert torch.equal(dist.diagonal(), torch.zeros(k, dtype=torch.float64))
+    if k * cap == n:  # no free slot: every expert is exactly full
+        assert torch.equal(torch.bincount(experts, minlength=k), torch.full((k,), cap))
+
+
+@pytest.mark.skipif(not _extension.LOADED, reason="needs the C++ CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,k", [(96, 8), (100, 7), (256, 16), (1000, 32), (4096, 64)])
+def test_matches_cpu_kernel(emulator, n, k, dtype):
+    """Same rules and float64 arithmetic: on randn scores (a unique optimum) the same experts and
+    bit-identical d* as the C++ kernel, whose own auction differs (sequential bidding). The
+    emulator sums the value in token order, as the CPU does (the device's block sum may differ in
+    the last bits)."""
+    for seed in range(2):
+        scores = instance(seed, n, k, "randn").to(dtype)
+        with moe_kernels.use_backend("cpu"):
+            e_cpu, v_cpu, d_cpu = balanced_assignment(scores, return_distances=True)
+        experts, value, dist, _, _ = emulate(emulator, scores, math.ceil(n / k), order=SHUFFLED, seed=seed)
+        assert torch.equal(experts, e_cpu)
+        assert value == float(v_cpu)
+        assert torch.equal(dist, d_cpu)
+
+
+def halves(seed: int, n: int, k: int) -> torch.Tensor:
+    """randn rounded to multiples of 1/2: many tied bids and tied move costs on cycle edges."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.round(torch.randn(n, k, generator=g) * 2) / 2
+
+
+# Free slots on every shape (up to 13 rounds), so tied argmin tokens end up on cycle edges.
+@pytest.mark.parametrize("n,k,capacity", [(61, 6, 12), (150, 10, 18), (40, 4, 12), (90, 9, 10)])
+def test_independent_of_item_order_and_width(emulator, n, k, capacity):
+    """Experts, d*, rounds and auction iterations identical whatever order the items of each
+    parallel phase (and the blocks of move_costs) run in and whatever the block width: the device
+    result is deterministic. On these tie-heavy instances, breaking either tie rule (better_move,
+    holder_worse) makes the order matter (checked by hand: 2 and 21 of the 24 instances change)."""
+    for seed in range(6):
+        scores = halves(seed, n, k)
+        runs = [
+            emulate(emulator, scores, capacity, width=width, order=order, seed=s)
+            for width in (1, DEVICE_WIDTH)
+            for order, s in ((FORWARDS, 0), (BACKWARDS, 0), (SHUFFLED, seed + 1))
+        ]
+        experts, value, dist, rounds, iterations = runs[0]
+        check_optimal(scores, capacity, experts, value)
+        for e, v, d, r, it in runs[1:]:
+            assert torch.equal(e, experts) and torch.equal(d, dist)
+            assert (r, it) == (rounds, iterations)
+            assert math.isclose(v, value, rel_tol=1e-15, abs_tol=1e-12)  # summation order only

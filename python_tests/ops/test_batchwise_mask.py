@@ -1,0 +1,317 @@
+"""batchwise_mask (eq 18) and threshold_mask (eq 19): every backend against the reference, exactly
+m tokens per expert on adversarial input, the expert-choice layout, and bad arguments."""
+
+import contextlib
+
+import pytest
+import torch
+from shapes import (
+    ADVERSARIAL_KINDS,
+    BATCHWISE_SHAPES,
+    DTYPES,
+    SMALL_BATCHWISE_SHAPES,
+    adversarial_logits,
+    subnormal_values,
+)
+
+import moe_kernels
+from moe_kernels import reference
+from moe_kernels.ops import batchwise_mask, threshold_mask
+
+
+def run(backend, scores, m, return_indices=True):
+    with moe_kernels.use_backend(backend):
+        return batchwise_mask(scores, m, return_indices=return_indices)
+
+
+def shapes_for(backend):
+    return SMALL_BATCHWISE_SHAPES if backend == "triton" else BATCHWISE_SHAPES
+
+
+def check_layout(mask, tokens, m):
+    """Exactly m per expert, and the token lists are the mask's columns in ascending order."""
+    T, E = mask.shape
+    assert mask.dtype == torch.bool and tokens.dtype == torch.int64
+    assert tokens.shape == (E, m)
+    assert mask.sum(0).tolist() == [m] * E
+    if m:
+        assert (tokens[:, 1:] > tokens[:, :-1]).all(), "token lists must be strictly ascending"
+        rebuilt = torch.zeros(T, E, dtype=torch.bool)
+        rebuilt[tokens, torch.arange(E)[:, None].expand(E, m)] = True
+        assert torch.equal(rebuilt, mask)
+
+
+def brute_force(scores, m):
+    """eq 18 by counting: token j is kept by expert i iff fewer than m tokens rank above it, where
+    `a ranks above b` is (value, -index) order with NaN highest and -0 == +0."""
+    x = scores.double()
+    T, E = x.shape
+    key = torch.where(torch.isnan(x), torch.inf, x)
+    nan = torch.isnan(x)
+    out = torch.zeros(T, E, dtype=torch.bool)
+    for i in range(E):
+        for j in range(T):
+            above = 0
+            for j2 in range(T):
+                if j2 == j:
+                    continue
+                a, b = (nan[j2, i], key[j2, i]), (nan[j, i], key[j, i])
+                if a > b or (a == b and j2 < j):
+                    above += 1
+            out[j, i] = above < m
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_random(backend, dtype):
+    for T, E, m in shapes_for(backend):
+        scores = torch.randn(T, E, generator=torch.Generator().manual_seed(T * 100 + E)).to(dtype)
+        mask, tokens = run(backend, scores, m)
+        ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+        check_layout(mask, tokens, m)
+        assert torch.equal(mask, ref_mask), (T, E, m)
+        assert torch.equal(tokens, ref_tokens), (T, E, m)
+
+
+@pytest.mark.parametrize("kind", ADVERSARIAL_KINDS + ["nan"])
+def test_adversarial_exactly_m(backend, kind):
+    for T, E, m in [(9, 4, 3), (12, 3, 12), (5, 1, 1), (20, 2, 7)]:
+        if kind == "nan":
+            scores = torch.randn(T, E, generator=torch.Generator().manual_seed(T))
+            scores[torch.rand(T, E, generator=torch.Generator().manual_seed(1)) < 0.3] = float("nan")
+        else:
+            scores = adversarial_logits(kind, T, E)
+        mask, tokens = run(backend, scores, m)
+        check_layout(mask, tokens, m)
+        ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+        assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens), kind
+
+
+def test_reference_against_brute_force():
+    """The reference's sort-based statement agrees with eq 18 written as counting."""
+    for kind in ["random", "ties", "neg_inf", "signed_zero"]:
+        scores = adversarial_logits(kind, 11, 3, seed=2)
+        scores[3, 1] = float("nan")
+        for m in (0, 1, 4, 11):
+            assert torch.equal(reference.batchwise_mask(scores, m)[0], brute_force(scores, m)), (kind, m)
+
+
+def test_ties_go_to_lower_token(backend):
+    scores = torch.tensor([[1.0, -0.0], [3.0, 0.0], [3.0, float("-inf")], [0.0, 0.0], [3.0, float("nan")]])
+    mask, tokens = run(backend, scores, 2)
+    assert tokens.tolist() == [[1, 2], [0, 4]]  # expert 1: NaN first, then the first of the zeros
+    assert mask.tolist() == [[False, True], [True, False], [True, False], [False, False], [False, True]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_subnormal_scores(backend, dtype):
+    """Issue 34, defect 3: denormal scores rank by their values on every backend (the Triton
+    kernel, in the interpreter, read bfloat16 denormals as other numbers)."""
+    v = subnormal_values(dtype)
+    scores = torch.stack([v, v.flip(0), v.roll(5)], 1)  # [T, 3]
+    for m in (1, 3, v.numel() // 2):
+        mask, tokens = run(backend, scores, m)
+        want_mask, want_tokens = reference.batchwise_mask(scores, m)
+        assert torch.equal(tokens, want_tokens), (m, tokens, want_tokens)
+        assert torch.equal(mask, want_mask)
+
+
+def test_neg_inf_still_counts(backend):
+    scores = torch.full((6, 3), float("-inf"))
+    scores[4, 0] = 1.0
+    mask, tokens = run(backend, scores, 3)
+    assert tokens.tolist() == [[0, 1, 4], [0, 1, 2], [0, 1, 2]]
+    check_layout(mask, tokens, 3)
+
+
+def test_mask_only_by_default(backend):
+    scores = torch.randn(10, 4)
+    with moe_kernels.use_backend(backend):
+        mask = batchwise_mask(scores, 3)
+    assert isinstance(mask, torch.Tensor) and torch.equal(mask, reference.batchwise_mask(scores, 3)[0])
+
+
+def test_non_contiguous(backend):
+    base = torch.randn(12, 80)
+    scores = base.t()[:, ::2]  # [80, 6], strides (1, 160)
+    assert not scores.is_contiguous()
+    mask, tokens = run(backend, scores, 9)
+    ref_mask, ref_tokens = reference.batchwise_mask(scores.contiguous(), 9)
+    assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
+
+
+def test_larger_batch_many_experts(kernel_backend):
+    """A multi-tile column per expert; in C++ big enough (T x 16 experts >= 2^18 scores) to
+    run several tasks in parallel, with a last group of fewer experts."""
+    T, E, m = (700, 5, 35) if kernel_backend == "triton" else (20000, 40, 1000)
+    scores = torch.randn(T, E, generator=torch.Generator().manual_seed(5)).half()  # fp16: many ties
+    mask, tokens = run(kernel_backend, scores, m)
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+    check_layout(mask, tokens, m)
+    assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
+
+
+def sampled_threshold_scores(T, E, seed):
+    """Columns for the C++ kernel's sampled-threshold select (csrc/cpu/select/column_filter.h, T >= 4096,
+    m << T), including columns it must hand back to the whole-column select: one whose sampled rows
+    (every 16th at T = 8192) hold its largest scores, so the sample's bound leaves fewer than m
+    candidates; one constant (every score a candidate, more than the lists hold)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, E, generator=g)
+    x[::16, 0] += 10.0
+    x[:, 1] = 0.5
+    x[:, 2] = torch.linspace(-1, 1, T)
+    x[torch.rand(T, generator=g) < 0.05, 3] = float("nan")
+    x[torch.rand(T, generator=g) < 0.9, 4] = float("-inf")
+    x[:, 5] = (x[:, 5] * 4).round() / 4  # many ties at every threshold
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 37, 300, 2000])
+def test_sampled_threshold_select(dtype, m):
+    if not moe_kernels._extension.has_kernel("batchwise_mask", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    scores = sampled_threshold_scores(8192, 23, seed=m).to(dtype)
+    for x in (scores, scores.t().contiguous().t()):  # row-major, and strided (converted by rows)
+        with moe_kernels.use_backend("cpu"):
+            mask, tokens = batchwise_mask(x, m, return_indices=True)
+        ref_mask, ref_tokens = reference.batchwise_mask(x, m)
+        check_layout(mask, tokens, m)
+        assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (dtype, m, x.stride())
+
+
+@contextlib.contextmanager
+def torch_threads(threads):
+    """torch's intra-op threads set for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("E, threads", [(64, 1), (128, 2), (200, 1), (65, 2)])
+def test_sampled_threshold_select_row_words(E, threads):
+    """The row pass's word shapes: one 64-column word per row (its own instance; E = 128 split
+    between two threads is 64 per task), several words per row with a short last one (words of one
+    row, and of consecutive rows, share an append loop), and 65 (a word of one column)."""
+    if not moe_kernels._extension.has_kernel("batchwise_mask", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    T = 8192
+    m = 2 * T // E
+    scores = sampled_threshold_scores(T, E, seed=E)
+    with torch_threads(threads), moe_kernels.use_backend("cpu"):
+        mask, tokens = batchwise_mask(scores, m, return_indices=True)
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+    check_layout(mask, tokens, m)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mask_written_in_row_blocks(threads):
+    """The C++ mask is zeroed and set a block of 256 KiB of rows at a time, each thread from its own
+    first row: a mask of several blocks, split between two threads, over memory that held ones."""
+    if not moe_kernels._extension.has_kernel("batchwise_mask", "CPU"):
+        pytest.skip("no C++ kernel in this build")
+    T, E, m = 20000, 40, 700  # blocks of 6553 rows; two threads take 10000 rows each
+    scores = sampled_threshold_scores(T, E, seed=3)
+    with torch_threads(threads), moe_kernels.use_backend("cpu"):
+        for _ in range(2):  # the second call's mask may reuse the first's memory
+            torch.ones(T, E, dtype=torch.bool).fill_(True)
+            mask, tokens = batchwise_mask(scores, m, return_indices=True)
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+    check_layout(mask, tokens, m)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
+
+
+@pytest.mark.parametrize(
+    "scores, m, error",
+    [
+        (torch.randn(4), 1, ValueError),  # 1-D
+        (torch.randn(2, 3, 4), 1, ValueError),  # 3-D
+        (torch.randn(4, 0), 1, ValueError),  # no experts
+        (torch.randn(4, 3), 5, ValueError),  # m > T
+        (torch.randn(4, 3), -1, ValueError),  # m < 0
+        (torch.randn(0, 3), 1, ValueError),  # m > T = 0
+        (torch.randn(4, 3), 1.0, TypeError),  # m not an int
+        (torch.randn(4, 3), True, TypeError),  # bool is not an int here
+        (torch.randint(0, 5, (4, 3)), 1, TypeError),  # dtype (float64 is accepted: test_float64.py)
+        ([[1.0, 2.0]], 1, TypeError),  # not a tensor
+    ],
+)
+def test_bad_arguments(scores, m, error):
+    with pytest.raises(error, match="scores|m "):
+        batchwise_mask(scores, m)
+
+
+def test_bad_return_indices():
+    with pytest.raises(TypeError, match="return_indices"):
+        batchwise_mask(torch.randn(3, 2), 1, return_indices=1)
+
+
+def test_opcheck(kernel_backend):
+    op = (
+        torch.ops.moe_kernels.batchwise_mask if kernel_backend == "cpu" else torch.ops.moe_kernels_triton.batchwise_mask
+    )
+    for T, E, m in [(7, 8, 2), (0, 4, 0), (5, 3, 5), (6, 2, 0)]:
+        torch.library.opcheck(op, (torch.randn(T, E), m))
+
+
+def test_torch_compile_fullgraph(kernel_backend):
+    def route(x):
+        mask, tokens = batchwise_mask(x, 3, return_indices=True)
+        return torch.where(mask, x, 0.0).sum(0) + tokens.sum(1)
+
+    x = torch.randn(16, 8)
+    with moe_kernels.use_backend(kernel_backend):
+        compiled = torch.compile(
+            route, fullgraph=True, backend="aot_eager" if kernel_backend == "triton" else "inductor"
+        )
+        torch.testing.assert_close(compiled(x), route(x))
+
+
+# threshold_mask (eq 19): one elementwise comparison, no kernels.
+
+
+def test_threshold_mask_values():
+    scores = torch.tensor([[0.5, 0.2, float("nan")], [0.1, -0.0, 0.3], [0.7, 0.2, float("-inf")]])
+    thresholds = torch.tensor([0.5, 0.0, float("-inf")])
+    mask = threshold_mask(scores, thresholds)
+    # strictly greater; NaN above every threshold; -0.0 is not above +0.0; -inf not above -inf
+    assert mask.tolist() == [[False, True, True], [False, False, True], [True, True, False]]
+    assert not threshold_mask(torch.tensor([[float("nan")]]), torch.tensor([float("nan")])).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threshold_mask_dtypes(dtype):
+    scores = torch.rand(20, 4).to(dtype)
+    thresholds = torch.full((4,), 0.5)
+    assert torch.equal(threshold_mask(scores, thresholds), scores.float() > 0.5)
+    assert threshold_mask(scores, thresholds.to(dtype)).shape == (20, 4)
+
+
+def test_threshold_mask_reproduces_batchwise_mask_at_its_threshold():
+    """With T_i set between the m-th and (m+1)-th score, eq 19 equals eq 18 on distinct scores."""
+    scores = torch.randn(50, 6, generator=torch.Generator().manual_seed(3))
+    m = 7
+    top = scores.sort(0, descending=True).values
+    thresholds = (top[m - 1] + top[m]) / 2
+    assert torch.equal(threshold_mask(scores, thresholds), reference.batchwise_mask(scores, m)[0])
+
+
+@pytest.mark.parametrize(
+    "scores, thresholds, error",
+    [
+        (torch.randn(4, 3), torch.randn(4), ValueError),  # wrong length
+        (torch.randn(4, 3), torch.randn(1, 3), ValueError),  # wrong rank
+        (torch.randn(4, 3), torch.randn(()), ValueError),  # scalar
+        (torch.randn(3), torch.randn(3), ValueError),  # 1-D scores
+        (torch.randn(4, 3), [0.0, 0.0, 0.0], TypeError),  # not a tensor
+        (torch.randn(4, 3), torch.zeros(3, dtype=torch.int64), TypeError),  # integer thresholds
+    ],
+)
+def test_threshold_mask_bad_arguments(scores, thresholds, error):
+    with pytest.raises(error, match="thresholds|scores"):
+        threshold_mask(scores, thresholds)
