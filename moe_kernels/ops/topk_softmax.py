@@ -49,4 +49,4 @@ def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
         renormalize=renormalize,
         scaling_factor=1.0,
     )
-    return weights.to(logits.dtype), experts
+    return (weights if weights.dtype == logits.dtype else weights.to(logits.dtype)), experts
