@@ -14,8 +14,20 @@ The shared helpers (devices, shapes, tolerances, ...) are in python_tests/suppor
 pyproject.toml's `pythonpath` puts on sys.path: tests import them by their bare names.
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
+
+# A fresh inductor cache per run unless the caller chose one: the AOT autograd cache keyed a compiled
+# backward by the forward graph, not by the Python backward an extension op registers, so a run
+# replayed a backward compiled against an earlier build's schema (topk_router_backward before its
+# ranked_by_logits argument) and the call failed. Set before anything imports torch: inductor's
+# cache_dir() writes its default into the environment when first asked.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_kernels_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 import pytest
 from devices import Backend, gpu_params, redirect
