@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -388,7 +389,10 @@ def static_replay_matches_eager(case: Case, device, backend: str, T: int, *, gra
                 with torch.cuda.graph(cuda_graph):
                     captured = forward_backward(case, static, static_cot)
             except Exception as exc:
-                pytest.fail(f"{name}: CUDA graph capture failed: {type(exc).__name__}: {exc}")
+                # The frames name the call that left the capture (a kernel, the autograd engine,
+                # the allocator): the message alone did not, on the first GPU run.
+                where = "".join(traceback.format_tb(exc.__traceback__)[-6:])
+                pytest.fail(f"{name}: CUDA graph capture failed: {type(exc).__name__}: {exc}\n{where}")
             _copy_into(static, fresh, static_cot, fresh_cot)
             cuda_graph.replay()
             torch.cuda.synchronize(device)
