@@ -112,13 +112,16 @@ def topk_router_kernel(
         for _ in range(0, K):
             _b, _i, w, pair = take_best(pair, scores, cols)
             total += w
-    inv = tl.where(total == 0, 0.0, scaling / tl.where(total == 0, 1.0, total))
+    # w / total rounded once (IEEE), then the scaling: the reference's order. `/` in Triton is
+    # the approximate div.full.f32 on a GPU, and w * (1 / total) is not w / total either: with
+    # k = 1 both missed 1.0 for some rows, which broke ties by weight (Megatron's "probs" drop).
+    safe = tl.where(total == 0, 1.0, total)
     pair = pairs
     out = rows.to(tl.int64) * K
     for s in range(0, K):
         _b, idx, w, pair = take_best(pair, scores, cols)
         tl.store(experts_ptr + out + s, idx.to(tl.int64), mask=row_ok)
-        tl.store(weights_ptr + out + s, w * inv, mask=row_ok)
+        tl.store(weights_ptr + out + s, tl.where(total == 0, 0.0, tl.div_rn(w, safe) * scaling), mask=row_ok)
 
 
 def launch_config(num_tokens: int, num_experts: int):

@@ -24,6 +24,7 @@ kernel backend of the pass ("cpu"; "triton" in the interpreter pass).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -361,28 +362,38 @@ def static_replay_matches_eager(case: Case, device, backend: str, T: int, *, gra
     device = torch.device(device)
     name = _name(case, backend)
     static, fresh = case.make(0, device, T), case.make(1, device, T)
-    with moe_kernels.use_backend(backend):
+    side = torch.cuda.Stream(device) if graph else None
+    if graph:
+        side.wait_stream(torch.cuda.current_stream(device))
+    with moe_kernels.use_backend(backend), torch.cuda.stream(side) if graph else contextlib.nullcontext():
+        # Every eager call on the static inputs before the capture runs on the side stream, and no
+        # graph of them outlives it: an autograd node keeps the stream it was made on, and a node
+        # made on the legacy default stream and still alive at the capture (the static leaves'
+        # gradient accumulators, held by `outs`) pulls that stream into it. On the first GPU runs
+        # the first capture of each process failed so, in torch.autograd.grad, every op alike:
+        # "operation would make the legacy stream depend on a capturing blocking stream"
+        # (pytorch/pytorch#164302).
         outs = forward(case, static)  # not detached: which outputs need a cotangent
         static_cot, fresh_cot = cotangents(outs, 0), cotangents(outs, 1)
+        del outs
         first, _ = forward_backward(case, static, static_cot)
         if graph:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                # The first warm-up call refuses host synchronisations: a graph cannot capture
-                # them, and a capture that fails on one can leave the process's CUDA state
-                # unusable for the tests after it.
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    forward_backward(case, static, static_cot)
-                except RuntimeError as exc:
-                    if "synchroniz" not in str(exc):
-                        raise
-                    pytest.fail(f"{name} synchronises with the host, so no CUDA graph can capture it: {exc}")
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-                for _ in range(2):
-                    forward_backward(case, static, static_cot)
+            # The first warm-up call refuses host synchronisations: a graph cannot capture
+            # them, and a capture that fails on one can leave the process's CUDA state
+            # unusable for the tests after it.
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                forward_backward(case, static, static_cot)
+            except RuntimeError as exc:
+                if "synchroniz" not in str(exc):
+                    raise
+                pytest.fail(f"{name} synchronises with the host, so no CUDA graph can capture it: {exc}")
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            for _ in range(2):
+                forward_backward(case, static, static_cot)
+    with moe_kernels.use_backend(backend):
+        if graph:
             torch.cuda.current_stream(device).wait_stream(side)
             cuda_graph = torch.cuda.CUDAGraph()
             try:

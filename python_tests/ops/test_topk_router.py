@@ -512,3 +512,14 @@ def test_past_the_triton_kernel_limits(backend, E, k, kwargs):
         assert torch.equal(e, re) and torch.equal(w, rw)
     g = torch.randn_like(rw)
     assert_close(torch.autograd.grad(w, logits, g)[0], torch.autograd.grad(rw, logits, g)[0])
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scaling", [1.0, 2.5])
+def test_one_renormalised_choice_weighs_exactly_the_scaling(backend, scoring, scaling):
+    """k = 1, renormalised: p / p = 1 exactly, times the scaling, as the reference computes it.
+    Rows tie on these weights, so Megatron's "probs" drop decides them by token index; on a GPU
+    the Triton kernel's approximate division and w * (1 / w) both missed 1.0 on some rows."""
+    logits = 4 * torch.randn(4099, 64, generator=torch.Generator().manual_seed(3))
+    w, _ = run(backend, logits, 1, scoring=scoring, renormalize=True, scaling_factor=scaling)
+    assert torch.equal(w, torch.full_like(w, scaling)), w[w != scaling][:8]
