@@ -58,6 +58,20 @@ def token_rows(hidden_states, module):
     return hidden_states.reshape(-1, module.hidden_dim)
 
 
+def autocast_lowers(hidden_states) -> bool:
+    """True under an autocast to a 16-bit type on hidden_states' device.
+
+    F.linear then returns 16-bit logits even from float32 inputs. The float32-cast routers below
+    (DeepSeek-V3's and its kin) then take transformers' own arithmetic: a sigmoid rounded to 16
+    bits, a float32 bias added to it, 16-bit weights. That is not the op's (float32 throughout),
+    so under such an autocast they call transformers' forward and stay exact (docs/routers.md,
+    Fidelity)."""
+    device = hidden_states.device.type
+    if not torch.amp.is_autocast_available(device):  # meta tensors: no autocast to ask about
+        return False
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != torch.float32
+
+
 # Softmax routers. With no bias the op ranks by the logits: the same experts as ranking the
 # probabilities, except where distinct logits round to equal probabilities (docs/routers.md).
 
@@ -127,9 +141,10 @@ def _deepseek_v2_applicable(module):
 
 
 def _ernie4_5_moe(self, hidden_states):
-    router_logits = F.linear(hidden_states.float(), self.weight.float())
-    bias = self.moe_statics.e_score_correction_bias.reshape(-1)
-    weights, experts = topk_router(router_logits, self.top_k, bias=bias, renormalize=True)
+    with torch.autocast(device_type=hidden_states.device.type, enabled=False):  # float32, as transformers
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        bias = self.moe_statics.e_score_correction_bias.reshape(-1)
+        weights, experts = topk_router(router_logits, self.top_k, bias=bias, renormalize=True)
     return router_logits, weights.to(hidden_states.dtype), experts
 
 
@@ -196,6 +211,8 @@ def _mistral4(self, hidden_states):
 
 
 def _mistral_large4(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     router_logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
     weights, experts = topk_router(
         router_logits,
@@ -222,6 +239,8 @@ def _groups_applicable(module):
 
 
 def _openai_privacy_filter(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     router_logits = F.linear(hidden_states.float(), self.weight.float(), self.bias.float())
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True, scaling_factor=1.0 / self.top_k)
     return router_logits, weights, experts
@@ -256,6 +275,8 @@ def _jetmoe(self, hidden_states):
 
 
 def _longcat_flash(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     # the classifier's weight only (transformers ignores its bias here too)
     router_logits = F.linear(token_rows(hidden_states, self).float(), self.classifier.weight.float())
     # The indices past n_routed_experts are its zero-computation experts, handled by its block.
@@ -272,6 +293,8 @@ def _longcat_flash(self, hidden_states):
 
 
 def _deepseek_v3(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     router_logits = F.linear(
         hidden_states.view(-1, self.hidden_dim).type(torch.float32), self.weight.type(torch.float32)
     )
@@ -325,8 +348,16 @@ def _afmoe(self, hidden_states, expert_bias):
 def _lfm2_moe(self, hidden_states, expert_bias=None):
     router_logits = F.linear(hidden_states, self.weight)
     bias = expert_bias if self.use_expert_bias else None
-    weights, experts = topk_router(router_logits, self.top_k, scoring="sigmoid", bias=bias)
-    weights = weights.to(router_logits.dtype)
+    if bias is not None and router_logits.dtype != torch.float32:
+        # LFM2 rounds the sigmoid to the logits' 16-bit type before it adds the (float32) bias;
+        # the op would add to the float32 sigmoid and pick other experts on ~1% of rows. So the
+        # key is transformers' own; with no bias and no groups the op ranks its input exactly.
+        scores = router_logits.sigmoid()
+        _, experts = topk_router(scores + bias, self.top_k, scoring="sigmoid")
+        weights = scores.gather(1, experts)
+    else:
+        weights, experts = topk_router(router_logits, self.top_k, scoring="sigmoid", bias=bias)
+        weights = weights.to(router_logits.dtype)
     if self.norm_topk_prob:  # its own epsilon, kept exactly
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
     return router_logits, weights * self.routed_scaling_factor, experts
@@ -369,6 +400,8 @@ def _minimax_m3_vl(self, hidden_states):
 
 
 def _axk2(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
     groups = {}
     if self.num_group is not None:  # the light checkpoints route without groups
@@ -390,6 +423,8 @@ def _axk2_applicable(module):
 
 
 def _beam(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
     # Beam scales by routed_scaling_factor after the experts, in its block.
     weights, experts = topk_router(
@@ -405,6 +440,8 @@ def _beam(self, hidden_states):
 
 
 def _inkling2(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     router_logits = F.linear(token_rows(hidden_states.float(), self), self.weight)
     weights, experts = topk_router(
         router_logits,
@@ -424,6 +461,8 @@ def _inkling2_applicable(module):
 
 
 def _muse_spark(self, hidden_states):
+    if autocast_lowers(hidden_states):
+        return type(self).forward(self, hidden_states)
     router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float()) * self.output_multiplier
     weights, experts = topk_router(
         router_logits,
@@ -567,8 +606,15 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True) -> dict:
             break
         if reason is not None:
             skipped[name] = reason
-    report = {"patched": patched, "skipped": skipped, "experts": _set_experts(model) if experts else "not requested"}
-    return report
+    if not experts:
+        how = "not requested"
+    elif skipped:
+        # The experts implementation is one per model (its config): switching it would run our
+        # experts behind a router left to transformers. A skipped router leaves its experts alone.
+        how = f"unchanged: {len(skipped)} router(s) skipped, and the experts implementation is one per model"
+    else:
+        how = _set_experts(model)
+    return {"patched": patched, "skipped": skipped, "experts": how}
 
 
 def _set_experts(model) -> str:

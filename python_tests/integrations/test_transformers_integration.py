@@ -231,9 +231,13 @@ def test_inapplicable_config_is_reported(family, attribute, value, reason):
     for module in model.modules():
         if hasattr(module, attribute):
             setattr(module, attribute, value)
+    before = getattr(model, "get_experts_implementation", lambda: None)()
     report = apply_moe_kernels(model)
     assert not report["patched"] and report["skipped"]
     assert all(reason in r for r in report["skipped"].values()), report["skipped"]
+    # A skipped router's experts stay transformers' (the implementation is one per model).
+    assert report["experts"].startswith("unchanged"), report["experts"]
+    assert getattr(model, "get_experts_implementation", lambda: None)() == before
 
 
 def test_remove_restores_the_original_code():
