@@ -228,7 +228,7 @@ def _forward_grouped(self, x, experts, top_k_weights, E):
     )
     # Traced, torch ops combine instead of the kernel, whose `int num_tokens` would specialise T.
     combine_rows = unpermute if kernels and not _traced(x) else _unpermute_static
-    return combine_rows(out, order, top_k_weights.to(out.dtype), T)
+    return combine_rows(out, order, _sum_weights(top_k_weights, out), T)
 
 
 def _permute_static(x, experts, E):
@@ -268,8 +268,13 @@ def _forward_per_expert(self, x, experts, top_k_weights, E):
     order = torch.argsort(flat, stable=True)  # choices by expert, then by token: deterministic
     bounds = [0] + torch.bincount(flat, minlength=E).cumsum(0).tolist()
     tokens = order // k
-    weights = top_k_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
-    y = x.new_zeros(T, self.down_proj.shape[2 if self.is_transposed else 1])
+    # The weighted sum over k in float32 (float64 for float64), rounded once at the end, as
+    # transformers' grouped_mm sums float32 products: a 16-bit index_add rounded at every add and
+    # the weights were rounded to 16 bits first, which moved bf16 logits further from the float32
+    # model's than transformers' own (python_tests/integrations/test_transformers_bf16_accuracy.py).
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    weights = top_k_weights.reshape(-1)[order].to(acc).unsqueeze(1)
+    y = x.new_zeros(T, self.down_proj.shape[2 if self.is_transposed else 1], dtype=acc)
 
     def linear(rows, weight, bias, e):
         w = weight[e] if self.is_transposed else weight[e].t()
@@ -289,8 +294,8 @@ def _forward_per_expert(self, x, experts, top_k_weights, E):
         out = linear(hidden, self.down_proj, self.down_proj_bias if self.has_bias else None, e)
         if self.has_post_expert_norm:
             out = self.post_expert_norm(out)
-        y.index_add_(0, tokens[a:b], out * weights[a:b])
-    return y
+        y.index_add_(0, tokens[a:b], out.to(acc) * weights[a:b])
+    return y.to(x.dtype)
 
 
 def _forward_padded(self, x, experts, top_k_weights, E):
@@ -300,7 +305,14 @@ def _forward_padded(self, x, experts, top_k_weights, E):
     positions, _ = capacity_positions(experts, E, capacity)
     buffer = dispatch(x, experts, positions, E, capacity)  # [E, C, d]
     out = _projections(self, buffer, lambda rows, w, b: _linear(rows, w, b, self.is_transposed))
-    return combine(out, experts, positions, top_k_weights.to(out.dtype))
+    return combine(out, experts, positions, _sum_weights(top_k_weights, out))
+
+
+def _sum_weights(top_k_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The routing weights as the weighted sum takes them: float32 (float64 for float64 rows), not
+    rounded to 16-bit rows' dtype first. transformers' grouped_mm multiplies 16-bit rows by float32
+    router weights in float32; unpermute and combine accumulate in float32 either way."""
+    return top_k_weights.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
 
 
 def register() -> None:
