@@ -11,9 +11,10 @@ also covers the interleaved layout of `is_concatenated=False`) or `up_proj` + `a
 
 Ours: permute (the T*k token copies sorted by expert, contiguous per expert, no padding) -> one
 grouped matmul per projection (torch._grouped_mm, on CPU a matmul per expert over its rows) ->
-unpermute with the routing weights. Without gradients on CPU (inference, generate) the experts run
-one after another instead, each on its gathered rows through its whole MLP while the
-intermediates are in cache (_forward_per_expert). Where torch's grouped matmul
+unpermute with the routing weights (float32 products of the float32 router weights, summed in
+float32 and rounded once). Without gradients on CPU at fewer than FEW_CHOICES (token, expert)
+choices (decode) the call is transformers' own grouped_mm forward: at a few tokens our permute and
+unpermute calls cost more than they save. Where torch's grouped matmul
 does not take the dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes;
 CUDA before sm_80 or other than bf16), the same projections run as one batched matmul over a
 padded [E, C, d] buffer (capacity_positions with C = the largest count, dispatch, combine).
@@ -190,13 +191,32 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     first = self.gate_up_proj if self.has_gate else self.up_proj
     if _traced(x):
         y = _forward_grouped(self, x, experts, top_k_weights, E)
-    elif x.device.type == "cpu" and not _needs_grad(x, first, self.down_proj):
-        y = _forward_per_expert(self, x, experts, top_k_weights, E)
-    elif _grouped_mm_takes(x, first, self.down_proj):
-        y = _forward_grouped(self, x, experts, top_k_weights, E)
-    else:
+    elif not _grouped_mm_takes(x, first, self.down_proj):
         y = _forward_padded(self, x, experts, top_k_weights, E)
+    elif x.device.type == "cpu" and experts.numel() < FEW_CHOICES and not _needs_grad(x, first, self.down_proj):
+        y = _forward_transformers(self, x, experts, top_k_weights, E)
+    else:
+        y = _forward_grouped(self, x, experts, top_k_weights, E)
     return y.to(hidden_states.dtype)
+
+
+# Below this many (token, expert) choices, CPU inference takes transformers' own grouped_mm
+# forward: our permute / unpermute calls cost more than they save at a few tokens (decode). Measured
+# with bench/bench_decode.py's experts at hidden 512 and 1024 (Mixtral, Qwen3-MoE, DeepSeek-V3,
+# GPT-OSS; 1 and 2 threads): at 16-64 choices ours took 1.00-1.05x transformers' time, from 256 on
+# 0.9-1.0x (docs/routers.md, "Experts at a few tokens").
+FEW_CHOICES = 256
+
+
+def _forward_transformers(self, x, experts, top_k_weights, E):
+    """transformers' grouped_mm experts forward, after the id check it does not make (its histc
+    drops ids outside [0, E): tokens lost silently). CPU tensors: the check reads two values."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    flat = experts.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
+        raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{int(flat.min())}, {int(flat.max())}]")
+    return grouped_mm_experts_forward(self, x, experts, top_k_weights)
 
 
 def _projections(self, rows, linear):
@@ -253,49 +273,6 @@ def _unpermute_static(y_sorted, order, weights, T):
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def _forward_per_expert(self, x, experts, top_k_weights, E):
-    """Inference on CPU: one expert at a time, its rows gathered into a small buffer and taken
-    through its whole MLP while the [rows, d_ff] intermediates are in cache, then added into the
-    output with their routing weights. The grouped path runs every elementwise step (bias, gate,
-    activation) over all T*k rows out of memory, and its [T*k, d] permuted copy costs page faults
-    on every call; both measured slower than transformers' eager loop (docs/routers.md)."""
-    T, k = experts.shape
-    flat = experts.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
-        raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{int(flat.min())}, {int(flat.max())}]")
-    order = torch.argsort(flat, stable=True)  # choices by expert, then by token: deterministic
-    bounds = [0] + torch.bincount(flat, minlength=E).cumsum(0).tolist()
-    tokens = order // k
-    # The weighted sum over k in float32 (float64 for float64), rounded once at the end, as
-    # transformers' grouped_mm sums float32 products: a 16-bit index_add rounded at every add and
-    # the weights were rounded to 16 bits first, which moved bf16 logits further from the float32
-    # model's than transformers' own (python_tests/integrations/test_transformers_bf16_accuracy.py).
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    weights = top_k_weights.reshape(-1)[order].to(acc).unsqueeze(1)
-    y = x.new_zeros(T, self.down_proj.shape[2 if self.is_transposed else 1], dtype=acc)
-
-    def linear(rows, weight, bias, e):
-        w = weight[e] if self.is_transposed else weight[e].t()
-        return torch.mm(rows, w) if bias is None else torch.addmm(bias[e], rows, w)
-
-    for e in range(E):
-        a, b = bounds[e], bounds[e + 1]
-        if a == b:
-            continue
-        rows = x.index_select(0, tokens[a:b])
-        if self.has_gate:
-            bias = self.gate_up_proj_bias if self.has_bias else None
-            hidden = self._apply_gate(linear(rows, self.gate_up_proj, bias, e))
-        else:
-            bias = self.up_proj_bias if self.has_bias else None
-            hidden = self.act_fn(linear(rows, self.up_proj, bias, e))
-        out = linear(hidden, self.down_proj, self.down_proj_bias if self.has_bias else None, e)
-        if self.has_post_expert_norm:
-            out = self.post_expert_norm(out)
-        y.index_add_(0, tokens[a:b], out.to(acc) * weights[a:b])
-    return y.to(x.dtype)
 
 
 def _forward_padded(self, x, experts, top_k_weights, E):

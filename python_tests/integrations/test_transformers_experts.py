@@ -84,41 +84,44 @@ def test_path_choice():
     assert not takes(torch.empty(3, 32, dtype=torch.float64), w.double())
 
 
+@pytest.mark.parametrize("T", [13, 100], ids=["transformers_path", "grouped_path"])  # 39, 300 choices
 @pytest.mark.parametrize("family", LAYOUTS)
-def test_inference_path_matches_eager(family):
+def test_inference_path_matches_eager(family, T):
     experts = experts_of(family)
     E = experts.num_experts
-    x = torch.randn(13, 64)
-    idx, w = routing(13, E, 3, skip_experts=(0,))
+    x = torch.randn(T, 64)
+    idx, w = routing(T, E, 3, skip_experts=(0,))
     with torch.no_grad():
         ours = transformers_experts.experts_forward(experts, x, idx, w)
         ref = eager(experts, x, idx, w)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"top_k_index must hold expert ids in \[0, 8\)"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"(top_k_index must hold expert ids in \[0, 8\)|experts values must be in \[-1, 8\))"):
         transformers_experts.experts_forward(experts, x, idx.masked_fill(idx == 2, E), w)
 
 
 @pytest.mark.parametrize(
-    "dtype, grad, path",
+    "dtype, grad, T, path",
     [
-        (torch.float64, True, "_forward_padded"),
-        (torch.bfloat16, True, "_forward_grouped"),
-        (torch.float64, False, "_forward_per_expert"),
-        (torch.bfloat16, False, "_forward_per_expert"),
+        (torch.float64, True, 9, "_forward_padded"),
+        (torch.bfloat16, True, 9, "_forward_grouped"),
+        (torch.float64, False, 9, "_forward_padded"),
+        (torch.bfloat16, False, 9, "_forward_transformers"),
+        (torch.bfloat16, False, 160, "_forward_grouped"),
     ],
 )
-def test_path_by_dtype_and_grad_mode(dtype, grad, path, monkeypatch):
-    # float64 trains on the padded path, bf16 with 16-byte rows on the grouped one; inference on
-    # CPU runs per expert; each equals eager.
+def test_path_by_dtype_and_grad_mode(dtype, grad, T, path, monkeypatch):
+    # float64 runs on the padded path, bf16 with 16-byte rows on the grouped one; inference on CPU
+    # below FEW_CHOICES (T k = 18 here) is transformers' own grouped_mm forward, from it (320) ours;
+    # each equals eager.
     experts = experts_of("qwen3_moe", dtype=dtype)
     calls = []
-    for name in ("_forward_grouped", "_forward_padded", "_forward_per_expert"):
+    for name in ("_forward_grouped", "_forward_padded", "_forward_transformers"):
         original = getattr(transformers_experts, name)
         monkeypatch.setattr(
             transformers_experts, name, lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw)
         )
-    x = torch.randn(9, 64, dtype=dtype, requires_grad=grad)
-    idx, w = routing(9, experts.num_experts, 2)
+    x = torch.randn(T, 64, dtype=dtype, requires_grad=grad)
+    idx, w = routing(T, experts.num_experts, 2)
     with torch.set_grad_enabled(grad):
         ours = transformers_experts.experts_forward(experts, x, idx, w.to(dtype))
         ref = eager(experts, x, idx, w.to(dtype))
