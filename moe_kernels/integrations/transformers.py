@@ -43,6 +43,10 @@ class RouterCode:
     forward: Callable  # our forward, bound to the router (or block) instance
     method: str = "forward"  # the method replaced (DBRX routes in its block)
     applicable: Callable = lambda module: None  # None, or why this instance cannot be patched
+    # Inference at fewer tokens than this calls transformers' own forward: its torch sequence is
+    # cheaper than our op's call there (bench/bench_decode.py; docs/routers.md, "At a few
+    # tokens"). 0: ours at every size (measured faster from T = 1, or not measured).
+    few_tokens: int = 0
 
 
 def _source_hash(fn) -> str | None:
@@ -495,9 +499,12 @@ def _inkling(self, hidden_states):
 # (DBRX: its block's route_tokens_to_experts) in transformers 5.23, with the model folders whose
 # classes have exactly that code. The family forwards above reproduce each one.
 _CODES: dict[str, RouterCode] = {
-    "214e75c14db855b8": RouterCode("mixtral", "minimax, mixtral", _mixtral),
+    "214e75c14db855b8": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=256),
     "02cfb07d7fb817bb": RouterCode(
-        "qwen2_moe", "flex_olmo, mellum, olmoe, qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen4_exp", _qwen2_moe
+        "qwen2_moe",
+        "flex_olmo, mellum, olmoe, qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen4_exp",
+        _qwen2_moe,
+        few_tokens=128,
     ),
     "fa092ef50b24a2b0": RouterCode("qwen3_5_moe", "qwen3_5_moe, qwen3_omni_moe, qwen3_vl_moe", _qwen3_5_moe),
     "79f608dfcb5cda90": RouterCode(
@@ -505,7 +512,7 @@ _CODES: dict[str, RouterCode] = {
     ),
     "17cc5f6725963e35": RouterCode("jamba", "jamba", _jamba),
     "84d829d8b20916f4": RouterCode("gemma4", "diffusion_gemma, gemma4", _gemma4),
-    "e20157fa03acc250": RouterCode("gpt_oss", "gpt_oss", _gpt_oss),
+    "e20157fa03acc250": RouterCode("gpt_oss", "gpt_oss", _gpt_oss, few_tokens=512),
     "ae44633475492459": RouterCode(
         "deepseek_v2", "deepseek_ocr2, deepseek_v2, unlimited_ocr", _deepseek_v2, applicable=_deepseek_v2_applicable
     ),
@@ -568,13 +575,31 @@ def _looks_like_router(module: torch.nn.Module) -> bool:
     ) or name in _OTHER_ROUTERS
 
 
-def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True) -> dict:
+def _route(forward, module, hidden_states, *args, **kwargs):
+    """A patched router's method: ours, or transformers' own for inference at a few tokens
+    (RouterCode.few_tokens), where its torch sequence costs less than our op's call. Traced
+    (torch.compile) or with gradients: always ours."""
+    few = vars(module).get("_moe_kernels_few_tokens", 0)
+    if (
+        few
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and hidden_states.numel() < few * hidden_states.shape[-1]
+    ):
+        return type(module).forward(module, hidden_states, *args, **kwargs)
+    return forward(module, hidden_states, *args, **kwargs)
+
+
+def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True, few_tokens: bool = True) -> dict:
     """Patch, in place, every supported MoE router of `model` and its experts implementation.
 
     Args:
       model: a transformers model (or any module holding transformers MoE blocks).
       experts: also switch the model's experts implementation to "moe_kernels" (where the
         model supports transformers' experts interface).
+      few_tokens: inference calls at fewer tokens than measured per router code (decode) run
+        transformers' own router, which is faster there (Mixtral below 256 tokens, the Qwen2-MoE
+        code below 128, GPT-OSS below 512; docs/routers.md). False: ours at every size.
 
     Returns:
       {"patched": {module name: family code}, "skipped": {module name: reason},
@@ -599,8 +624,9 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True) -> dict:
                 break
             # A partial of the module-level family forward, not a bound method: a bound method
             # pickles as getattr(module, "_mixtral"), which fails on load; this pickles by name.
-            setattr(module, method, functools.partial(code.forward, module))
+            setattr(module, method, functools.partial(_route, code.forward, module))
             module._moe_kernels_code = code.name
+            module._moe_kernels_few_tokens = code.few_tokens if few_tokens else 0
             patched[name] = code.name
             reason = None
             break
@@ -637,6 +663,7 @@ def remove_moe_kernels(model: torch.nn.Module) -> None:
             for method in ("forward", "route_tokens_to_experts"):
                 module.__dict__.pop(method, None)
             del module._moe_kernels_code
+            vars(module).pop("_moe_kernels_few_tokens", None)
     vars(model).pop("_moe_kernels_registration", None)
     previous = vars(model).pop("_moe_kernels_previous_experts", None)
     if previous is not None:

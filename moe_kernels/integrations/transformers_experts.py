@@ -185,6 +185,14 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
+    if (
+        top_k_index.numel() < FEW_CHOICES
+        and hidden_states.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and hidden_states.dtype != torch.float64
+        and not torch.compiler.is_compiling()
+    ):  # decode: first, so that the few-token path pays for no other check
+        return _forward_transformers(self, hidden_states, top_k_index, top_k_weights, E)
     experts = top_k_index.to(torch.int64)
     weight_dtype = (self.gate_up_proj if self.has_gate else self.up_proj).dtype
     x = hidden_states.to(weight_dtype)
@@ -193,8 +201,6 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         y = _forward_grouped(self, x, experts, top_k_weights, E)
     elif not _grouped_mm_takes(x, first, self.down_proj):
         y = _forward_padded(self, x, experts, top_k_weights, E)
-    elif x.device.type == "cpu" and experts.numel() < FEW_CHOICES and not _needs_grad(x, first, self.down_proj):
-        y = _forward_transformers(self, x, experts, top_k_weights, E)
     else:
         y = _forward_grouped(self, x, experts, top_k_weights, E)
     return y.to(hidden_states.dtype)
@@ -214,8 +220,10 @@ def _forward_transformers(self, x, experts, top_k_weights, E):
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     flat = experts.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
-        raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{int(flat.min())}, {int(flat.max())}]")
+    if flat.numel():
+        low, high = torch.aminmax(flat)
+        if bool((low < 0) | (high >= E)):  # one host read
+            raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{int(low)}, {int(high)}]")
     return grouped_mm_experts_forward(self, x, experts, top_k_weights)
 
 

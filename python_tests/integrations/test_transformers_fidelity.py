@@ -75,7 +75,7 @@ def test_patched_routers_match_transformers_in_16_bit(family, setting):
         pytest.skip("transformers' DBRX fails under CPU bf16 autocast unpatched (index_add_ of bf16 into float32)")
     dtype, context = SETTINGS[setting]
     model = tiny_model(family, dtype, seed=1)
-    apply_moe_kernels(model, experts=False)
+    apply_moe_kernels(model, experts=False, few_tokens=False)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, 256), generator=torch.Generator().manual_seed(0))
     calls = routed_calls(model, ids, context)

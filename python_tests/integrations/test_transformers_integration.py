@@ -36,7 +36,7 @@ def test_logits_gradients_and_state_dict(family):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
 
-    report = apply_moe_kernels(model)
+    report = apply_moe_kernels(model, few_tokens=False)
     assert len(report["patched"]) == num_routers(model, family), report
     assert not report["skipped"], report["skipped"]
     assert report["experts"] == ("moe_kernels" if family not in OWN_EXPERTS else report["experts"])
@@ -63,7 +63,7 @@ def test_greedy_generate_same_tokens(family):
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
-        apply_moe_kernels(model)
+        apply_moe_kernels(model, few_tokens=False)
         out = model.generate(ids, **kwargs)
     assert torch.equal(out, ref)
 
@@ -119,7 +119,7 @@ def assert_routers_match(family, dtype, settings=None):
     in float32; structure, shapes and dtypes in any dtype). `settings`: router attributes to set."""
     generator = torch.Generator().manual_seed(4)
     model = tiny_model(family, dtype=dtype, seed=3)
-    report = apply_moe_kernels(model, experts=False)
+    report = apply_moe_kernels(model, experts=False, few_tokens=False)
     assert len(report["patched"]) == num_routers(model, family), report
     for module in model.modules():
         if "_moe_kernels_code" in vars(module):
@@ -174,7 +174,7 @@ def first_router(model):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoe"])
 def test_bf16_routing_differs_only_on_ties(family):
     model = tiny_model(family, dtype=torch.bfloat16, seed=2)
-    apply_moe_kernels(model, experts=False)
+    apply_moe_kernels(model, experts=False, few_tokens=False)
     router = first_router(model)
     d = model.config.hidden_size
     # Hidden states on a coarse grid: bf16 router logits tie often.
@@ -210,7 +210,7 @@ def test_unknown_router_is_left_alone_and_reported():
             return x
 
     model = torch.nn.Sequential(WeirdTopKRouter())
-    report = apply_moe_kernels(model)
+    report = apply_moe_kernels(model, few_tokens=False)
     assert report["patched"] == {}
     assert "unknown router code" in report["skipped"]["0"]
     assert report["experts"].startswith("unchanged")
@@ -232,7 +232,7 @@ def test_inapplicable_config_is_reported(family, attribute, value, reason):
         if hasattr(module, attribute):
             setattr(module, attribute, value)
     before = getattr(model, "get_experts_implementation", lambda: None)()
-    report = apply_moe_kernels(model)
+    report = apply_moe_kernels(model, few_tokens=False)
     assert not report["patched"] and report["skipped"]
     assert all(reason in r for r in report["skipped"].values()), report["skipped"]
     # A skipped router's experts stay transformers' (the implementation is one per model).
@@ -243,7 +243,7 @@ def test_inapplicable_config_is_reported(family, attribute, value, reason):
 def test_remove_restores_the_original_code():
     model = tiny_model("mixtral")
     before = model.get_experts_implementation()
-    apply_moe_kernels(model)
+    apply_moe_kernels(model, few_tokens=False)
     assert model.config._experts_implementation == "moe_kernels"
     remove_moe_kernels(model)
     assert not any("_moe_kernels_code" in vars(m) for m in model.modules())
@@ -288,3 +288,32 @@ def test_example_runs():
         text=True,
     ).stdout
     assert "same logits" in out and "same greedy tokens" in out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_few_tokens_take_transformers_router_in_inference(family, monkeypatch):
+    # Below the measured token count, inference calls transformers' own router (cheaper there);
+    # from it, and with gradients at any size, ours.
+    model = tiny_model(family)
+    apply_moe_kernels(model)
+    router = first_router(model)
+    few = router._moe_kernels_few_tokens
+    assert few > 0
+    calls = []
+    original = type(router).forward
+    monkeypatch.setattr(
+        type(router), "forward", lambda self, *a, **kw: calls.append(len(a[0])) or original(self, *a, **kw)
+    )
+    d = router.weight.shape[-1]
+    with torch.no_grad():
+        theirs = original(router, torch.ones(few - 1, d))
+        ours = router(torch.ones(few - 1, d))
+        assert calls == [few - 1]
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b)
+        router(torch.ones(few, d))
+    router(torch.ones(few - 1, d))
+    assert calls == [few - 1], "ours must run from the threshold on, and with gradients"
+    apply_moe_kernels(model, few_tokens=True)  # already patched: unchanged
+    remove_moe_kernels(model)
+    assert "_moe_kernels_few_tokens" not in vars(router)

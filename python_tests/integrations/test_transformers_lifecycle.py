@@ -47,7 +47,7 @@ def torch_save_load(model):
 def test_saved_whole_model_stays_patched(family, how):
     model = tiny_model(family)
     before = model.get_experts_implementation()
-    apply_moe_kernels(model)
+    apply_moe_kernels(model, few_tokens=False)
     ids = tokens()
     with torch.no_grad():
         ref = model(ids).logits
@@ -64,7 +64,7 @@ def test_saved_whole_model_stays_patched(family, how):
 def test_torch_load_in_a_fresh_process(tmp_path):
     # The process that loads never patched a model: unpickling registers the experts implementation.
     model = tiny_model("qwen3_moe")
-    apply_moe_kernels(model)
+    apply_moe_kernels(model, few_tokens=False)
     ids = tokens()
     with torch.no_grad():
         torch.save((ids, model(ids).logits), tmp_path / "reference.pt")
@@ -95,7 +95,7 @@ def test_to_dtype_after_patching(family, dtype, tol):
     # Against the unpatched model cast alike, on transformers' eager experts loop (its default
     # grouped_mm refuses float64). float64: transformers routes some families in float32, hence 1e-6.
     ref_model, model = tiny_model(family), tiny_model(family)
-    apply_moe_kernels(model)
+    apply_moe_kernels(model, few_tokens=False)
     ref_model.to(dtype).set_experts_implementation("eager")
     model.to(dtype)
     ids = tokens()
@@ -120,11 +120,11 @@ def test_meta_device(family):
     import transformers
 
     model = tiny_model(family)
-    apply_moe_kernels(model)
+    apply_moe_kernels(model, few_tokens=False)
     model.to("meta")
     with torch.device("meta"):
         built = transformers.AutoModelForCausalLM.from_config(tiny_config(family))
-    apply_moe_kernels(built)
+    apply_moe_kernels(built, few_tokens=False)
     ids = tokens().to("meta")
     for m in (model, built):
         with torch.no_grad():
@@ -145,6 +145,6 @@ def test_padded_batch_generate(family):
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
-        apply_moe_kernels(model)
+        apply_moe_kernels(model, few_tokens=False)
         out = model.generate(ids, **kwargs)
     assert torch.equal(out, ref)
