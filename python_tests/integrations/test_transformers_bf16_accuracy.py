@@ -17,11 +17,12 @@ from hf_tiny import FAMILIES, tiny_model  # noqa: E402
 from moe_kernels.integrations import transformers_experts  # noqa: E402
 from moe_kernels.integrations.transformers import apply_moe_kernels  # noqa: E402
 
-SEEDS = range(3)
-# Two valid bf16 roundings: the experts alone (transformers' router, our experts) measured 0.96 to
-# 1.03 times transformers' error per seed, a tie broken the other way (lower index here) up to
-# 1.17 on one seed; summed over SEEDS every family is within this factor (docs/routers.md).
-WITHIN = 1.06
+SEEDS = range(5)
+# Two valid bf16 roundings. A tie broken the other way (the lower index here) routes one token
+# otherwise, which moves every layer after it: one seed in five read up to 1.16x transformers'
+# error (GPT-OSS). The median over the seeds is what a rounding rule changes; measured 0.98-1.01
+# (docs/routers.md, "bf16 accuracy").
+MEDIAN_WITHIN = 1.03
 
 
 def bf16_copy(model):
@@ -37,12 +38,14 @@ def bf16_copy(model):
 def logit_errors(family, seed):
     """(mean |error| of transformers' bf16 logits, of the patched bf16 model's), against float32."""
     model = tiny_model(family, seed=seed)
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(seed))
+    # 320 tokens: k >= 2 choices each, past the experts' few-choice path (transformers' own), and
+    # few_tokens=False: our router at every size. What is measured is our code.
+    ids = torch.randint(0, 128, (2, 160), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         reference = model(ids).logits.float()
         bf16 = bf16_copy(model)
         theirs = bf16(ids).logits.float()
-        apply_moe_kernels(bf16)
+        apply_moe_kernels(bf16, few_tokens=False)
         ours = bf16(ids).logits.float()
     return (theirs - reference).abs().mean().item(), (ours - reference).abs().mean().item()
 
@@ -50,9 +53,10 @@ def logit_errors(family, seed):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_patched_bf16_is_as_close_to_float32_as_transformers(family):
     errors = [logit_errors(family, seed) for seed in SEEDS]
-    theirs, ours = sum(e[0] for e in errors), sum(e[1] for e in errors)
-    assert theirs > 0, f"{family}: bf16 equals float32, nothing measured"
-    assert ours <= WITHIN * theirs, f"{family}: patched bf16 error {ours:.3g} vs transformers' {theirs:.3g}"
+    assert all(theirs > 0 for theirs, _ in errors), f"{family}: bf16 equals float32, nothing measured"
+    ratios = sorted(ours / theirs for theirs, ours in errors)
+    median = ratios[len(ratios) // 2]
+    assert median <= MEDIAN_WITHIN, f"{family}: patched / transformers' bf16 error per seed {ratios}"
 
 
 def _linear_experts(E, d, d_ff):
