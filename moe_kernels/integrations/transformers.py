@@ -20,6 +20,7 @@ else is left alone and reported with the reason. docs/routers.md lists the famil
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -145,7 +146,10 @@ def _deepseek_v2_applicable(module):
 
 
 def _ernie4_5_moe(self, hidden_states):
-    with torch.autocast(device_type=hidden_states.device.type, enabled=False):  # float32, as transformers
+    device = hidden_states.device.type
+    off = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    # float32, as transformers (its maybe_autocast: no context on meta, or with autocast off)
+    with torch.autocast(device_type=device, enabled=False) if off else contextlib.nullcontext():
         router_logits = F.linear(hidden_states.float(), self.weight.float())
         bias = self.moe_statics.e_score_correction_bias.reshape(-1)
         weights, experts = topk_router(router_logits, self.top_k, bias=bias, renormalize=True)
@@ -576,14 +580,16 @@ def _looks_like_router(module: torch.nn.Module) -> bool:
 
 
 def _route(forward, module, hidden_states, *args, **kwargs):
-    """A patched router's method: ours, or transformers' own for inference at a few tokens
+    """A patched router's forward: ours, or transformers' own for CPU inference at a few tokens
     (RouterCode.few_tokens), where its torch sequence costs less than our op's call. Traced
-    (torch.compile) or with gradients: always ours."""
+    (torch.compile), with gradients or on another device: always ours. Codes that patch another
+    method (DBRX's block routing) have few_tokens = 0."""
     few = vars(module).get("_moe_kernels_few_tokens", 0)
     if (
         few
-        and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
+        and not torch.is_grad_enabled()
+        and hidden_states.device.type == "cpu"  # measured on CPU only
         and hidden_states.numel() < few * hidden_states.shape[-1]
     ):
         return type(module).forward(module, hidden_states, *args, **kwargs)
@@ -597,7 +603,7 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True, few_token
       model: a transformers model (or any module holding transformers MoE blocks).
       experts: also switch the model's experts implementation to "moe_kernels" (where the
         model supports transformers' experts interface).
-      few_tokens: inference calls at fewer tokens than measured per router code (decode) run
+      few_tokens: CPU inference calls at fewer tokens than measured per router code (decode) run
         transformers' own router, which is faster there (Mixtral below 256 tokens, the Qwen2-MoE
         code below 128, GPT-OSS below 512; docs/routers.md). False: ours at every size.
 

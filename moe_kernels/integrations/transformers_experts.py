@@ -186,12 +186,13 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
     if (
-        top_k_index.numel() < FEW_CHOICES
+        not torch.compiler.is_compiling()  # first: traced, a size test would guard (recompile) on T k
+        and top_k_index.numel() < FEW_CHOICES
         and hidden_states.device.type == "cpu"
         and not torch.is_grad_enabled()
         and hidden_states.dtype != torch.float64
-        and not torch.compiler.is_compiling()
-    ):  # decode: first, so that the few-token path pays for no other check
+        and _grouped_mm_takes(hidden_states, self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj)
+    ):  # decode: first, so that the few-token path pays for few other checks
         return _forward_transformers(self, hidden_states, top_k_index, top_k_weights, E)
     experts = top_k_index.to(torch.int64)
     weight_dtype = (self.gate_up_proj if self.has_gate else self.up_proj).dtype
@@ -276,10 +277,6 @@ def _unpermute_static(y_sorted, order, weights, T):
     row_of_choice = torch.zeros_like(order).scatter(0, order, torch.arange(order.shape[0], device=order.device))
     rows = y_sorted.index_select(0, row_of_choice).to(acc).view(T, k, y_sorted.shape[1])
     return (rows * weights.to(acc).unsqueeze(-1)).sum(1).to(y_sorted.dtype)
-
-
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _forward_padded(self, x, experts, top_k_weights, E):

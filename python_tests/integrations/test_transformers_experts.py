@@ -1,6 +1,6 @@
 """Our experts forward (moe_kernels.integrations.transformers_experts) against transformers' eager
-experts loop on one experts module: its three paths (torch's grouped matmul for training, the
-padded batched matmul it falls back to, the per-expert loop for inference on CPU), every layout of
+experts loop on one experts module: its three paths (torch's grouped matmul, the padded batched
+matmul it falls back to, transformers' own grouped_mm forward for CPU inference at a few choices), every layout of
 the covered families (gate or not, bias, transposed), empty experts in the backward, and the
 dtypes the grouped matmul refuses."""
 
