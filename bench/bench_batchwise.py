@@ -1,107 +1,16 @@
-"""batchwise_mask (eq 18) on CPU: the C++ kernel vs torch.topk(scores, m, dim=0) + scatter (the
-plain PyTorch way to take each expert's top m tokens), and the reference, at m = 2T/E. Also the
-expert-choice layout (return_indices=True) against topk + sort of the indices, which is what the
-layout needs (ascending token lists).
+"""The batchwise benchmark (moe_kernels/bench/batchwise.py: what it measures and against what) with bench/'s
+flags (--help), its results in bench/results/.
 
-    .venv/bin/python bench/bench_batchwise.py [--quick] [--threads N]
+    .venv/bin/python bench/bench_batchwise.py [--quick]
 """
 
-import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import compile_notes, measure, measure_compiled, parse_args, report  # noqa: E402
+from common import main  # noqa: E402
 
-import moe_kernels  # noqa: E402
-from moe_kernels import reference  # noqa: E402
-from moe_kernels.ops import batchwise_mask  # noqa: E402
-
-
-def topk_scatter(scores, m):
-    """The baseline of issue 5: torch.topk over the token dimension, scattered into a bool mask."""
-    idx = torch.topk(scores, m, dim=0).indices  # [m, E]
-    return torch.zeros(scores.shape, dtype=torch.bool).scatter_(0, idx, True)
-
-
-def topk_sorted_indices(scores, m):
-    """Baseline for the expert-choice layout: the [E, m] token lists in ascending order, and the mask."""
-    idx = torch.topk(scores, m, dim=0).indices
-    mask = torch.zeros(scores.shape, dtype=torch.bool).scatter_(0, idx, True)
-    return mask, idx.t().sort(dim=1).values
-
-
-def check_agreement(x, m):
-    """The kernel must equal the reference; topk may differ from both only where a column has a
-    tie at its m-th score (it breaks ties arbitrarily)."""
-    ours = batchwise_mask(x, m)
-    assert torch.equal(ours, reference.batchwise_mask(x, m)[0]), "batchwise_mask differs from the reference"
-    base = topk_scatter(x, m)
-    if not torch.equal(ours, base):
-        kth = x.sort(dim=0, descending=True).values[m - 1 : m + 1]
-        tied = (kth[0] == kth[1]).nonzero().flatten().tolist()
-        print(
-            f"  note: topk+scatter differs from the reference in {int((ours != base).sum())} entries; "
-            f"columns tied at the m-th score: {tied}"
-        )
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parse_args(parser)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)  # the same scores every run (torch's default seed differs per process)
-    grid = [(4096, 8)] if args.quick else [(T, E) for T in (4096, 65536) for E in (8, 64, 256)]
-    print(f"backend: {moe_kernels.backends()['batchwise_mask']}, threads {torch.get_num_threads()}")
-    rows, notes = [], []
-    for T, E in grid:
-        m = 2 * T // E
-        x = torch.randn(T, E)
-        config = {"T": T, "E": E, "m": m}
-        check_agreement(x, m)
-        providers = {
-            "moe_kernels": lambda: batchwise_mask(x, m),
-            "torch.topk(dim=0)+scatter": lambda: topk_scatter(x, m),
-        }
-        if T <= 4096:  # the reference sorts every column in a Python loop: slow at T = 65536
-            providers["reference"] = lambda: reference.batchwise_mask(x, m)
-        bytes_moved = x.numel() * 5 + E * m * 8
-        for name, fn in providers.items():
-            mem = name != "reference"
-            rows.append(measure("batchwise_mask", name, fn, config=config, bytes_moved=bytes_moved, memory=mem))
-        rows.append(
-            measure_compiled(
-                "batchwise_mask",
-                "torch.compile topk+scatter",
-                topk_scatter,
-                x,
-                m,
-                config=config,
-                notes=notes,
-                bytes_moved=bytes_moved,
-            )
-        )
-        # One read of the scores: the limit of an op that must read every score.
-        rows.append(measure("batchwise_mask", "read pass", lambda: x.amax(0), config=config, bytes_moved=x.numel() * 4))
-        for name, fn in {
-            "moe_kernels": lambda: batchwise_mask(x, m, return_indices=True),
-            "torch.topk(dim=0)+scatter": lambda: topk_sorted_indices(x, m),
-        }.items():
-            rows.append(measure("batchwise_mask", name, fn, config=config, mode="+indices"))
-    report(
-        "batchwise" + ("_quick" if args.quick else ""),
-        rows,
-        baseline="torch.topk(dim=0)+scatter",
-        providers=["moe_kernels", "torch.topk(dim=0)+scatter", "reference", "torch.compile topk+scatter", "read pass"],
-        command=".venv/bin/python bench/bench_batchwise.py" + (f" --threads {args.threads}" if args.threads else ""),
-        notes=compile_notes(notes),
-    )
-
+from moe_kernels.bench import batchwise  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    main(batchwise)

@@ -1,102 +1,16 @@
-"""dselect_k on CPU (per-example gate, B rows): the fused C++ kernels vs plain PyTorch (the
-reference: smooth-step, a [B, k, 2^m, m] where/prod selector, softmax-weighted sum, autograd),
-forward and forward+backward. Goal (issue 6): >= 2x at n = 64, k = 4 for forward+backward.
+"""The dselect benchmark (moe_kernels/bench/dselect.py: what it measures and against what) with bench/'s
+flags (--help), its results in bench/results/.
 
     .venv/bin/python bench/bench_dselect.py [--quick]
 """
 
-import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    RESULTS,
-    bandwidth_section,
-    compile_notes,
-    copy_pass,
-    measure,
-    measure_compiled,
-    parse_args,
-    report,
-)
+from common import main  # noqa: E402
 
-import moe_kernels  # noqa: E402
-from moe_kernels import reference  # noqa: E402
-from moe_kernels.ops import dselect_k  # noqa: E402
-from moe_kernels.reference.dselect_k import num_bits  # noqa: E402
-
-# The bytes the forward must move at least (float32), docs/dselect_k.md.
-BYTES_MODEL = (
-    "Bytes moved, the least the forward must move (float32): dselect_k reads alpha [B, k] and z "
-    "[B, k, m] and writes the gates [B, n]: 4 B (k + k m + n)."
-)
-
-PROVIDERS = {
-    "moe_kernels": lambda a, z, n: dselect_k(a, z, n, 1.0),
-    "torch (reference)": lambda a, z, n: reference.dselect_k(a, z, n, 1.0),
-}
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="one small configuration (smoke test)")
-    args = parse_args(parser)
-    grid = [(512, 16, 2)] if args.quick else [(4096, n, k) for n in (16, 64, 256) for k in (2, 4)]
-    print(f"backend: {moe_kernels.backends()['dselect_k']}")
-    rows, notes, bandwidth = [], [], []
-    for B, n, k in grid:
-        m = num_bits(n)
-        alpha = torch.randn(B, k)
-        z = torch.randn(B, k, m) * 0.3  # inside the fractional region: every selector entry nonzero
-        config = {"B": B, "n": n, "k": k}
-        for name, fn in PROVIDERS.items():
-            rows.append(measure("dselect_k", name, lambda fn=fn: fn(alpha, z, n), config=config, memory=True))
-        rows.append(
-            measure_compiled(
-                "dselect_k",
-                "torch.compile reference",
-                PROVIDERS["torch (reference)"],
-                alpha,
-                z,
-                n,
-                config=config,
-                notes=notes,
-            )
-        )
-        # The inputs are small ([B, k] and [B, k, m]): writing the [B, n] gates once is the limit.
-        out = torch.empty(B, n)
-        rows.append(measure("dselect_k", "write pass", out.zero_, config=config, bytes_moved=out.numel() * 4))
-        nbytes = 4 * B * (k + k * m + n)
-        row = measure(
-            "dselect_k", "moe_kernels", lambda: dselect_k(alpha, z, n, 1.0), config=config, bytes_moved=nbytes
-        )
-        bandwidth.append(("dselect_k", config, nbytes, row, copy_pass(config, nbytes)))
-        for name, fn in PROVIDERS.items():
-            a = alpha.clone().requires_grad_()
-            zz = z.clone().requires_grad_()
-            g = torch.randn(B, n)
-
-            def step(fn=fn, a=a, zz=zz, g=g):
-                a.grad = zz.grad = None
-                fn(a, zz, n).backward(g)
-
-            rows.append(measure("dselect_k", name, step, config=config, mode="fwd+bwd"))
-    name = "dselect_k" + ("_quick" if args.quick else "")
-    md = report(
-        name,
-        rows,
-        baseline="torch (reference)",
-        providers=[*PROVIDERS, "torch.compile reference", "write pass"],
-        command=".venv/bin/python bench/bench_dselect.py",
-        notes=compile_notes(notes),
-    )
-    tail = bandwidth_section(BYTES_MODEL, bandwidth)
-    print(tail)
-    (RESULTS / f"{name}.md").write_text(md + tail)
-
+from moe_kernels.bench import dselect  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    main(dselect)

@@ -11,8 +11,9 @@ the same number of bytes (half read, half written: the practical limit for that 
 measured in the same run), `vs_torch` / `vs_compile` the time of the op's torch sequence (its
 reference, moe_kernels.reference) eager / compiled (dynamic=False) over ours.
 
-Timing (time_gpu in common.py): `calls` calls captured in one CUDA graph and replayed between two
-CUDA events, the median over rounds, so a kernel of a few microseconds is timed and not its launch;
+Timing (time_gpu in moe_kernels/bench/timing.py): `calls` calls captured in one CUDA graph and
+replayed between two CUDA events, the median over rounds, so a kernel of a few microseconds is timed
+and not its launch;
 a function that cannot be captured (the torch sequences with boolean-mask indexing sync with the
 host) is timed as `calls` eager calls between the two events instead, and the row says "loop".
 

@@ -13,10 +13,7 @@ sys.path.insert(0, str(HERE))
 from common import RESULTS  # noqa: E402
 from plot import plot_csv, write_index  # noqa: E402
 
-
-def csv_stamps() -> dict[Path, int]:
-    return {p: p.stat().st_mtime_ns for p in RESULTS.glob("*.csv")}
-
+from moe_kernels.bench.output import csv_stamps  # noqa: E402
 
 if __name__ == "__main__":
     extra = sys.argv[1:]
@@ -27,11 +24,11 @@ if __name__ == "__main__":
         bar.set_postfix_str(script.name)
         tqdm.write(f"== {script.name}", file=sys.stdout)
         sys.stdout.flush()
-        before = csv_stamps()
+        before = csv_stamps(RESULTS)
         if subprocess.run([sys.executable, str(script), *extra]).returncode != 0:
             failed.append(script.name)
         # The CSVs this bench appended to (bench_transformers with --quick writes *_quick.csv).
-        for path, stamp in csv_stamps().items():
+        for path, stamp in csv_stamps(RESULTS).items():
             if before.get(path) != stamp:
                 tqdm.write(f"plot: {plot_csv(path)}", file=sys.stdout)
     bar.close()

@@ -1,7 +1,7 @@
-"""bench/common.py's measure_interleaved, in a subprocess (importing common sets process-wide
-allocator options): every provider gets a row, in order, with its own bytes and peak memory;
-the timed calls alternate between providers round by round rather than running one provider's
-calls back to back."""
+"""measure_interleaved (moe_kernels/bench/timing.py, as bench/common.py gives it), in a subprocess
+(importing common sets process-wide allocator options): every provider gets a row, in order, with
+its own bytes and peak memory; the timed calls alternate between providers round by round rather
+than running one provider's calls back to back."""
 
 import json
 import subprocess

@@ -1,7 +1,7 @@
-"""bench/common.py's allocator settings, in a subprocess (they are process-wide): under
-steady_malloc a call that allocates and fills a 4 MiB or a 64 MiB tensor runs without page
-faults once warm; peak_memory_mb still sees that tensor on a warm heap, and restores the
-steady state."""
+"""The benchmarks' allocator settings (moe_kernels/bench/timing.py, set by importing bench/common.py),
+in a subprocess (they are process-wide): under steady_malloc a call that allocates and fills a
+4 MiB or a 64 MiB tensor runs without page faults once warm; peak_memory_mb still sees that tensor
+on a warm heap, and restores the steady state."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""bench/plot.py on tiny synthetic results CSVs (the rows bench/common.py `report` writes): the
+"""bench/plot.py on tiny synthetic results CSVs (the rows moe_kernels/bench/output.py `report` writes): the
 axis it picks, the latest row per (provider, mode, config), the limit line, the PNG and the index."""
 
 import csv
