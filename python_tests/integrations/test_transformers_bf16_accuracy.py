@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from hf_tiny import FAMILIES, tiny_model  # noqa: E402
+from hf_tiny import FAMILIES, keep_fp32_strict, tiny_model  # noqa: E402
 
 from moe_kernels.integrations import transformers_experts  # noqa: E402
 from moe_kernels.integrations.transformers import apply_moe_kernels  # noqa: E402
@@ -27,12 +27,7 @@ MEDIAN_WITHIN = 1.03
 
 def bf16_copy(model):
     """The float32 model in bf16, keeping in float32 what from_pretrained would keep there."""
-    copied = copy.deepcopy(model).to(torch.bfloat16)
-    strict = getattr(copied, "_keep_in_fp32_modules_strict", None) or []
-    for name, t in [*copied.named_parameters(), *copied.named_buffers()]:
-        if any(pattern in name for pattern in strict):
-            t.data = t.data.float()
-    return copied
+    return keep_fp32_strict(copy.deepcopy(model).to(torch.bfloat16))
 
 
 def logit_errors(family, seed):

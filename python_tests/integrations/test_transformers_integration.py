@@ -314,6 +314,7 @@ def test_few_tokens_take_transformers_router_in_inference(family, monkeypatch):
         router(torch.ones(few, d))
     router(torch.ones(few - 1, d))
     assert calls == [few - 1], "ours must run from the threshold on, and with gradients"
-    apply_moe_kernels(model, few_tokens=True)  # already patched: unchanged
+    apply_moe_kernels(model, few_tokens=False)  # already patched: the first setting stays
+    assert router._moe_kernels_few_tokens == few
     remove_moe_kernels(model)
     assert "_moe_kernels_few_tokens" not in vars(router)

@@ -219,6 +219,15 @@ def num_routers(model, model_type: str) -> int:
     return per_layer * getattr(model.config.get_text_config(), attribute)
 
 
+def keep_fp32_strict(model):
+    """What from_pretrained keeps in float32 (from_config and .to(dtype) do not), back in float32."""
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if any(pattern in name for pattern in strict):
+            t.data = t.data.float()
+    return model
+
+
 def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
     import transformers
 
@@ -229,11 +238,8 @@ def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
         model = getattr(transformers, name)(config).to(dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if dtype != torch.float32:  # what from_pretrained keeps in float32 (from_config does not)
-        strict = getattr(model, "_keep_in_fp32_modules_strict", None) or []
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if any(pattern in name for pattern in strict):
-                t.data = t.data.float()
+    if dtype != torch.float32:
+        keep_fp32_strict(model)
     # Random, not zero, routers (several families zero-initialise theirs: every token would tie).
     with torch.no_grad():
         for name, p in model.named_parameters():
