@@ -19,7 +19,7 @@ def _setup_context(ctx, inputs, output):
 
 _cpp = None
 if backends._extension.defines("combine"):
-    _cpp = torch.ops.moe_kernels.combine
+    _cpp = _autograd.direct(torch.ops.moe_kernels.combine)
 
     @torch.library.register_fake("moe_kernels::combine")
     def _fake(buffer, experts, positions, weights):

@@ -14,7 +14,7 @@ from moe_kernels.ops import _autograd, _validate
 
 _cpp = None
 if backends._extension.defines("dispatch"):
-    _cpp = torch.ops.moe_kernels.dispatch
+    _cpp = _autograd.direct(torch.ops.moe_kernels.dispatch)
 
     @torch.library.register_fake("moe_kernels::dispatch")
     def _fake(x, experts, positions, num_experts, capacity):

@@ -55,7 +55,7 @@ def _reference(alpha, z, num_experts, gamma, return_selectors):
 
 _cpp = None
 if backends._extension.defines("dselect_k"):
-    _cpp = torch.ops.moe_kernels.dselect_k
+    _cpp = _autograd.direct(torch.ops.moe_kernels.dselect_k)
     torch.library.register_fake("moe_kernels::dselect_k")(_fake)
     torch.library.register_fake("moe_kernels::dselect_k_backward")(_fake_backward)
     _autograd.register_autograd(

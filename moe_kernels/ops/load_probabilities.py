@@ -78,7 +78,7 @@ def _fake(clean_logits, noisy_logits, noise_stddev, k):
 
 _cpp = None
 if backends._extension.has_kernel("load_probabilities", "CPU"):
-    _cpp = torch.ops.moe_kernels.load_probabilities
+    _cpp = _autograd.direct(torch.ops.moe_kernels.load_probabilities)
     torch.library.register_fake("moe_kernels::load_probabilities")(_fake)
     _autograd.register_autograd("moe_kernels::load_probabilities", _backward_kernel, setup_context=_setup_context)
 

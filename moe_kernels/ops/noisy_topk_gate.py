@@ -56,7 +56,7 @@ def _fake(clean_logits, raw_noise_stddev, noise, k, noise_epsilon, token_weights
 
 _cpp = None
 if backends._extension.has_kernel("noisy_topk_gate", "CPU"):
-    _cpp = torch.ops.moe_kernels.noisy_topk_gate
+    _cpp = _autograd.direct(torch.ops.moe_kernels.noisy_topk_gate)
     torch.library.register_fake("moe_kernels::noisy_topk_gate")(_fake)
     _autograd.register_autograd("moe_kernels::noisy_topk_gate", _backward, setup_context=_setup_context)
 

@@ -12,8 +12,8 @@ from moe_kernels.ops import _autograd, _validate
 
 _cpp_permute = _cpp_unpermute = None
 if backends._extension.defines("permute"):
-    _cpp_permute = torch.ops.moe_kernels.permute
-    _cpp_unpermute = torch.ops.moe_kernels.unpermute
+    _cpp_permute = _autograd.direct(torch.ops.moe_kernels.permute)
+    _cpp_unpermute = _autograd.direct(torch.ops.moe_kernels.unpermute)
 
     @torch.library.register_fake("moe_kernels::permute")
     def _fake_permute(x, experts, num_experts):

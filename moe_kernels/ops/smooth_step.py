@@ -40,7 +40,7 @@ def _fake_backward(grad, t, gamma):
 
 _cpp = None
 if backends._extension.defines("smooth_step"):
-    _cpp = torch.ops.moe_kernels.smooth_step
+    _cpp = _autograd.direct(torch.ops.moe_kernels.smooth_step)
     torch.library.register_fake("moe_kernels::smooth_step")(_fake)
     torch.library.register_fake("moe_kernels::smooth_step_backward")(_fake_backward)
     _autograd.register_autograd("moe_kernels::smooth_step", _backward_cpp, setup_context=_setup_context)

@@ -120,7 +120,7 @@ def _backward(ctx, grad_weights, grad_experts):
 
 _cpp = None
 if backends._extension.has_kernel("topk_router", "CPU"):
-    _cpp = _kernel_call(torch.ops.moe_kernels.topk_router)
+    _cpp = _kernel_call(_autograd.direct(torch.ops.moe_kernels.topk_router))
 
     @torch.library.register_fake("moe_kernels::topk_router")
     def _fake(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor):
