@@ -51,7 +51,7 @@ CUDA_CHECK_VENV ?= .venv-cuda-check
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check check-cuda-build FORCE
+.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check check-cuda-build test-installed test-newest FORCE
 
 all: test
 
@@ -139,6 +139,44 @@ check-cuda-build:
 	cd $(CUDA_CHECK_VENV)/src && MOE_KERNELS_CUDA=1 $(abspath $(CUDA_CHECK_VENV))/bin/pip install --no-build-isolation --no-deps -e .
 	cd $(CUDA_CHECK_VENV)/src && $(abspath $(CUDA_CHECK_VENV))/bin/python -c "import moe_kernels, torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda); print('backends:', moe_kernels.backends())"
 	cd $(CUDA_CHECK_VENV)/src && MOE_KERNELS_CUDA=1 MOE_KERNELS_REQUIRE_EXTENSION=1 $(abspath $(CUDA_CHECK_VENV))/bin/python -m pytest python_tests -q -p no:cacheprovider
+
+# The package as users install it, on any supported torch: a fresh venv with torch $(TORCH) (the
+# registry's build, CPU or CUDA), its pins and, if TRANSFORMERS is set, that transformers release;
+# the wheel of a copy of this tree built with `pip wheel --no-build-isolation` (the README's install:
+# against the venv's torch; CPU kernels only unless INSTALLED_CUDA=1) and installed, not editable;
+# then, from outside the tree, `python -m moe_kernels.check` and `python -m moe_kernels.bench
+# --quick`; then the suite's first pass, run in the copy with the installed build's .so (the
+# interpreter pass stays with `make test`). The tree's own .so and .venv stay untouched.
+# `make test-newest` runs it on the newest torch and transformers (requirements-newest.txt), as CI
+# does beside `make test`.
+TRANSFORMERS ?=
+INSTALLED_CUDA ?= 0
+INSTALLED_VENV ?= .venv-installed-$(TORCH)
+INSTALLED_PY := $(abspath $(INSTALLED_VENV))/bin/python
+test-installed:
+	@test -n "$(PINS)" || $(NO_PINS)
+	rm -rf $(INSTALLED_VENV) && $(PYTHON) -m venv $(INSTALLED_VENV)
+	$(INSTALLED_PY) -m pip install --quiet --upgrade pip
+	$(INSTALLED_PY) -m pip install --quiet $(TORCH_PIP_FLAGS) torch==$(TORCH)
+	$(INSTALLED_PY) -m pip install --quiet -r requirements-dev.txt triton==$(TRITON) numpy==$(NUMPY)
+	$(if $(TRANSFORMERS),$(INSTALLED_PY) -m pip install --quiet transformers==$(TRANSFORMERS))
+	@$(INSTALLED_PY) -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| transformers', transformers.__version__)"
+	mkdir -p $(INSTALLED_VENV)/src $(INSTALLED_VENV)/dist $(INSTALLED_VENV)/run
+	git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do [ -f "$$f" ] && cp --parents "$$f" $(INSTALLED_VENV)/src; done; true' sh
+	rm -f $(INSTALLED_VENV)/src/moe_kernels/_C*.so $(INSTALLED_VENV)/src/moe_kernels/.extension-variant
+	@echo "Building the wheel against torch $(TORCH): several minutes on 2 cores (MAX_JOBS=$(MAX_JOBS))"
+	MOE_KERNELS_CUDA=$(INSTALLED_CUDA) $(INSTALLED_PY) -m pip wheel --no-build-isolation --no-deps -w $(INSTALLED_VENV)/dist $(INSTALLED_VENV)/src
+	$(INSTALLED_PY) -m pip install --no-deps $(INSTALLED_VENV)/dist/*.whl
+	cd $(INSTALLED_VENV)/run && MOE_KERNELS_REQUIRE_EXTENSION=1 $(INSTALLED_PY) -m moe_kernels.check
+	cd $(INSTALLED_VENV)/run && MOE_KERNELS_REQUIRE_EXTENSION=1 $(INSTALLED_PY) -m moe_kernels.bench --quick --no-compile --out bench-out
+	cd $(INSTALLED_VENV)/run && $(INSTALLED_PY) -c "import glob, os, shutil, moe_kernels as m; [so] = glob.glob(os.path.join(os.path.dirname(m.__file__), '_C*.so')); shutil.copy(so, '../src/moe_kernels/')"
+	echo $(if $(filter 1,$(INSTALLED_CUDA)),cuda,cpu) > $(INSTALLED_VENV)/src/moe_kernels/.extension-variant
+	cd $(INSTALLED_VENV)/src && MOE_KERNELS_CUDA=$(INSTALLED_CUDA) MOE_KERNELS_REQUIRE_EXTENSION=1 $(INSTALLED_PY) -m pytest python_tests -p no:cacheprovider
+
+NEWEST_TORCH := $(shell sed -n 's/^torch==//p' requirements-newest.txt)
+NEWEST_TRANSFORMERS := $(shell sed -n 's/^transformers==//p' requirements-newest.txt)
+test-newest:
+	$(MAKE) test-installed TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS)
 
 lint: $(DEPS)
 	$(BIN)/ruff check .

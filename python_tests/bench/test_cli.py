@@ -5,6 +5,7 @@ than copies of it."""
 
 import ast
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,19 @@ COLUMNS = ["op", "provider", "mode", "config", "median_ms", "p20_ms", "p80_ms", 
 COLUMNS += ["machine", "commit", "torch", "date"]
 
 
+# The children import the moe_kernels under test (this process's), not another one the
+# interpreter would find from their folder (an installed copy beside a checkout: make test-installed).
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")]))}
+
+
 def cli(*args, cwd, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "moe_kernels.bench", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "moe_kernels.bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
     )
 
 
@@ -88,7 +99,9 @@ def test_missing_dependency_skips_with_the_reason(tmp_path):
         "from moe_kernels.bench.__main__ import main\n"
         "sys.exit(main(['--op', 'transformers', 'decode', '--out', 'o']))\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=ENV
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "transformers: skipped, needs transformers (pip install transformers)" in run.stdout
     assert "decode: skipped, needs transformers" in run.stdout

@@ -5,6 +5,7 @@ step is left out (it rebuilds the extension: minutes on this machine's cores); g
 on a GPU machine is what builds."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,8 +109,10 @@ def test_device_slug():
 
 @pytest.mark.parametrize("origin", ["default", "given"])
 def test_make_gpu_check_uses_the_given_python(origin):
-    cmd = ["make", "-n", "gpu-check"] + (["PY=/opt/x/python3"] if origin == "given" else [])
-    dry = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout
+    cmd = ["make", "-n", "--no-print-directory", "gpu-check"] + (["PY=/opt/x/python3"] if origin == "given" else [])
+    # Not the make this suite may run under (make test-installed): its variables are not the user's.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PY", "MAX_JOBS")}
+    dry = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env).stdout
     python = "/opt/x/python3" if origin == "given" else "python3"
     assert f"{python} bench/gpu_check.py" in dry
     assert ".venv" not in dry and "pip" not in dry, "gpu-check creates no venv and installs nothing"
