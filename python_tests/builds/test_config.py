@@ -310,3 +310,17 @@ def test_cuda_home_follows_the_nvcc_symlink(setup_py, tmp_path):
     (wrappers / "nvcc").write_text(f'#!/bin/sh\necho "#$ TOP={toolkit}/bin/.." >&2\n')
     (wrappers / "nvcc").chmod(0o755)
     assert setup_py.find_cuda_home({"PATH": str(wrappers)}) == str(toolkit)
+
+
+def test_newest_pins_are_the_newest_supported(setup_py):
+    """requirements-newest.txt (what CI's `make test-newest` installs) names a full torch release of
+    setup.py's TORCH_NEWEST, which has a row in torch-pins.txt, and a transformers release no older
+    than the one the suite pins."""
+    lines = [line for line in (ROOT / "requirements-newest.txt").read_text().splitlines() if line[:1].isalpha()]
+    pins = dict(line.split("==") for line in lines)
+    assert sorted(pins) == ["torch", "transformers"], lines
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pins["torch"]), pins
+    assert setup_py.torch_release(pins["torch"]) == setup_py.TORCH_NEWEST
+    assert pins["torch"].rsplit(".", 1)[0] in torch_pins()
+    dev = re.search(r"^transformers==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.M).group(1)
+    assert tuple(map(int, pins["transformers"].split("."))) >= tuple(map(int, dev.split(".")))
