@@ -503,12 +503,12 @@ def _inkling(self, hidden_states):
 # (DBRX: its block's route_tokens_to_experts) in transformers 5.23, with the model folders whose
 # classes have exactly that code. The family forwards above reproduce each one.
 _CODES: dict[str, RouterCode] = {
-    "214e75c14db855b8": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=256),
+    "214e75c14db855b8": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=48),
     "02cfb07d7fb817bb": RouterCode(
         "qwen2_moe",
         "flex_olmo, mellum, olmoe, qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen4_exp",
         _qwen2_moe,
-        few_tokens=128,
+        few_tokens=24,
     ),
     "fa092ef50b24a2b0": RouterCode("qwen3_5_moe", "qwen3_5_moe, qwen3_omni_moe, qwen3_vl_moe", _qwen3_5_moe),
     "79f608dfcb5cda90": RouterCode(
@@ -516,7 +516,7 @@ _CODES: dict[str, RouterCode] = {
     ),
     "17cc5f6725963e35": RouterCode("jamba", "jamba", _jamba),
     "84d829d8b20916f4": RouterCode("gemma4", "diffusion_gemma, gemma4", _gemma4),
-    "e20157fa03acc250": RouterCode("gpt_oss", "gpt_oss", _gpt_oss, few_tokens=512),
+    "e20157fa03acc250": RouterCode("gpt_oss", "gpt_oss", _gpt_oss, few_tokens=128),
     "ae44633475492459": RouterCode(
         "deepseek_v2", "deepseek_ocr2, deepseek_v2, unlimited_ocr", _deepseek_v2, applicable=_deepseek_v2_applicable
     ),
@@ -579,17 +579,17 @@ def _looks_like_router(module: torch.nn.Module) -> bool:
     ) or name in _OTHER_ROUTERS
 
 
-def _route(forward, module, hidden_states, *args, **kwargs):
-    """A patched router's forward: ours, or transformers' own for CPU inference at a few tokens
-    (RouterCode.few_tokens), where its torch sequence costs less than our op's call. Traced
-    (torch.compile), with gradients or on another device: always ours. Codes that patch another
-    method (DBRX's block routing) have few_tokens = 0."""
-    few = vars(module).get("_moe_kernels_few_tokens", 0)
+def _route(forward, module, few, hidden_states, *args, **kwargs):
+    """A patched router's forward: ours, or transformers' own for CPU inference at fewer than `few`
+    tokens (RouterCode.few_tokens; 0: never), where its torch sequence costs less than our op's
+    call. Traced (torch.compile), with gradients or on another device: always ours. Codes that
+    patch another method (DBRX's block routing) have few_tokens = 0. The cheap tests first: at a
+    few tokens this wrapper is all that a patched router adds to transformers' own."""
     if (
         few
-        and not torch.compiler.is_compiling()
         and not torch.is_grad_enabled()
-        and hidden_states.device.type == "cpu"  # measured on CPU only
+        and hidden_states.is_cpu  # measured on CPU only
+        and not torch.compiler.is_compiling()  # before the size test, which would guard on T
         and hidden_states.numel() < few * hidden_states.shape[-1]
     ):
         return type(module).forward(module, hidden_states, *args, **kwargs)
@@ -604,8 +604,8 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True, few_token
       experts: also switch the model's experts implementation to "moe_kernels" (where the
         model supports transformers' experts interface).
       few_tokens: CPU inference calls at fewer tokens than measured per router code (decode) run
-        transformers' own router, which is faster there (Mixtral below 256 tokens, the Qwen2-MoE
-        code below 128, GPT-OSS below 512; docs/routers.md). False: ours at every size.
+        transformers' own router, which is faster there (Mixtral below 48 tokens, the Qwen2-MoE
+        code below 24, GPT-OSS below 128; docs/routers.md). False: ours at every size.
 
     Returns:
       {"patched": {module name: family code}, "skipped": {module name: reason},
@@ -630,9 +630,10 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True, few_token
                 break
             # A partial of the module-level family forward, not a bound method: a bound method
             # pickles as getattr(module, "_mixtral"), which fails on load; this pickles by name.
-            setattr(module, method, functools.partial(_route, code.forward, module))
+            few = code.few_tokens if few_tokens else 0
+            setattr(module, method, functools.partial(_route, code.forward, module, few))
             module._moe_kernels_code = code.name
-            module._moe_kernels_few_tokens = code.few_tokens if few_tokens else 0
+            module._moe_kernels_few_tokens = few
             patched[name] = code.name
             reason = None
             break

@@ -13,8 +13,10 @@ Ours: permute (the T*k token copies sorted by expert, contiguous per expert, no 
 grouped matmul per projection (torch._grouped_mm, on CPU a matmul per expert over its rows) ->
 unpermute with the routing weights (float32 products of the float32 router weights, summed in
 float32 and rounded once). Without gradients on CPU at fewer than FEW_CHOICES (token, expert)
-choices (decode) the call is transformers' own grouped_mm forward: at a few tokens our permute and
-unpermute calls cost more than they save. Where torch's grouped matmul
+choices (decode), the ids are read on the host: at most k or E / CHOSEN_SHARE distinct experts,
+only those run, each on its rows through views of its weights (torch._grouped_mm on CPU runs a matmul
+per expert of all E, empty or not); more, transformers' own grouped_mm forward (at a few tokens
+our permute and unpermute calls cost more than they save). Where torch's grouped matmul
 does not take the dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes;
 CUDA before sm_80 or other than bf16), the same projections run as one batched matmul over a
 padded [E, C, d] buffer (capacity_positions with C = the largest count, dispatch, combine).
@@ -32,6 +34,8 @@ docs/routers.md, Experts implementation, has the measurements.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moe_kernels import backends
@@ -40,23 +44,36 @@ from moe_kernels.ops import capacity_positions, combine, dispatch, permute, unpe
 NAME = "moe_kernels"
 
 
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_GROUPED_MM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _grouped_mm_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs these operands on their device, forward and backward: float32
     / fp16 / bf16 on CPU (16-bit rows need 16-byte strides), bf16 on CUDA from sm_80."""
-    return _sizes_take(x, *(size for w in weights for size in w.shape[1:]))
+    device = _device_takes(x)
+    if device is not None:
+        return device
+    return all(size % 8 == 0 for w in weights for size in w.shape[1:])
 
 
 def _sizes_take(x: torch.Tensor, *sizes: int) -> bool:
     """_grouped_mm_takes for x with operands whose two inner sizes are `sizes`."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    device = _device_takes(x)
+    return device if device is not None else all(size % 8 == 0 for size in sizes)
+
+
+def _device_takes(x: torch.Tensor) -> bool | None:
+    """_grouped_mm_takes where x alone decides it (asked once per experts call at decode: cheap
+    first), None where it depends on the operands' sizes (16-bit CPU rows)."""
+    if not _HAS_GROUPED_MM or x.dtype not in _GROUPED_MM_DTYPES:
         return False
-    if x.device.type == "cuda":
+    device = x.device.type
+    if device == "cpu":
+        return True if x.element_size() == 4 else None
+    if device == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    if x.device.type != "cpu":
-        return False
-    if x.element_size() == 4:
-        return True
-    return all(size % 8 == 0 for size in sizes)
+    return False
 
 
 def _traced(x: torch.Tensor) -> bool:
@@ -181,9 +198,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     """
     if getattr(self, "_is_expert_parallel", False):
         # Expert-parallel sentinels (ids >= num_experts) are transformers' own protocol.
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _transformers_grouped_mm()(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
     if (
         not torch.compiler.is_compiling()  # first: traced, a size test would guard (recompile) on T k
@@ -193,7 +208,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         and hidden_states.dtype != torch.float64
         and _grouped_mm_takes(hidden_states, self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj)
     ):  # decode: first, so that the few-token path pays for few other checks
-        return _forward_transformers(self, hidden_states, top_k_index, top_k_weights, E)
+        return _forward_few(self, hidden_states, top_k_index, top_k_weights, E)
     experts = top_k_index.to(torch.int64)
     weight_dtype = (self.gate_up_proj if self.has_gate else self.up_proj).dtype
     x = hidden_states.to(weight_dtype)
@@ -213,18 +228,75 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 # GPT-OSS; 1 and 2 threads): at 16-64 choices ours took 1.00-1.05x transformers' time, from 256 on
 # 0.9-1.0x (docs/routers.md, "Experts at a few tokens").
 FEW_CHOICES = 256
+# ... and at most k (one token's) or E / CHOSEN_SHARE distinct experts among them, only those run
+# (_forward_chosen): transformers' grouped_mm forward costs a matmul per expert of all E, which is
+# most of its time at one token; from a few tokens on, both read about the same expert weights and
+# transformers' forward is as fast or faster (docs/routers.md, "Experts at a few tokens").
+CHOSEN_SHARE = 8
 
 
-def _forward_transformers(self, x, experts, top_k_weights, E):
-    """transformers' grouped_mm experts forward, after the id check it does not make (its histc
-    drops ids outside [0, E): tokens lost silently). CPU tensors: the check reads two values."""
+def _forward_few(self, hidden_states, experts, top_k_weights, E):
+    """CPU inference below FEW_CHOICES choices. The ids are read on the host (two to a few hundred):
+    the range check transformers' forward lacks (its histc drops ids outside [0, E): tokens lost
+    silently), then the path by the number of distinct experts chosen: at most k (one token) or
+    E / CHOSEN_SHARE, only those experts run (_forward_chosen); more, transformers' own grouped_mm
+    forward."""
+    ids = experts.reshape(-1).tolist()
+    if ids and (min(ids) < 0 or max(ids) >= E):
+        raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{min(ids)}, {max(ids)}]")
+    if not ids or len(set(ids)) > max(experts.shape[1], E // CHOSEN_SHARE):
+        return _forward_transformers(self, hidden_states, experts, top_k_weights)
+    x = hidden_states.to((self.gate_up_proj if self.has_gate else self.up_proj).dtype)
+    return _forward_chosen(self, x, experts, top_k_weights, ids).to(hidden_states.dtype)
+
+
+def _forward_transformers(self, x, experts, top_k_weights):
+    """transformers' grouped_mm experts forward (the ids checked by the caller)."""
+    return _transformers_grouped_mm()(self, x, experts, top_k_weights)
+
+
+@functools.cache
+def _transformers_grouped_mm():
+    """transformers' grouped_mm experts forward (imported on first use: an import statement in the
+    decode path costs a microsecond a call)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    flat = experts.reshape(-1)
-    # Two scalar reductions: cheaper at a few ids than one aminmax (which measured 7 us here).
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= E):
-        raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{int(flat.min())}, {int(flat.max())}]")
-    return grouped_mm_experts_forward(self, x, experts, top_k_weights)
+    return grouped_mm_experts_forward
+
+
+def _forward_chosen(self, x, experts, top_k_weights, ids: list[int]):
+    """The grouped path with its layout made on the host from the ids read there (`ids`: the [T k]
+    choices c = t k + s, in range), and a matmul per chosen expert only, on views of its weights:
+    torch._grouped_mm on CPU (transformers' grouped_mm forward, and ours) runs one per expert of
+    all E, empty or not, and at a few tokens that is most of its time. The activation, bias and
+    weighting run once on all rows; each choice's float32 product with its float32 weight goes back
+    to its own row, and the sum over k is in float32, rounded once, as on the other paths."""
+    T, k = experts.shape
+    order = sorted(range(len(ids)), key=ids.__getitem__)  # stable: by expert, then by choice
+    spans, start = [], 0  # (expert, first row, end row) of each chosen expert, in sorted rows
+    for end in range(1, len(order) + 1):
+        if end == len(order) or ids[order[end]] != ids[order[start]]:
+            spans.append((ids[order[start]], start, end))
+            start = end
+    order_t = torch.tensor(order)
+    rows = x.index_select(0, order_t // k)
+    expert_of_row = torch.tensor([ids[c] for c in order]) if self.has_bias else None
+    linear = functools.partial(_chosen_linear, spans=spans, expert_of_row=expert_of_row, transposed=self.is_transposed)
+    out = _projections(self, rows, linear)
+    weights = _sum_weights(top_k_weights, out).reshape(-1)
+    products = out.to(weights.dtype) * weights.index_select(0, order_t).unsqueeze(1)
+    return torch.empty_like(products).index_copy_(0, order_t, products).view(T, k, -1).sum(1)
+
+
+def _chosen_linear(rows, weight, bias, *, spans, expert_of_row, transposed):
+    """rows [S, in] sorted by expert -> [S, out]: each span's rows through its expert's weight
+    ([E, out, in], or [E, in, out] if transposed; a view, no copy) (+ bias [E, out])."""
+    out = rows.new_empty(rows.shape[0], weight.shape[2] if transposed else weight.shape[1])
+    for e, a, b in spans:
+        torch.mm(rows[a:b], weight[e] if transposed else weight[e].t(), out=out[a:b])
+    if bias is not None:
+        out += bias.index_select(0, expert_of_row)
+    return out
 
 
 def _projections(self, rows, linear):

@@ -71,12 +71,15 @@ def _linear_experts(E, d, d_ff):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-def test_weighted_sum_rounds_once_from_float32_weights(grad):
+# 320 choices: our grouped path in inference too; 1 token of 4 among 16 experts: in inference the
+# chosen experts alone (transformers_experts._forward_chosen), a sum of four.
+@pytest.mark.parametrize("T, E, k", [(160, 4, 2), (1, 16, 4)], ids=["grouped", "chosen"])
+def test_weighted_sum_rounds_once_from_float32_weights(grad, T, E, k):
     # Expert outputs are exact integers; the weights are float32 values bf16 cannot hold. The sum
     # must be the float32 sum of float32 products, rounded to bf16 once, as transformers' grouped_mm
     # computes it: a 16-bit index_add (rounding at each add) and weights rounded to bf16 first
     # missed it.
-    E, d, d_ff, T, k = 4, 16, 8, 160, 2  # 320 choices: our grouped path in inference too
+    d, d_ff = 16, 8
     experts_module = _linear_experts(E, d, d_ff)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(-3, 4, (T, d), generator=gen).to(torch.bfloat16).requires_grad_(grad)

@@ -1,8 +1,8 @@
 """Our experts forward (moe_kernels.integrations.transformers_experts) against transformers' eager
-experts loop on one experts module: its three paths (torch's grouped matmul, the padded batched
-matmul it falls back to, transformers' own grouped_mm forward for CPU inference at a few choices), every layout of
-the covered families (gate or not, bias, transposed), empty experts in the backward, and the
-dtypes the grouped matmul refuses."""
+experts loop on one experts module: its paths (torch's grouped matmul, the padded batched matmul
+it falls back to, and for CPU inference at a few choices the chosen experts alone or transformers'
+own grouped_mm forward), every layout of the covered families (gate or not, bias, transposed),
+empty experts in the backward, and the dtypes the grouped matmul refuses."""
 
 import pytest
 import torch
@@ -131,3 +131,62 @@ def test_path_by_dtype_and_grad_mode(dtype, grad, T, path, monkeypatch):
     assert calls == [path]
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(ours, ref, **tol)
+
+
+def spy_paths(monkeypatch):
+    calls = []
+    for name in ("_forward_grouped", "_forward_padded", "_forward_transformers", "_forward_chosen"):
+        original = getattr(transformers_experts, name)
+        monkeypatch.setattr(
+            transformers_experts, name, lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw)
+        )
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# one token (k distinct experts), and three tokens on the same two experts (two rows each)
+@pytest.mark.parametrize("index", [[[3, 6]], [[4]], [[7, 0, 5]], [[5, 2], [2, 5], [5, 2]]], ids=str)
+@pytest.mark.parametrize("family", LAYOUTS)
+def test_chosen_experts_path_matches_eager(family, index, dtype, monkeypatch):
+    """CPU inference with at most k or E / CHOSEN_SHARE distinct experts (decode): each chosen
+    expert's rows through its own weights, equal to eager (the bias, the transposed layout, the gate)."""
+    experts = experts_of(family, dtype=dtype)
+    idx = torch.tensor(index)
+    T, k = idx.shape
+    w = torch.rand(T, k, generator=torch.Generator().manual_seed(T)).softmax(-1)
+    x = torch.randn(T, 64, dtype=dtype)
+    calls = spy_paths(monkeypatch)
+    with torch.no_grad():
+        ours = transformers_experts.experts_forward(experts, x, idx, w)
+        ref = eager(experts, x, idx, w.to(dtype))
+    assert calls == ["_forward_chosen"]
+    assert ours.dtype == dtype and ours.shape == (T, 64)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours, ref, **tol)
+
+
+def test_few_choices_path_by_distinct_experts(monkeypatch):
+    """Below FEW_CHOICES: the chosen experts alone while at most max(k, E / CHOSEN_SHARE) distinct
+    ones are chosen, transformers' grouped_mm forward from one more; an out-of-range id is an error
+    on both (transformers' histc would drop it), and an empty batch gives an empty result."""
+    experts = experts_of("mixtral")
+    E = experts.num_experts
+    limit = max(2, E // transformers_experts.CHOSEN_SHARE)  # k = 2
+    x = torch.randn(4, 64)
+    calls = spy_paths(monkeypatch)
+    few = torch.tensor([[0, 1], [1, 0], [1, 0], [0, 1]])
+    many = torch.tensor([[0, 1], [1, 0], [1, 2], [0, 1]])
+    assert few.unique().numel() <= limit < many.unique().numel()
+    w = torch.full((4, 2), 0.5)
+    with torch.no_grad():
+        for index, path in ((few, "_forward_chosen"), (many, "_forward_transformers")):
+            calls.clear()
+            torch.testing.assert_close(
+                transformers_experts.experts_forward(experts, x, index, w), eager(experts, x, index, w)
+            )
+            assert calls == [path]
+            for bad in (-1, E):
+                with pytest.raises(ValueError, match=r"top_k_index must hold expert ids in \[0, 8\)"):
+                    transformers_experts.experts_forward(experts, x, index.clone().fill_(bad), w)
+        empty = transformers_experts.experts_forward(experts, x[:0], few[:0], w[:0])
+    assert empty.shape == (0, 64)
