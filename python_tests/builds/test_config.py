@@ -324,3 +324,21 @@ def test_newest_pins_are_the_newest_supported(setup_py):
     assert pins["torch"].rsplit(".", 1)[0] in torch_pins()
     dev = re.search(r"^transformers==(\S+)$", (ROOT / "requirements-dev.txt").read_text(), re.M).group(1)
     assert tuple(map(int, pins["transformers"].split("."))) >= tuple(map(int, dev.split(".")))
+
+
+def test_make_wheel_builds_against_the_venv_torch_and_tags_manylinux():
+    """`make -n wheel` (a dry run): the wheel is built with --no-build-isolation (never a torch pip
+    downloads), then repaired by auditwheel with torch's libraries and OpenMP runtime excluded."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH")}
+    out = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(ROOT), "wheel"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "pip wheel --no-build-isolation --no-deps -w dist/raw ." in out.stdout
+    repair = next(line for line in out.stdout.splitlines() if "auditwheel repair" in line)
+    for excluded in ("libc10*.so", "libtorch*.so", "libgomp*"):
+        assert f"--exclude '{excluded}'" in repair
