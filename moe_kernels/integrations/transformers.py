@@ -72,9 +72,17 @@ def autocast_lowers(hidden_states) -> bool:
     so under such an autocast they call transformers' forward and stay exact (docs/routers.md,
     Fidelity)."""
     device = hidden_states.device.type
-    if not torch.amp.is_autocast_available(device):  # meta tensors: no autocast to ask about
+    return autocast_on(device) and torch.get_autocast_dtype(device) != torch.float32
+
+
+def autocast_on(device: str) -> bool:
+    """Whether autocast is enabled on `device` (a device type); False where autocast does not
+    exist (meta tensors: no autocast to ask about)."""
+    # torch 2.11's dynamo cannot trace torch.amp.is_autocast_available (a graph break, and
+    # fullgraph fails); traced tensors are on real devices, whose autocast state it can read.
+    if not torch.compiler.is_compiling() and not torch.amp.is_autocast_available(device):
         return False
-    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != torch.float32
+    return torch.is_autocast_enabled(device)
 
 
 # Softmax routers. With no bias the op ranks by the logits: the same experts as ranking the
@@ -147,7 +155,7 @@ def _deepseek_v2_applicable(module):
 
 def _ernie4_5_moe(self, hidden_states):
     device = hidden_states.device.type
-    off = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    off = autocast_on(device)
     # float32, as transformers (its maybe_autocast: no context on meta, or with autocast off)
     with torch.autocast(device_type=device, enabled=False) if off else contextlib.nullcontext():
         router_logits = F.linear(hidden_states.float(), self.weight.float())
