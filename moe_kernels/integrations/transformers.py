@@ -3,8 +3,8 @@
     from moe_kernels.integrations.transformers import apply_moe_kernels
     report = apply_moe_kernels(model)   # in place; report["patched"], report["skipped"]
 
-Each router whose code is one of the router codes verified here (on transformers
-5.23) gets a forward computing the same thing through `moe_kernels.ops.topk_router`, with the
+Each router whose code is one of the router codes verified here (on transformers 5.23:
+VERIFIED) gets a forward computing the same thing through `moe_kernels.ops.topk_router`, with the
 same outputs, dtypes and return structure; the experts of the model switch to our experts
 implementation ("moe_kernels", transformers_experts.py) through transformers' own experts
 interface. Nothing is added, removed or renamed: parameters, buffers and `state_dict()` are
@@ -17,7 +17,8 @@ Recognition is by the router's code, not its name: a router class is patched onl
 its forward is exactly one of the codes below (several families share each code), compared by
 code_key.py's key (its syntax tree without docstrings: a release that only reformats a router
 keeps its key, any other change loses it). Anything else is left alone and reported with the
-reason. docs/routers.md lists the families.
+reason. docs/routers.md lists the families; `python -m moe_kernels.integrations.router_codes`
+prints the key and the code of every router class in the installed transformers (router_codes.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class RouterCode:
     # cheaper than our op's call there (bench/bench_decode.py; docs/routers.md, "At a few
     # tokens"). 0: ours at every size (measured faster from T = 1, or not measured).
     few_tokens: int = 0
+
+
+# The transformers releases whose router classes were checked against _CODES (every router class
+# of every model folder, router_codes.py) and whose tiny models pass python_tests/integrations.
+VERIFIED = "5.23"
 
 
 def token_rows(hidden_states, module):
@@ -619,7 +625,10 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True, few_token
         if any(m in vars(module) for m in ("forward", "route_tokens_to_experts")):
             patched[name] = module.__dict__.get("_moe_kernels_code", "already patched")
             continue
-        reason = f"unknown router code ({type(module).__name__}): not one of the verified transformers 5.23 routers"
+        reason = (
+            f"unknown router code ({type(module).__name__}): not one of the routers verified on transformers "
+            f"{VERIFIED} (python -m moe_kernels.integrations.router_codes prints its key)"
+        )
         for method, _, _, code in _recognise(type(module)):
             if code is None:
                 continue
