@@ -3,7 +3,7 @@
     from moe_kernels.integrations.transformers import apply_moe_kernels
     report = apply_moe_kernels(model)   # in place; report["patched"], report["skipped"]
 
-Each router whose code is one of the router codes verified here (on transformers 5.23:
+Each router whose code is one of the router codes verified here (on transformers 5.23 to 5.24:
 VERIFIED) gets a forward computing the same thing through `moe_kernels.ops.topk_router`, with the
 same outputs, dtypes and return structure; the experts of the model switch to our experts
 implementation ("moe_kernels", transformers_experts.py) through transformers' own experts
@@ -41,7 +41,7 @@ class RouterCode:
     """One verified router code: what it computes, and our forward for it."""
 
     name: str  # the family it was first written for
-    families: str  # the model folders (transformers 5.23) with a router of exactly this code
+    families: str  # the model folders (transformers 5.23 and 5.24) with a router of exactly this code
     forward: Callable  # our forward, bound to the router (or block) instance
     method: str = "forward"  # the method replaced (DBRX routes in its block)
     applicable: Callable = lambda module: None  # None, or why this instance cannot be patched
@@ -53,7 +53,7 @@ class RouterCode:
 
 # The transformers releases whose router classes were checked against _CODES (every router class
 # of every model folder, router_codes.py) and whose tiny models pass python_tests/integrations.
-VERIFIED = "5.23"
+VERIFIED = "5.23 to 5.24"
 
 
 def token_rows(hidden_states, module):
@@ -498,8 +498,9 @@ def _inkling(self, hidden_states):
 
 
 # The verified codes: the code_key of the router's forward (DBRX: its block's
-# route_tokens_to_experts) in transformers 5.23, with the model folders whose classes have exactly
-# that code. The family forwards above reproduce each one.
+# route_tokens_to_experts), the same in transformers 5.23 and 5.24, with the model folders whose
+# classes have exactly that code in either release (hy_v4_vl and inkling2_loop are new in 5.24).
+# The family forwards above reproduce each one.
 _CODES: dict[str, RouterCode] = {
     "e522519b94efb45a": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=256),
     "9b0053e488a15363": RouterCode(
@@ -524,7 +525,7 @@ _CODES: dict[str, RouterCode] = {
     "4c31bc3fd46dbaec": RouterCode(
         "deepseek_v3",
         "axk1, bailing_hybrid, deepseek_v3, deepseek_v32, dots1, dots3_note, exaone_moe, glm4_moe, glm4_moe_lite, "
-        "glm4v_moe, glm5_next, glm_moe_dsa, hy_v4, kimi_linear, mimo_v2_flash, nemotron_h, solar_open",
+        "glm4v_moe, glm5_next, glm_moe_dsa, hy_v4, hy_v4_vl, kimi_linear, mimo_v2_flash, nemotron_h, solar_open",
         _deepseek_v3,
     ),
     "7273bcf86ff8fece": RouterCode("minimax_m2", "minimax_m2", _minimax_m2),
@@ -550,7 +551,7 @@ _CODES: dict[str, RouterCode] = {
     "e9da1422cbec5388": RouterCode("axk2", "axk2", _axk2, applicable=_axk2_applicable),
     "46a865b4fc6b4c9b": RouterCode("beam", "beam", _beam, applicable=_groups_applicable),
     "5acb28c70cc90331": RouterCode("inkling", "inkling", _inkling),
-    "fb82af56ba0d8d89": RouterCode("inkling2", "inkling2", _inkling2, applicable=_inkling2_applicable),
+    "fb82af56ba0d8d89": RouterCode("inkling2", "inkling2, inkling2_loop", _inkling2, applicable=_inkling2_applicable),
     "d625b90ee2a5d9ec": RouterCode("muse_spark", "muse_spark", _muse_spark),
 }
 
