@@ -3,28 +3,28 @@
     from moe_kernels.integrations.transformers import apply_moe_kernels
     report = apply_moe_kernels(model)   # in place; report["patched"], report["skipped"]
 
-Each router whose code is one of the router codes verified here (transformers 5.23) gets a forward
-computing the same thing through `moe_kernels.ops.topk_router`, with the same outputs, dtypes and
-return structure; the experts of the model switch to our experts implementation
-("moe_kernels", transformers_experts.py) through transformers' own experts interface. Nothing is
-added, removed or renamed: parameters, buffers and `state_dict()` are untouched, so saving,
-loading and `from_pretrained` keep working. `remove_moe_kernels(model)` undoes it. A patched model
-pickles whole (torch.save, pickle, deepcopy) and loads still patched, in a fresh process too: each
-router's method is a functools.partial of a module-level forward, and the model holds a marker
-whose unpickling registers the experts implementation.
+Each router whose code is one of the router codes verified here (on transformers 5.23 to 5.24:
+VERIFIED) gets a forward computing the same thing through `moe_kernels.ops.topk_router`, with the
+same outputs, dtypes and return structure; the experts of the model switch to our experts
+implementation ("moe_kernels", transformers_experts.py) through transformers' own experts
+interface. Nothing is added, removed or renamed: parameters, buffers and `state_dict()` are
+untouched, so saving, loading and `from_pretrained` keep working. `remove_moe_kernels(model)`
+undoes it. A patched model pickles whole (torch.save, pickle, deepcopy) and loads still patched,
+in a fresh process too: each router's method is a functools.partial of a module-level forward,
+and the model holds a marker whose unpickling registers the experts implementation.
 
-Recognition is by the router's code, not its name: a router class is patched only when the source
-of its forward is exactly one of the codes below (several families share each code). Anything
-else is left alone and reported with the reason. docs/routers.md lists the families.
+Recognition is by the router's code, not its name: a router class is patched only when the code of
+its forward is exactly one of the codes below (several families share each code), compared by
+code_key.py's key (its syntax tree without docstrings: a release that only reformats a router
+keeps its key, any other change loses it). Anything else is left alone and reported with the
+reason. docs/routers.md lists the families; `python -m moe_kernels.integrations.router_codes`
+prints the key and the code of every router class in the installed transformers (router_codes.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import inspect
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.integrations import transformers_experts
+from moe_kernels.integrations.code_key import code_key
 from moe_kernels.ops import topk_router
 
 
@@ -40,7 +41,7 @@ class RouterCode:
     """One verified router code: what it computes, and our forward for it."""
 
     name: str  # the family it was first written for
-    families: str  # the transformers 5.23 classes whose forward is exactly this code
+    families: str  # the model folders (transformers 5.23 and 5.24) with a router of exactly this code
     forward: Callable  # our forward, bound to the router (or block) instance
     method: str = "forward"  # the method replaced (DBRX routes in its block)
     applicable: Callable = lambda module: None  # None, or why this instance cannot be patched
@@ -50,12 +51,9 @@ class RouterCode:
     few_tokens: int = 0
 
 
-def _source_hash(fn) -> str | None:
-    try:
-        source = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return None
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+# The transformers releases whose router classes were checked against _CODES (every router class
+# of every model folder, router_codes.py) and whose tiny models pass python_tests/integrations.
+VERIFIED = "5.23 to 5.24"
 
 
 def token_rows(hidden_states, module):
@@ -507,70 +505,71 @@ def _inkling(self, hidden_states):
     return routed_logits, weights[..., : self.top_k].contiguous(), experts, weights[..., self.top_k :].contiguous()
 
 
-# The verified codes: sha256 (first 16 hex digits) of the dedented source of the router's forward
-# (DBRX: its block's route_tokens_to_experts) in transformers 5.23, with the model folders whose
-# classes have exactly that code. The family forwards above reproduce each one.
+# The verified codes: the code_key of the router's forward (DBRX: its block's
+# route_tokens_to_experts), the same in transformers 5.23 and 5.24, with the model folders whose
+# classes have exactly that code in either release (hy_v4_vl and inkling2_loop are new in 5.24).
+# The family forwards above reproduce each one.
 _CODES: dict[str, RouterCode] = {
-    "214e75c14db855b8": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=48),
-    "02cfb07d7fb817bb": RouterCode(
+    "e522519b94efb45a": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=48),
+    "9b0053e488a15363": RouterCode(
         "qwen2_moe",
         "flex_olmo, mellum, olmoe, qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen4_exp",
         _qwen2_moe,
         few_tokens=24,
     ),
-    "fa092ef50b24a2b0": RouterCode("qwen3_5_moe", "qwen3_5_moe, qwen3_omni_moe, qwen3_vl_moe", _qwen3_5_moe),
-    "79f608dfcb5cda90": RouterCode(
+    "c1bdd995f91ae637": RouterCode("qwen3_5_moe", "qwen3_5_moe, qwen3_omni_moe, qwen3_vl_moe", _qwen3_5_moe),
+    "8e541ed261f65fa3": RouterCode(
         "granitemoe", "granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared", _granitemoe
     ),
-    "17cc5f6725963e35": RouterCode("jamba", "jamba", _jamba),
-    "84d829d8b20916f4": RouterCode("gemma4", "diffusion_gemma, gemma4", _gemma4),
-    "e20157fa03acc250": RouterCode("gpt_oss", "gpt_oss", _gpt_oss, few_tokens=128),
-    "ae44633475492459": RouterCode(
+    "21778f711f1820c8": RouterCode("jamba", "jamba", _jamba),
+    "93da2dd7247f880e": RouterCode("gemma4", "diffusion_gemma, gemma4", _gemma4),
+    "e6850402800fcd94": RouterCode("gpt_oss", "gpt_oss", _gpt_oss, few_tokens=128),
+    "d7bab485fab93575": RouterCode(
         "deepseek_v2", "deepseek_ocr2, deepseek_v2, unlimited_ocr", _deepseek_v2, applicable=_deepseek_v2_applicable
     ),
-    "3deddaeeb4f6a675": RouterCode(
+    "efb421a3094fa060": RouterCode(
         "ernie4_5_moe", "ernie4_5_moe, ernie4_5_vl_moe", _ernie4_5_moe, applicable=_ernie_applicable
     ),
-    "c826a8f75cfa2d3e": RouterCode(
+    "4c31bc3fd46dbaec": RouterCode(
         "deepseek_v3",
         "axk1, bailing_hybrid, deepseek_v3, deepseek_v32, dots1, dots3_note, exaone_moe, glm4_moe, glm4_moe_lite, "
-        "glm4v_moe, glm5_next, glm_moe_dsa, hy_v4, kimi_linear, mimo_v2_flash, nemotron_h, solar_open",
+        "glm4v_moe, glm5_next, glm_moe_dsa, hy_v4, hy_v4_vl, kimi_linear, mimo_v2_flash, nemotron_h, solar_open",
         _deepseek_v3,
     ),
-    "6d636b4da06d2516": RouterCode("minimax_m2", "minimax_m2", _minimax_m2),
-    "a720f6ad8a794563": RouterCode("hy_v3", "dots3_note, hy_v3", _hy_v3),
-    "5bb1e5efa03e1eb3": RouterCode("afmoe", "afmoe", _afmoe),
-    "2b73b4c31a3e71aa": RouterCode("lfm2_moe", "lfm2_moe", _lfm2_moe),
-    "e160f4516649341a": RouterCode("llama4", "llama4", _llama4),
-    "03c681d064f24432": RouterCode(
+    "7273bcf86ff8fece": RouterCode("minimax_m2", "minimax_m2", _minimax_m2),
+    "e4a1f4b5507ef539": RouterCode("hy_v3", "dots3_note, hy_v3", _hy_v3),
+    "64503fb0c2967621": RouterCode("afmoe", "afmoe", _afmoe),
+    "8eb7856ee421f3d7": RouterCode("lfm2_moe", "lfm2_moe", _lfm2_moe),
+    "1c62b0e563a4b0f8": RouterCode("llama4", "llama4", _llama4),
+    "acb6dfb2e18589ce": RouterCode(
         "dbrx", "dbrx", _dbrx_route, method="route_tokens_to_experts", applicable=_dbrx_applicable
     ),
-    "c1a08847b6b1369a": RouterCode("aria", "aria", _aria),
-    "3c27299c97582c94": RouterCode("cohere2_moe", "cohere2_moe", _cohere2_moe, applicable=_cohere2_moe_applicable),
-    "d7f2a2480378d5b0": RouterCode("hunyuan_v1_moe", "hunyuan_v1_moe", _hunyuan_v1_moe),
-    "dec30c42d2ab6764": RouterCode("mistral4", "mistral4", _mistral4, applicable=_groups_applicable),
-    "50fe1326d6c97c9a": RouterCode("mistral_large4", "mistral_large4", _mistral_large4, applicable=_groups_applicable),
-    "a92c2b5e85b41c75": RouterCode("openai_privacy_filter", "openai_privacy_filter", _openai_privacy_filter),
-    "135abc03a9e819b0": RouterCode("zaya", "zaya", _zaya),
-    "f22aa1bb678e6fdf": RouterCode("jetmoe", "jetmoe", _jetmoe),
-    "56a672b564ee9879": RouterCode("longcat_flash", "longcat_flash", _longcat_flash),
-    "248c5812efccccab": RouterCode("flint", "flint", _flint),
-    "227f89c351a1521c": RouterCode("laguna", "laguna", _laguna),
-    "cca4b2241dd24d1d": RouterCode("minimax_m3_vl", "minimax_m3_vl, step3p7", _minimax_m3_vl),
-    "04c347eaa129b9c1": RouterCode("axk2", "axk2", _axk2, applicable=_axk2_applicable),
-    "4faa3a8c16e85d59": RouterCode("beam", "beam", _beam, applicable=_groups_applicable),
-    "3253d872f178aed4": RouterCode("inkling", "inkling", _inkling),
-    "21ea28c64ce5d07a": RouterCode("inkling2", "inkling2", _inkling2, applicable=_inkling2_applicable),
-    "9706bdf66610f345": RouterCode("muse_spark", "muse_spark", _muse_spark),
+    "e637b753d8cd78b5": RouterCode("aria", "aria", _aria),
+    "9d5c3fa627575cb9": RouterCode("cohere2_moe", "cohere2_moe", _cohere2_moe, applicable=_cohere2_moe_applicable),
+    "8234e2e9340d95c5": RouterCode("hunyuan_v1_moe", "hunyuan_v1_moe", _hunyuan_v1_moe),
+    "a66c04d1a0d0c30b": RouterCode("mistral4", "mistral4", _mistral4, applicable=_groups_applicable),
+    "333cc15fb2c28497": RouterCode("mistral_large4", "mistral_large4", _mistral_large4, applicable=_groups_applicable),
+    "ad6960bbb03079da": RouterCode("openai_privacy_filter", "openai_privacy_filter", _openai_privacy_filter),
+    "761819edb054a0fd": RouterCode("zaya", "zaya", _zaya),
+    "98f93bc5bf7d5291": RouterCode("jetmoe", "jetmoe", _jetmoe),
+    "0cbbac69393f518c": RouterCode("longcat_flash", "longcat_flash", _longcat_flash),
+    "f3a3ddf21b98ba06": RouterCode("flint", "flint", _flint),
+    "87ddbf53e2e0d900": RouterCode("laguna", "laguna", _laguna),
+    "dba30464d6a78915": RouterCode("minimax_m3_vl", "minimax_m3_vl, step3p7", _minimax_m3_vl),
+    "e9da1422cbec5388": RouterCode("axk2", "axk2", _axk2, applicable=_axk2_applicable),
+    "46a865b4fc6b4c9b": RouterCode("beam", "beam", _beam, applicable=_groups_applicable),
+    "5acb28c70cc90331": RouterCode("inkling", "inkling", _inkling),
+    "fb82af56ba0d8d89": RouterCode("inkling2", "inkling2, inkling2_loop", _inkling2, applicable=_inkling2_applicable),
+    "d625b90ee2a5d9ec": RouterCode("muse_spark", "muse_spark", _muse_spark),
 }
 
 
-def _router_methods(module: torch.nn.Module):
-    """(method name, bound original) candidates of a module: its forward, and DBRX's block routing."""
-    cls = type(module)
+def _router_methods(cls: type):
+    """(method name, function) candidates of a router class: its own forward (not an inherited
+    one), and DBRX's block routing."""
     if "forward" in vars(cls):
         yield "forward", cls.forward
-    if "route_tokens_to_experts" in vars(cls) and type(module).__name__ == "DbrxFFN":
+    if "route_tokens_to_experts" in vars(cls) and cls.__name__ == "DbrxFFN":
         yield "route_tokens_to_experts", cls.route_tokens_to_experts
 
 
@@ -580,11 +579,20 @@ _LOGITS_ONLY = {"DbrxRouter"}
 _OTHER_ROUTERS = {"DbrxFFN", "HunYuanMoEV1Gate", "JetMoeTopKGating"}
 
 
-def _looks_like_router(module: torch.nn.Module) -> bool:
-    name = type(module).__name__
+def _looks_like_router(cls: type) -> bool:
+    name = cls.__name__
     return (
         name.endswith(("Router", "TopkRouter", "TopKRouter")) and name not in _LOGITS_ONLY
     ) or name in _OTHER_ROUTERS
+
+
+def _recognise(cls: type):
+    """(method name, function, key, RouterCode or None) for each router method of a router class:
+    the code whose key the method has, where that code replaces that method."""
+    for method, original in _router_methods(cls):
+        key = code_key(original)
+        code = _CODES.get(key)
+        yield method, original, key, code if code is not None and code.method == method else None
 
 
 def _route(forward, module, few, hidden_states, *args, **kwargs):
@@ -619,18 +627,19 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True, few_token
       {"patched": {module name: family code}, "skipped": {module name: reason},
        "experts": the experts implementation now set, or why it was not}.
     """
-    codes = _CODES
     patched, skipped = {}, {}
     for name, module in model.named_modules():
-        if not _looks_like_router(module):
+        if not _looks_like_router(type(module)):
             continue
         if any(m in vars(module) for m in ("forward", "route_tokens_to_experts")):
             patched[name] = module.__dict__.get("_moe_kernels_code", "already patched")
             continue
-        reason = f"unknown router code ({type(module).__name__}): not one of the verified transformers 5.23 routers"
-        for method, original in _router_methods(module):
-            code = codes.get(_source_hash(original))
-            if code is None or code.method != method:
+        reason = (
+            f"unknown router code ({type(module).__name__}): not one of the routers verified on transformers "
+            f"{VERIFIED} (python -m moe_kernels.integrations.router_codes prints its key)"
+        )
+        for method, _, _, code in _recognise(type(module)):
+            if code is None:
                 continue
             why = code.applicable(module)
             if why is not None:

@@ -13,7 +13,7 @@ from hf_tiny import FAMILIES, GENERATES, num_routers, tiny_model  # noqa: E402
 from moe_kernels.integrations import transformers_experts  # noqa: E402
 from moe_kernels.integrations.transformers import apply_moe_kernels, remove_moe_kernels  # noqa: E402
 
-# Families whose experts module is not pluggable through transformers' experts interface in 5.23
+# Families whose experts module is not pluggable through transformers' experts interface in 5.23 and 5.24
 # (their own expert loops stay; the router is still ours).
 OWN_EXPERTS = {"llama4_text", "dbrx", "step3p7", "jetmoe", "longcat_flash"}
 

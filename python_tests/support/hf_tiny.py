@@ -59,7 +59,13 @@ FAMILIES = {
         "num_key_value_heads": 4,
     },
     "inkling_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
-    "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16},
+    # unpadded_vocab_size: the rows of its lm_head in 5.24 (200,058 by default); 5.23 cuts its logits to it.
+    "inkling2_text": {
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 16,
+        "unpadded_vocab_size": 128,
+    },
     "openai_privacy_filter": {"pad_token_id": 0},
     "zaya": {"router_hidden_size": 32},
     "jetmoe": {},
@@ -199,11 +205,11 @@ def tiny_config(model_type: str):
         config.ffn_config.ffn_hidden_size = 32
         if not hasattr(config.attn_config, "rope_theta"):
             config.attn_config.rope_theta = 10000.0
-        config.attn_config.clip_qkv = 8.0  # None crashes in transformers 5.23 (clamp with no bound)
+        config.attn_config.clip_qkv = 8.0  # None crashes in transformers 5.23 and 5.24 (clamp with no bound)
     return config
 
 
-# Models that AutoModelForCausalLM does not map in transformers 5.23.
+# Models that AutoModelForCausalLM does not map in transformers 5.23 and 5.24.
 MODEL_CLASSES = {
     "mistral4": "Mistral4ForCausalLM",
     "openai_privacy_filter": "OpenAIPrivacyFilterForTokenClassification",
