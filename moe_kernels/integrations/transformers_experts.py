@@ -222,16 +222,15 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return y.to(hidden_states.dtype)
 
 
-# Below this many (token, expert) choices, CPU inference takes transformers' own grouped_mm
-# forward: our permute / unpermute calls cost more than they save at a few tokens (decode). Measured
-# with bench/bench_decode.py's experts at hidden 512 and 1024 (Mixtral, Qwen3-MoE, DeepSeek-V3,
-# GPT-OSS; 1 and 2 threads): at 16-64 choices ours took 1.00-1.05x transformers' time, from 256 on
-# 0.9-1.0x (docs/routers.md, "Experts at a few tokens").
+# Below this many (token, expert) choices, CPU inference does not take our grouped path (_forward_few):
+# our permute / unpermute calls cost more than they save at a few tokens (decode). Measured with
+# bench/bench_decode.py's experts at hidden 512 and 1024 (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS;
+# 1 and 2 threads): at 16-64 choices ours took 1.00-1.05x transformers' time, from 256 on 0.9-1.0x.
+# There, with at most k (one token's) or E / CHOSEN_SHARE distinct experts, only those run
+# (_forward_chosen): transformers' grouped_mm forward costs a matmul per expert of all E, most of
+# its time at one token. With more, transformers' forward: from a few tokens on both read about
+# the same expert weights, and it was as fast or faster (docs/routers.md, "Experts at a few tokens").
 FEW_CHOICES = 256
-# ... and at most k (one token's) or E / CHOSEN_SHARE distinct experts among them, only those run
-# (_forward_chosen): transformers' grouped_mm forward costs a matmul per expert of all E, which is
-# most of its time at one token; from a few tokens on, both read about the same expert weights and
-# transformers' forward is as fast or faster (docs/routers.md, "Experts at a few tokens").
 CHOSEN_SHARE = 8
 
 

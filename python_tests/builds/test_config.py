@@ -338,7 +338,9 @@ def test_make_wheel_builds_against_the_venv_torch_and_tags_manylinux():
         ["make", "-n", "--no-print-directory", "-C", str(ROOT), "wheel"], env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
-    assert "pip wheel --no-build-isolation --no-deps -w dist/raw ." in out.stdout
+    # from a clean copy (no object of an earlier build), with the CUDA kernels as CUDA= says
+    assert "rm -rf dist/raw dist/src" in out.stdout
+    assert "MOE_KERNELS_CUDA=0 .venv/bin/pip wheel --no-build-isolation --no-deps -w dist/raw ./dist/src" in out.stdout
     repair = next(line for line in out.stdout.splitlines() if "auditwheel repair" in line)
-    for excluded in ("libc10*.so", "libtorch*.so", "libgomp*"):
+    for excluded in ("libc10*.so", "libtorch*.so", "libgomp*", "libcudart*"):
         assert f"--exclude '{excluded}'" in repair

@@ -74,7 +74,7 @@ def _linear_experts(E, d, d_ff):
 # 320 choices: our grouped path in inference too; 1 token of 4 among 16 experts: in inference the
 # chosen experts alone (transformers_experts._forward_chosen), a sum of four.
 @pytest.mark.parametrize("T, E, k", [(160, 4, 2), (1, 16, 4)], ids=["grouped", "chosen"])
-def test_weighted_sum_rounds_once_from_float32_weights(grad, T, E, k):
+def test_weighted_sum_rounds_once_from_float32_weights(grad, T, E, k, monkeypatch):
     # Expert outputs are exact integers; the weights are float32 values bf16 cannot hold. The sum
     # must be the float32 sum of float32 products, rounded to bf16 once, as transformers' grouped_mm
     # computes it: a 16-bit index_add (rounding at each add) and weights rounded to bf16 first
@@ -85,7 +85,12 @@ def test_weighted_sum_rounds_once_from_float32_weights(grad, T, E, k):
     x = torch.randint(-3, 4, (T, d), generator=gen).to(torch.bfloat16).requires_grad_(grad)
     index = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=gen)
-    y = transformers_experts.experts_forward(experts_module, x, index, weights)
+    chosen = []
+    original = transformers_experts._forward_chosen
+    monkeypatch.setattr(transformers_experts, "_forward_chosen", lambda *a: chosen.append(1) or original(*a))
+    with torch.set_grad_enabled(grad):  # inference: grad mode off, as generate runs
+        y = transformers_experts.experts_forward(experts_module, x, index, weights)
+    assert bool(chosen) == (T == 1 and not grad), "the path this case is for"
     xf = x.detach().float()
     outputs = torch.stack(  # [T, k, d]: each choice's expert output, exact in float32
         [

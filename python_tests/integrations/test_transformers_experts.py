@@ -143,9 +143,9 @@ def spy_paths(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# one token (k distinct experts), and three tokens on the same two experts (two rows each)
-@pytest.mark.parametrize("index", [[[3, 6]], [[4]], [[7, 0, 5]], [[5, 2], [2, 5], [5, 2]]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# one token (k distinct experts; one expert twice), three tokens on the same two experts
+@pytest.mark.parametrize("index", [[[3, 6]], [[4]], [[7, 0, 5]], [[3, 3]], [[5, 2], [2, 5], [5, 2]]], ids=str)
 @pytest.mark.parametrize("family", LAYOUTS)
 def test_chosen_experts_path_matches_eager(family, index, dtype, monkeypatch):
     """CPU inference with at most k or E / CHOSEN_SHARE distinct experts (decode): each chosen

@@ -82,3 +82,45 @@ def test_router_backward_does_not_fill_defaults(monkeypatch):
         w, _ = topk_router(x, 2, renormalize=True)
     w.sum().backward()
     assert x.grad is not None
+
+
+_LIB.define("scale2(Tensor x, Tensor y, float s) -> Tensor")
+_LIB.impl("scale2", lambda x, y, s: x * s + y * 0, "CPU")
+_LIB._register_fake("scale2", lambda x, y, s: torch.empty_like(x))
+
+
+def _setup_scale2(ctx, inputs, output):
+    ctx.s = inputs[2]
+
+
+_autograd.register_autograd(
+    "moe_kernels_autograd_test::scale2",
+    lambda ctx, g: (g * ctx.s, torch.zeros_like(g), None),
+    setup_context=_setup_scale2,
+)
+
+
+def test_direct_call_is_the_op_with_or_without_gradients():
+    """_autograd.direct: without a gradient to track, the op's result with no graph; with one (any
+    input that requires grad, under grad mode), the op through its autograd, as a plain call."""
+    direct = _autograd.direct(torch.ops.moe_kernels_autograd_test.scale2)
+    assert direct.packet is torch.ops.moe_kernels_autograd_test.scale2
+    x, y = torch.randn(4), torch.randn(4)
+    out = direct(x, y, 2.0)
+    assert torch.equal(out, x * 2.0) and out.grad_fn is None
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert direct(xg, y, 2.0).grad_fn is None
+    with torch.inference_mode():
+        assert not direct(xg, y, 2.0).requires_grad
+    out = direct(xg, y, 3.0)
+    assert "moe_kernels_autograd_test_scale2" in out.grad_fn.name()
+    (g,) = torch.autograd.grad(out.sum(), xg)
+    assert torch.equal(g, torch.full_like(x, 3.0))
+    # Only the second input requires grad: the graph is there, as for the op itself.
+    yg = y.clone().requires_grad_()
+    assert direct(x, yg, 3.0).requires_grad == torch.ops.moe_kernels_autograd_test.scale2(x, yg, 3.0).requires_grad
+    assert direct(x, yg, 3.0).requires_grad
+    compiled = torch.compile(lambda t: direct(t, y, 2.0).sum(), fullgraph=True, backend="aot_eager")
+    (g,) = torch.autograd.grad(compiled(xg), xg)
+    assert torch.equal(g, torch.full_like(x, 2.0))
