@@ -184,8 +184,8 @@ def under_tests(path: Path) -> str:
     return path.relative_to(TESTS).as_posix()
 
 
-# Files whose GPU cases take longest (many parametrisations, Triton compiles, hypothesis): spread
-# over the groups first. SPLIT files go to the groups test function by test function. Both name
+# Files whose GPU cases take longest (many parametrisations, Triton compiles, hypothesis): they go
+# to the groups test function by test function (SPLIT), so no group holds a whole one. Both name
 # paths under python_tests/.
 HEAVY = (
     "ops/test_fuzz.py",
@@ -199,18 +199,19 @@ HEAVY = (
     "ops/test_balanced_assignment.py",
     "ops/test_nonfinite.py",
 )
-SPLIT = ("ops/test_fuzz.py", "backends/test_gpu.py")
+SPLIT = HEAVY
+
+# Seconds each unit's GPU cases took on an H100/H200 (gpu-check runs' junit files, merged in by
+# `gpu_check.py --record-seconds OUT`): the groups are filled longest unit first. A unit it does
+# not name has no GPU case or is new: it counts as UNKNOWN_SECONDS (most units take under one).
+SECONDS = HERE / "gpu_test_seconds.json"
+UNKNOWN_SECONDS = 1.0
 
 
 def units(files: list[Path]) -> list[str]:
-    """pytest arguments, heavy first: a SPLIT file's test functions one by one, other files whole."""
-
-    def order(path: Path) -> tuple:
-        name = under_tests(path)
-        return (name not in HEAVY, HEAVY.index(name) if name in HEAVY else 0, name)
-
+    """pytest arguments: a SPLIT file's test functions one by one, other files whole."""
     out = []
-    for path in sorted(files, key=order):
+    for path in files:
         rel = str(path.relative_to(ROOT))
         if under_tests(path) in SPLIT:
             names = re.findall(r"^def (test_\w+)\(", path.read_text(), re.M)
@@ -220,12 +221,49 @@ def units(files: list[Path]) -> list[str]:
     return out
 
 
-def split(files: list[Path], groups: int) -> list[list[str]]:
-    """Round-robin over the groups, the heavy units first, so every group gets some."""
+def measured_seconds() -> dict[str, float]:
+    return json.loads(SECONDS.read_text()) if SECONDS.exists() else {}
+
+
+def split(files: list[Path], groups: int, seconds: dict[str, float] | None = None) -> list[list[str]]:
+    """The units over `groups` groups, longest first onto the group with the least so far (by
+    `seconds`, the measured table by default), so the groups end together."""
+    seconds = measured_seconds() if seconds is None else seconds
+    ranked = sorted(units(files), key=lambda u: -seconds.get(u, UNKNOWN_SECONDS))
     out: list[list[str]] = [[] for _ in range(groups)]
-    for i, unit in enumerate(units(files)):
-        out[i % groups].append(unit)
+    load = [0.0] * groups
+    for unit in ranked:
+        i = load.index(min(load))
+        out[i].append(unit)
+        load[i] += seconds.get(unit, UNKNOWN_SECONDS)
     return [g for g in out if g]
+
+
+def unit_of(classname: str, name: str) -> str | None:
+    """The unit (as units() names it) of a junit testcase: classname "python_tests.ops.test_x"
+    (or ".TestClass" after it), name "test_f[params]"."""
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        path = ROOT.joinpath(*parts[:end]).with_suffix(".py")
+        if path.is_file():
+            rel = str(path.relative_to(ROOT))
+            return f"{rel}::{name.split('[')[0]}" if under_tests(path) in SPLIT else rel
+    return None
+
+
+def record_seconds(outs: list[Path]) -> dict[str, float]:
+    """Each unit's seconds in the junit files of these gpu-check outputs, merged into SECONDS
+    (a unit they hold replaces its old figure; one they lack keeps it)."""
+    found: dict[str, float] = {}
+    for out in outs:
+        for xml in sorted(out.glob("tests-*.xml")):
+            for case in ET.parse(xml).getroot().iter("testcase"):
+                unit = unit_of(case.get("classname", ""), case.get("name", ""))
+                if unit is not None:
+                    found[unit] = found.get(unit, 0.0) + float(case.get("time") or 0)
+    table = {**measured_seconds(), **{u: round(s, 2) for u, s in found.items()}}
+    SECONDS.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+    return found
 
 
 def junit_counts(path: Path) -> tuple[dict, list[tuple[str, str]]]:
@@ -327,16 +365,26 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", type=int, default=int(os.environ.get("GPU_CHECK_GROUPS", 8)))
     parser.add_argument("--fuzz-examples", type=int, default=100, help="generated cases per fuzz test (CI: 500)")
     # Defaults sized on an H100 with 16 cores (bench/results/gpu-nvidia-h100-80gb-hbm3.md): build
-    # 42 s, the test groups 146 s; the whole run took ~6 minutes on the H200 (at every limit it could reach ~12).
+    # 47 s, check 30 s, the balanced test groups ~110 s (one unit alone takes 110 s), the benchmarks'
+    # eager pass ~100 s, then torch.compile baselines of ~20 s a case until the limit: under 10
+    # minutes in all.
     parser.add_argument("--build-timeout", type=float, default=180)
     parser.add_argument("--test-timeout", type=float, default=200, help="seconds for each test group")
-    parser.add_argument("--bench-timeout", type=float, default=240)
+    parser.add_argument("--bench-timeout", type=float, default=300)
     parser.add_argument("--skip-build", action="store_true", help="use the extension already built")
+    parser.add_argument("--skip-check", action="store_true", help="leave out python -m moe_kernels.check")
+    parser.add_argument(
+        "--record-seconds", nargs="+", metavar="OUT", help="merge these runs' test seconds into gpu_test_seconds.json"
+    )
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--full-bench", action="store_true", help="the benchmarks' full grid (slow)")
     parser.add_argument("--marker", default="gpu", help="pytest -m expression for the test step")
     parser.add_argument("--files", nargs="*", help="test files (default: every python_tests/**/test_*.py)")
     args = parser.parse_args(argv)
+    if args.record_seconds:
+        found = record_seconds([Path(p) for p in args.record_seconds])
+        print(f"{len(found)} units' seconds -> {SECONDS}")
+        return 0
 
     run = Run(Path(args.out).resolve(), probe())
     if "error" in run.info:
@@ -348,7 +396,8 @@ def main(argv=None) -> int:
         if not ok:
             return 1
     files = [ROOT / f for f in args.files] if args.files else None
-    ok = quick_check(run, timeout=120) and ok
+    if not args.skip_check:
+        ok = quick_check(run, timeout=120) and ok
     ok = (
         tests(
             run,

@@ -41,6 +41,11 @@ def set_device(device: str) -> None:
     steady_malloc()
 
 
+def device() -> str:
+    """The benchmarks' device, as set_device set it."""
+    return DEVICE
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -69,6 +74,12 @@ def commit() -> str:
         return "unknown"
 
 
+def generator(seed: int) -> torch.Generator:
+    """A seeded generator on the benchmarks' device: with torch.set_default_device("cuda"), a CPU
+    generator cannot draw a tensor (torch.randn(..., generator=cpu_generator) raises)."""
+    return torch.Generator(DEVICE).manual_seed(seed)
+
+
 def _capture(fn: Callable[[], object], calls: int):
     """A CUDA graph of `calls` calls of fn (warmed up on a side stream first, as capture needs), or
     None when fn cannot be captured (it syncs with the host: .item(), boolean-mask indexing, ...)."""
@@ -90,6 +101,27 @@ def _capture(fn: Callable[[], object], calls: int):
     return graph
 
 
+def _one_call(fn: Callable[[], object]) -> float:
+    """GPU seconds of one eager call of fn, after a first call (compiles, allocator warm-up)."""
+    fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
+def fit_to_call(one: float, calls: int, rounds: int, min_time: float, budget: float = 1.0) -> tuple[int, int]:
+    """(calls per round, rounds) for a call of `one` seconds. A round of `calls` calls longer than
+    `min_time` needs fewer calls (one call of milliseconds is far above the launch cost), and the
+    rounds are cut to about `budget` seconds in all, at least 3 (the median of a few)."""
+    if one * calls <= min_time:
+        return calls, rounds
+    calls = max(1, int(min_time / one))
+    return calls, max(3, min(rounds, int(budget / (one * calls))))
+
+
 def timeit_cuda(
     fn: Callable[[], object], *, calls: int = 20, rounds: int = 15, min_time: float = 0.05, graph: bool = True
 ) -> tuple[list[float], str]:
@@ -97,7 +129,9 @@ def timeit_cuda(
     calls captured in one CUDA graph, replayed between two CUDA events) or "loop" (`calls` eager
     calls between the events, where fn cannot be captured). One event pair around many calls:
     around a single call of a kernel of a few microseconds, the events time the launch, not the
-    kernel. `calls` grows until a round takes `min_time` / rounds."""
+    kernel. `calls` grows until a round takes `min_time` / rounds; for a slow call (a torch
+    baseline of tens of ms) `calls` and `rounds` shrink so that the timing takes about a second."""
+    calls, rounds = fit_to_call(_one_call(fn), calls, rounds, min_time)
     captured = _capture(fn, calls) if graph else None
 
     def one_round() -> float:

@@ -67,13 +67,47 @@ def test_groups_split_heavy_files_by_function():
     files = gpu_check.test_files()
     groups = gpu_check.split(files, 4)
     units = [u for g in groups for u in g]
-    assert len(units) == len(set(units))
+    assert len(units) == len(set(units)) == len(gpu_check.units(files))
     fuzz = [u for u in units if u.startswith("python_tests/ops/test_fuzz.py::")]
     assert len(fuzz) >= 8, "the fuzz file goes to the groups test by test"
-    assert all(any(u.startswith("python_tests/ops/test_fuzz.py") for u in g) for g in groups)
     whole = {u for u in units if "::" not in u}
     assert {str(p.relative_to(ROOT)) for p in files if gpu_check.under_tests(p) not in gpu_check.SPLIT} <= whole
     assert all((gpu_check.TESTS / name).is_file() for name in gpu_check.HEAVY + gpu_check.SPLIT)
+
+
+def test_groups_are_filled_longest_first():
+    """The measured seconds balance the groups: each ends within the longest unit of the mean (a
+    round-robin put one H100 group at 170 s while the others ended at 40 to 150 s)."""
+    gpu_check = load("gpu_check")
+    files = gpu_check.test_files()
+    seconds = {u: float(i % 7) ** 2 for i, u in enumerate(gpu_check.units(files))}
+    groups = gpu_check.split(files, 5, seconds)
+    loads = [sum(seconds[u] for u in g) for g in groups]
+    assert max(loads) <= sum(loads) / len(loads) + max(seconds.values())
+    assert all(seconds[g[0]] >= seconds[g[-1]] for g in groups), "longest first within a group"
+    # The committed table names units that exist: a renamed test must not keep a stale figure.
+    table = gpu_check.measured_seconds()
+    assert table and set(table) <= set(gpu_check.units(files)), set(table) - set(gpu_check.units(files))
+    # A unit the table lacks counts as UNKNOWN_SECONDS.
+    one = gpu_check.split(files, 1, {})
+    assert sorted(one[0]) == sorted(gpu_check.units(files))
+
+
+def test_record_seconds(tmp_path, monkeypatch):
+    gpu_check = load("gpu_check")
+    monkeypatch.setattr(gpu_check, "SECONDS", tmp_path / "seconds.json")
+    (tmp_path / "seconds.json").write_text('{"python_tests/gates/test_masks.py": 9.0, "old": 1.0}')
+    (tmp_path / "tests-0.xml").write_text(
+        "<testsuites><testsuite>"
+        '<testcase classname="python_tests.ops.test_fuzz" name="test_topk_router[cuda:triton]" time="1.5"/>'
+        '<testcase classname="python_tests.ops.test_fuzz" name="test_topk_router[cuda:cuda]" time="2.0"/>'
+        '<testcase classname="python_tests.gates.test_masks" name="test_x[cuda:cuda]" time="0.25"/>'
+        '<testcase classname="python_tests.nowhere" name="test_y" time="7"/>'
+        "</testsuite></testsuites>"
+    )
+    found = gpu_check.record_seconds([tmp_path])
+    assert found == {"python_tests/ops/test_fuzz.py::test_topk_router": 3.5, "python_tests/gates/test_masks.py": 0.25}
+    assert gpu_check.measured_seconds() == {**found, "old": 1.0}
 
 
 def test_junit_counts(tmp_path):
@@ -116,3 +150,14 @@ def test_make_gpu_check_uses_the_given_python(origin):
     python = "/opt/x/python3" if origin == "given" else "python3"
     assert f"{python} bench/gpu_check.py" in dry
     assert ".venv" not in dry and "pip" not in dry, "gpu-check creates no venv and installs nothing"
+
+
+def test_slow_calls_take_fewer_calls_and_rounds():
+    """A torch baseline of 200 ms per call timed as 20 calls x 17 rounds took 70 s of the H100's
+    benchmark step; fit_to_call bounds a timing to about a second and leaves fast calls alone."""
+    from moe_kernels.bench.timing import fit_to_call
+
+    assert fit_to_call(20e-6, 20, 15, 0.05) == (20, 15)  # a kernel of microseconds: as asked
+    assert fit_to_call(0.2, 20, 15, 0.05) == (1, 5)  # one call per round, about 1 s in all
+    assert fit_to_call(0.0085, 20, 15, 0.05) == (5, 15)
+    assert fit_to_call(3.0, 20, 15, 0.05) == (1, 3)  # at least 3 rounds: a median
