@@ -18,7 +18,7 @@ import copy
 import torch
 
 from moe_kernels.bench.output import report
-from moe_kernels.bench.timing import measure_interleaved
+from moe_kernels.bench.timing import generator, measure_interleaved
 from moe_kernels.integrations.transformers import apply_moe_kernels
 
 # family -> config overrides: the router's real shape
@@ -90,7 +90,7 @@ def routers_and_experts(model):
 def decode_step(model, batch: int, context: int):
     """A function that runs one decode step (one new token per sequence) on a cache of `context`
     tokens, then crops the cache back: every call sees the same cache."""
-    gen = torch.Generator().manual_seed(batch)
+    gen = generator(batch)
     ids = torch.randint(0, SHARED["vocab_size"], (batch, context), generator=gen)
     new = torch.randint(0, SHARED["vocab_size"], (batch, 1), generator=gen)
     with torch.no_grad():
@@ -140,7 +140,7 @@ def run(args):
         router_u, experts_u = routers_and_experts(model)
         d = SHARED["hidden_size"]
         for T in (1, 8, 64):
-            h = torch.randn(T, d, generator=torch.Generator().manual_seed(T))
+            h = torch.randn(T, d, generator=generator(T))
 
             def call_router(r, h=h):
                 with torch.no_grad():

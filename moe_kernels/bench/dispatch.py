@@ -27,7 +27,7 @@ import torch
 import moe_kernels
 from moe_kernels import reference
 from moe_kernels.bench.output import compile_notes, report
-from moe_kernels.bench.timing import compile_sequence, measure, peak_memory_mb
+from moe_kernels.bench.timing import compile_sequence, device, measure, peak_memory_mb
 from moe_kernels.ops import capacity_for, capacity_positions, combine, dispatch, permute, topk_softmax, unpermute
 
 
@@ -116,7 +116,7 @@ def run(args):
         if args.quick
         else [(T, E, k, d) for T in (4096, 16384) for E in (8, 64) for k in (1, 2) for d in (512, 1024)]
     )
-    print(f"backends: { {op: row['cpu'] for op, row in moe_kernels.backends().items()} }")
+    print(f"backends: { {op: row[device()] for op, row in moe_kernels.backends().items()} }")
     timing = {"warmup": 1, "reps": 5, "min_time": 0.0}
     slow_timing = {"warmup": 0, "reps": 3, "min_time": 0.0}
     rows, extra, notes = [], [], []

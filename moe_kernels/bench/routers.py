@@ -21,7 +21,7 @@ import torch
 
 import moe_kernels
 from moe_kernels.bench.output import compile_notes, report
-from moe_kernels.bench.timing import compile_sequence, measure_interleaved
+from moe_kernels.bench.timing import compile_sequence, generator, measure_interleaved
 from moe_kernels.ops import topk_router
 
 QUICK = "two small configurations (smoke test)"
@@ -90,7 +90,7 @@ def run(args):
     print(f"backend: {moe_kernels.backends()['topk_router']}")
     rows, notes = [], []
     for family, T, E, k, G, topk_group in grid(args.quick):
-        gen = torch.Generator().manual_seed(T + E)
+        gen = generator(T + E)
         x = torch.randn(T, E, generator=gen)
         bias = 0.01 * torch.randn(E, generator=gen)
         config = {"family": family, "T": T, "E": E, "k": k} | ({"groups": f"{topk_group}/{G}"} if G > 1 else {})

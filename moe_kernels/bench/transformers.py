@@ -17,7 +17,7 @@ import importlib
 import torch
 
 from moe_kernels.bench.output import report
-from moe_kernels.bench.timing import measure
+from moe_kernels.bench.timing import generator, measure
 from moe_kernels.integrations import transformers_experts
 from moe_kernels.integrations.transformers import apply_moe_kernels
 
@@ -63,7 +63,7 @@ def run(args):
     rows = []
     for family in families:
         for k in ks:
-            x = torch.randn(T, d, generator=torch.Generator().manual_seed(1))
+            x = torch.randn(T, d, generator=generator(1))
             config_row = {"family": family, "T": T, "d": d, "E": E, "k": k, "d_ff": d_ff}
             providers = {}
             for implementation in IMPLEMENTATIONS:

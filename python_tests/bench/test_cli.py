@@ -128,3 +128,16 @@ def test_bench_scripts_call_the_package():
             n.name for n in ast.walk(ast.parse((ROOT / "bench" / script).read_text())) if isinstance(n, ast.FunctionDef)
         }
         assert not defs & package_defs - {"main"}, f"bench/{script} copies {defs & package_defs}"
+
+
+def test_cuda_benchmarks_draw_on_the_device():
+    """`--device cuda` sets torch's default device to the GPU, where torch.randn(generator=a CPU
+    generator) raises: on the H200, routers, transformers and decode failed so. Each benchmark that
+    runs on cuda draws through timing.generator (a generator on the benchmarks' device)."""
+    for bench in BENCHES:
+        if "cuda" not in bench.devices:
+            continue
+        tree = ast.parse((PACKAGE / "bench" / f"{bench.name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.Generator":
+                assert node.args or node.keywords, f"{bench.name}: {ast.unparse(node)} draws on the CPU"
