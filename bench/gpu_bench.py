@@ -460,6 +460,29 @@ def smoke() -> int:
     return 0
 
 
+def warm_compile(quick: bool, ops: list[str] | None) -> int:
+    """torch.compile of each case's torch sequence, called once, in the order the compile pass
+    takes them: torch's on-disk caches then hold the compiled graphs for that pass (make
+    gpu-check runs this beside its tests). Untimed; a case torch.compile cannot take is skipped."""
+    if not torch.cuda.is_available():
+        print("gpu_bench --warm-compile: no CUDA device: nothing to compile")
+        return 0
+    start = time.monotonic()
+    for case in (c for c in grid(quick) if not ops or c.op in ops):
+        began = time.monotonic()
+        try:
+            args = case.make()
+            torch.compile(case.torch_seq, dynamic=False)(*args)
+            print(f"  compiled {case.op} {case.config} in {time.monotonic() - began:.1f} s", flush=True)
+        except Exception as exc:  # the compile pass reports it; here it only costs the cache
+            print(f"  {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        finally:
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    print(f"gpu_bench --warm-compile: done in {time.monotonic() - start:.0f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -471,9 +494,14 @@ def main(argv=None) -> int:
         "--compile-budget", type=float, default=1e9, help="seconds into the run after which no more compiles start"
     )
     parser.add_argument("--smoke", action="store_true", help="every case once on tiny CPU tensors, untimed")
+    parser.add_argument(
+        "--warm-compile", action="store_true", help="compile each case's torch sequence once, into torch's caches"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         return smoke()
+    if args.warm_compile:
+        return warm_compile(args.quick, args.ops)
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (torch.cuda.is_available() is False): nothing to time")
         return 0

@@ -7,7 +7,8 @@ nothing:
      MOE_KERNELS_CUDA_ARCHS) and MAX_JOBS = the core count;
   2. `python -m moe_kernels.check` on the GPU (every op of every backend against the reference, seconds);
   3. runs the GPU cases of the suite (`pytest -m gpu`: every `cuda:cuda` / `cuda:triton` case and
-     the GPU-only tests) in a few parallel groups of test files, each under its own time limit;
+     the GPU-only tests) in a few parallel groups of test files, each under its own time limit,
+     and meanwhile compiles the benchmarks' torch baselines into torch's caches;
   4. runs the GPU benchmarks in their quick grid (bench/gpu_bench.py).
 Each step writes its log into the output folder (GPU_OUT, `--out`) as it goes, and the report
 (report.md there) is rewritten after every step, so a run cut off at any point leaves everything
@@ -343,11 +344,40 @@ def tests(
     return ok
 
 
-def benchmarks(run: Run, *, timeout: float, full: bool) -> bool:
+def bench_env() -> dict:
     # The in-place build is imported from the source tree: nothing is installed.
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def start_compile_warmup(run: Run, *, full: bool) -> subprocess.Popen:
+    """torch.compile of every benchmark case's torch sequence, in the background while the tests
+    run: it fills torch's on-disk compile caches (FX graph, AOT autograd, Triton), so that the
+    benchmark step's compile pass, which compiles the same graphs, finds them there (~20 s a case
+    compiled cold on the H200). Nothing of it is timed."""
+    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--warm-compile"] + ([] if full else ["--quick"])
+    log = (run.out / "compile-warmup.log").open("w")
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=bench_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    log.close()
+    return proc
+
+
+def stop_compile_warmup(proc: subprocess.Popen) -> None:
+    """Ended with the tests, done or not: what it compiled so far is cached; the benchmarks must not
+    share the GPU with it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+    proc.wait()
+
+
+def benchmarks(run: Run, *, timeout: float, full: bool) -> bool:
+    env = bench_env()
     cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--out", str(run.out)]
     # quick: the compile pass gets what the eager pass leaves; compiles start until 45 s before the
     # limit (the budget counts from gpu_bench's start, after its imports; each compile takes
@@ -398,18 +428,24 @@ def main(argv=None) -> int:
     files = [ROOT / f for f in args.files] if args.files else None
     if not args.skip_check:
         ok = quick_check(run, timeout=120) and ok
-    ok = (
-        tests(
-            run,
-            groups=args.groups,
-            timeout=args.test_timeout,
-            marker=args.marker,
-            fuzz_examples=args.fuzz_examples,
-            files=files,
+    bench = not args.no_bench and run.info.get("gpu")
+    warmup = start_compile_warmup(run, full=args.full_bench) if bench else None
+    try:
+        ok = (
+            tests(
+                run,
+                groups=args.groups,
+                timeout=args.test_timeout,
+                marker=args.marker,
+                fuzz_examples=args.fuzz_examples,
+                files=files,
+            )
+            and ok
         )
-        and ok
-    )
-    if args.no_bench or not run.info.get("gpu"):
+    finally:
+        if warmup is not None:
+            stop_compile_warmup(warmup)
+    if not bench:
         run.step("benchmarks", "skipped", 0, "--no-bench" if args.no_bench else "no GPU")
     else:
         ok = benchmarks(run, timeout=args.bench_timeout, full=args.full_bench) and ok

@@ -20,6 +20,7 @@ def load(name: str):
     try:
         spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
         return module
     finally:
@@ -161,3 +162,33 @@ def test_slow_calls_take_fewer_calls_and_rounds():
     assert fit_to_call(0.2, 20, 15, 0.05) == (1, 5)  # one call per round, about 1 s in all
     assert fit_to_call(0.0085, 20, 15, 0.05) == (5, 15)
     assert fit_to_call(3.0, 20, 15, 0.05) == (1, 3)  # at least 3 rounds: a median
+
+
+def test_warm_compile_compiles_each_case_once(monkeypatch, capsys):
+    """gpu_bench --warm-compile (run beside gpu-check's tests): each case's torch sequence compiled
+    and called once; a case torch.compile cannot take is reported and the others go on."""
+    gpu_bench = load("gpu_bench")
+    import torch
+
+    calls = []
+
+    def seq(x):
+        calls.append(x.shape)
+        return x * 2
+
+    def broken(x):
+        raise RuntimeError("cannot")
+
+    cases = [
+        gpu_bench.Case("smooth_step", "a", 8, lambda: (torch.ones(4),), seq, seq),
+        gpu_bench.Case("smooth_step", "b", 8, lambda: (torch.ones(4),), broken, broken),
+        gpu_bench.Case("dselect_k", "c", 8, lambda: (torch.ones(3),), seq, seq),
+    ]
+    monkeypatch.setattr(gpu_bench, "grid", lambda quick: cases)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: fn)
+    assert gpu_bench.warm_compile(True, ["smooth_step"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [torch.Size([4])]
+    assert "compiled smooth_step a" in out and "smooth_step b: RuntimeError: cannot" in out and " c " not in out
