@@ -4,8 +4,9 @@ Softmax or sigmoid scores, a selection-only correction bias, group-limited top-k
 and a scaling factor (docs/routers.md maps each transformers family to its call).
 
 Implementations: reference (moe_kernels/reference/topk_router.py), C++ CPU
-(csrc/cpu/topk_router.cpp, forward and backward fused), Triton (moe_kernels/triton/topk_router.py,
-forward; its backward is _backward_from_logits in torch), CUDA (csrc/cuda/topk_router.cu, forward
+(csrc/cpu/topk_router.cpp, forward and backward fused), Triton (moe_kernels/triton/topk_router.py
+and topk_router_backward.py, the backward fused too; _backward_from_logits in torch is the
+backward of float64 rows), CUDA (csrc/cuda/topk_router.cu, forward
 and backward fused, float64 included; its row algorithm is tested on the host by
 python_tests/ops/test_topk_router_cuda_emulation.py). backends.py chooses among them.
 """
@@ -143,8 +144,22 @@ if backends._extension.has_kernel("topk_router", "CPU"):
 _triton = None
 if backends.triton_importable():
     from moe_kernels.triton import topk_router as _triton_module
+    from moe_kernels.triton import topk_router_backward as _triton_backward_module
 
-    _triton_module.topk_router.register_autograd(_backward_torch, setup_context=_setup_context)
+    def _backward_triton(ctx, grad_weights, grad_experts):
+        """The Triton kernel's backward: one fused pass (float64 rows, which the forward sent to
+        the reference, take the formulas in torch)."""
+        logits, experts = ctx.saved_tensors
+        if logits.dtype == torch.float64 or not _triton_backward_module.supports(logits.shape[1]):
+            return _backward_torch(ctx, grad_weights, grad_experts)
+        grad = None
+        if grad_weights is not None and ctx.needs_input_grad[0]:
+            grad = _triton_backward_module.topk_router_backward(
+                grad_weights, logits, experts, ctx.scoring, ctx.renormalize, ctx.scaling_factor
+            )
+        return grad, None, None, None, None, None, None, None, None
+
+    _triton_module.topk_router.register_autograd(_backward_triton, setup_context=_setup_context)
     _triton_call = _kernel_call(_triton_module.topk_router)
 
     def _triton(logits, k, *, num_groups, **kwargs):

@@ -24,6 +24,21 @@ def to_float32(x):
 
 
 @triton.jit
+def from_float32(x, dtype: tl.constexpr):
+    """x (float32) in `dtype` (float32 / float16 / bfloat16), rounded to nearest even. bfloat16 is
+    rounded here, on its bits: the interpreter's float32 -> bfloat16 conversion does not round to
+    nearest (about half of random values came out one ulp off torch's), and a result compared bit
+    for bit with the reference's rounding needs the same value on the GPU and the CPU. NaN stays a
+    (quiet) NaN, a finite value past bfloat16's range becomes inf, as torch's conversion."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        upper = tl.where(x != x, 0x7FC0, upper)
+        return upper.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def rank_pair(x, cols):
     """int64 keys ordering (value, index) as every backend does: larger value, then lower index.
 

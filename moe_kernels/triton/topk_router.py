@@ -30,6 +30,17 @@ def supports(num_experts: int, num_groups: int) -> bool:
 
 
 @triton.jit
+def softmax_scores(x, valid, cols):
+    """The softmax of each row of a [BLOCK_T, BLOCK_E] float32 tile (`valid`: the real entries;
+    padding reads 0), shifted by the row max taken by rank (NaN first, so a NaN row is all NaN as
+    torch's); a row whose logits are all -inf gets scores 0, as the reference's router_scores."""
+    _b, _i, vmax, _p = take_best(tl.where(valid, rank_pair(x, cols), NO_PAIR), x, cols)
+    masked_row = vmax == float("-inf")
+    terms = tl.where(valid & ~masked_row[:, None], tl.exp(x - vmax[:, None]), 0.0)
+    return tl.where(masked_row[:, None], 0.0, terms / tl.sum(terms, axis=1)[:, None])
+
+
+@triton.jit
 def topk_router_kernel(
     logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
     bias_ptr,  # [E] float32 contiguous (read only if HAS_BIAS)
@@ -63,14 +74,11 @@ def topk_router_kernel(
         )
     )
 
-    # Phase 1: scores. softmax: the row max by rank (NaN first); an all -inf row gets scores 0.
+    # Phase 1: scores.
     if SIGMOID:
         scores = tl.where(valid, sigmoid_accurate(x), 0.0)
     else:
-        _b, _i, vmax, _p = take_best(tl.where(valid, rank_pair(x, cols), NO_PAIR), x, cols)
-        masked_row = vmax == float("-inf")
-        terms = tl.where(valid & ~masked_row[:, None], tl.exp(x - vmax[:, None]), 0.0)
-        scores = tl.where(masked_row[:, None], 0.0, terms / tl.sum(terms, axis=1)[:, None])
+        scores = softmax_scores(x, valid, cols)
 
     # Phase 2: the selection key. No bias and no group limit: the logits themselves (exact).
     GROUPED: tl.constexpr = TOPK_GROUPS < NUM_GROUPS

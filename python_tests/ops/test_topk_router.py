@@ -439,9 +439,45 @@ def test_torch_compile_fullgraph(kernel_backend):
         assert_close(compiled(x), route(x))
 
 
+def test_torch_compile_fullgraph_backward(kernel_backend):
+    """Forward and backward in one compiled graph (the backward is a fused kernel on every backend
+    with a kernel: C++, Triton, CUDA)."""
+
+    def loss(x):
+        w, _ = topk_router(x, 2, renormalize=True, scaling_factor=1.5)
+        return (w * torch.arange(2.0)).sum()
+
+    x = torch.randn(16, 8)
+    with moe_kernels.use_backend(kernel_backend):
+        compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        compiled(xa).backward()
+        loss(xb).backward()
+    assert_close(xa.grad, xb.grad)
+
+
+def test_triton_opcheck(backend):
+    """The Triton forward and backward ops' fake kernels, schemas and autograd (torch.library.opcheck)."""
+    if backend != "triton":
+        pytest.skip("the Triton ops")
+    forward = torch.ops.moe_kernels_triton.topk_router
+    backward = torch.ops.moe_kernels_triton.topk_router_backward
+    for T, E, k in [(7, 8, 2), (0, 4, 1), (5, 8, 8)]:
+        for scoring in ("softmax", "sigmoid"):
+            for dtype in (torch.float32, torch.bfloat16):
+                logits = torch.randn(T, E, dtype=dtype, device=backend.device, requires_grad=True)
+                torch.library.opcheck(forward, (logits, k, scoring, None, 1, 1, "top2_sum", True, 1.0))
+                _, experts = reference.topk_router(logits.detach(), k, scoring=scoring)
+                grad_w = torch.randn(T, k, device=backend.device)
+                torch.library.opcheck(backward, (grad_w, logits.detach(), experts, scoring, True, 1.5))
+                torch.library.opcheck(
+                    backward, (grad_w.t().contiguous().t(), logits.detach(), experts, scoring, False, 2.0)
+                )
+
+
 @pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
 def test_torch_backward_formula(router):
-    # The backward of the backends without a fused one (Triton): against the reference's autograd.
+    # The backward in torch (float64 rows on the Triton backend): against the reference's autograd.
     from moe_kernels.ops.topk_router import _backward_from_logits
 
     _, E, k, kw = router
