@@ -58,6 +58,24 @@ def pair_index(pair):
 
 
 @triton.jit
+def pair_value(pair):
+    """The float32 a rank pair was built from (rank_pair inverted, exactly; -0.0 comes back as
+    +0.0 and any NaN as one NaN); NO_PAIR gives 0.0, as take_best's value of an empty row."""
+    key = (pair >> 32).to(tl.int32)
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return tl.where(pair == NO_PAIR, 0.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def take_best_ranked(pair, cols):
+    """take_best where the pairs rank x itself: the value is decoded from the best pair, so a
+    round costs one row reduction (the max), not two (the max, then a masked sum for the value)."""
+    best = tl.max(pair, axis=1)
+    idx = pair_index(best)
+    return best, idx, pair_value(best), tl.where(cols[None, :] == idx[:, None], NO_PAIR, pair)
+
+
+@triton.jit
 def take_best(pair, x, cols):
     """The largest remaining rank pair of every row of a [BLOCK_R, BLOCK_W] tile:
     (the pair, its index, its value in x, the pairs with it retired to NO_PAIR)."""

@@ -14,6 +14,7 @@ from moe_kernels.triton.common import (
     row_tile_config,
     sigmoid_accurate,
     take_best,
+    take_best_ranked,
     to_float32,
 )
 
@@ -30,14 +31,23 @@ def supports(num_experts: int, num_groups: int) -> bool:
 
 
 @triton.jit
-def softmax_scores(x, valid, cols):
+def softmax_parts(x, valid, cols):
     """The softmax of each row of a [BLOCK_T, BLOCK_E] float32 tile (`valid`: the real entries;
-    padding reads 0), shifted by the row max taken by rank (NaN first, so a NaN row is all NaN as
-    torch's); a row whose logits are all -inf gets scores 0, as the reference's router_scores."""
-    _b, _i, vmax, _p = take_best(tl.where(valid, rank_pair(x, cols), NO_PAIR), x, cols)
+    padding reads 0): (scores, the row max, the row sum of exp(x - max), whether the row is all
+    -inf). The max is taken by rank (NaN first, so a NaN row is all NaN as torch's); an all -inf
+    row gets scores 0, as the reference's router_scores. A single score is
+    softmax_score(x_e, max, sum, masked), bit for bit the tile's."""
+    _b, _i, vmax, _p = take_best_ranked(tl.where(valid, rank_pair(x, cols), NO_PAIR), cols)
     masked_row = vmax == float("-inf")
     terms = tl.where(valid & ~masked_row[:, None], tl.exp(x - vmax[:, None]), 0.0)
-    return tl.where(masked_row[:, None], 0.0, terms / tl.sum(terms, axis=1)[:, None])
+    denom = tl.sum(terms, axis=1)
+    return tl.where(masked_row[:, None], 0.0, terms / denom[:, None]), vmax, denom, masked_row
+
+
+@triton.jit
+def softmax_score(x, vmax, denom, masked_row):
+    """One score per row from its logit x [BLOCK_T] and softmax_parts's row values."""
+    return tl.where(masked_row, 0.0, tl.exp(x - vmax) / denom)
 
 
 @triton.jit
@@ -61,6 +71,7 @@ def topk_router_kernel(
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_E: tl.constexpr,  # next power of two >= E
     BLOCK_G: tl.constexpr,  # next power of two >= NUM_GROUPS
+    BLOCK_K: tl.constexpr,  # next power of two >= K
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -78,7 +89,7 @@ def topk_router_kernel(
     if SIGMOID:
         scores = tl.where(valid, sigmoid_accurate(x), 0.0)
     else:
-        scores = softmax_scores(x, valid, cols)
+        scores, vmax, denom, masked_row = softmax_parts(x, valid, cols)
 
     # Phase 2: the selection key. No bias and no group limit: the logits themselves (exact).
     GROUPED: tl.constexpr = TOPK_GROUPS < NUM_GROUPS
@@ -98,38 +109,53 @@ def topk_router_kernel(
         gscores = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
         for g in tl.static_range(NUM_GROUPS):
             in_group = (group == g)[None, :]
-            _b, _i, first, rest = take_best(tl.where(in_group, pairs, NO_PAIR), key, cols)
+            _b, _i, first, rest = take_best_ranked(tl.where(in_group, pairs, NO_PAIR), cols)
             score = first
             if not GROUP_MAX:
-                _b, _i, second, _r = take_best(rest, key, cols)
+                _b, _i, second, _r = take_best_ranked(rest, cols)
                 score = first + second
             gscores = tl.where(gcols[None, :] == g, score[:, None], gscores)
         gpairs = tl.where(gcols[None, :] < NUM_GROUPS, rank_pair(gscores, gcols), NO_PAIR)
         eligible = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False
         for _ in tl.static_range(TOPK_GROUPS):
-            _b, chosen, _v, gpairs = take_best(gpairs, gscores, gcols)
+            _b, chosen, _v, gpairs = take_best_ranked(gpairs, gcols)
             eligible = eligible | (group[None, :] == chosen[:, None])
         pairs = tl.where(eligible, pairs, NO_PAIR)
 
-    # Phase 4: the k selections, twice (the sum for the renormalisation first, then the writes:
-    # registers are cheaper than a store / barrier / load of the first pass's picks).
-    total = tl.full((BLOCK_T,), 1.0, tl.float32)
-    if RENORMALIZE:
-        total = tl.zeros((BLOCK_T,), tl.float32)
-        pair = pairs
-        for _ in range(0, K):
-            _b, _i, w, pair = take_best(pair, scores, cols)
-            total += w
+    # Phase 4: the k selections, once, into a [BLOCK_T, BLOCK_K] tile of picks; then the
+    # renormalisation and one store of each tile. Where the pairs rank the logits themselves (no
+    # bias, no groups), a pick's score follows from its logit, decoded from the pair: one row
+    # reduction per pick.
+    RANKS_LOGITS: tl.constexpr = not (HAS_BIAS or GROUPED)
+    kcols = tl.arange(0, BLOCK_K)
+    picked_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    picked_e = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+    total = tl.zeros((BLOCK_T,), tl.float32)
+    pair = pairs
+    for s in range(0, K):
+        if RANKS_LOGITS:
+            _b, idx, logit, pair = take_best_ranked(pair, cols)
+            if SIGMOID:
+                w = sigmoid_accurate(logit)
+            else:
+                w = softmax_score(logit, vmax, denom, masked_row)
+        else:
+            _b, idx, w, pair = take_best(pair, scores, cols)
+        here = kcols[None, :] == s
+        picked_w = tl.where(here, w[:, None], picked_w)
+        picked_e = tl.where(here, idx[:, None], picked_e)
+        total += w
+    if not RENORMALIZE:
+        total = tl.full((BLOCK_T,), 1.0, tl.float32)
     # w / total rounded once (IEEE), then the scaling: the reference's order. `/` in Triton is
     # the approximate div.full.f32 on a GPU, and w * (1 / total) is not w / total either: with
     # k = 1 both missed 1.0 for some rows, which broke ties by weight (Megatron's "probs" drop).
     safe = tl.where(total == 0, 1.0, total)
-    pair = pairs
-    out = rows.to(tl.int64) * K
-    for s in range(0, K):
-        _b, idx, w, pair = take_best(pair, scores, cols)
-        tl.store(experts_ptr + out + s, idx.to(tl.int64), mask=row_ok)
-        tl.store(weights_ptr + out + s, tl.where(total == 0, 0.0, tl.div_rn(w, safe) * scaling), mask=row_ok)
+    weights = tl.where(total[:, None] == 0, 0.0, tl.div_rn(picked_w, safe[:, None]) * scaling)
+    out = rows[:, None].to(tl.int64) * K + kcols[None, :]
+    tile_ok = row_ok[:, None] & (kcols[None, :] < K)
+    tl.store(experts_ptr + out, picked_e.to(tl.int64), mask=tile_ok)
+    tl.store(weights_ptr + out, weights, mask=tile_ok)
 
 
 def launch_config(num_tokens: int, num_experts: int):
@@ -196,6 +222,7 @@ def topk_router(
             BLOCK_T=block_t,
             BLOCK_E=block_e,
             BLOCK_G=triton.next_power_of_2(num_groups),
+            BLOCK_K=triton.next_power_of_2(k),
             num_warps=num_warps,
         )
     return weights, experts
@@ -233,6 +260,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "BLOCK_T": block_t,
         "BLOCK_E": block_e,
         "BLOCK_G": triton.next_power_of_2(groups),
+        "BLOCK_K": 8,
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_kernel, signature, constexprs, {"num_warps": num_warps}

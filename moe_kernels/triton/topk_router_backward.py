@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.common import from_float32, on_tensor_device, row_tile_config, sigmoid_accurate, to_float32
-from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, softmax_scores
+from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, softmax_parts, softmax_score
 
 
 @triton.jit
@@ -49,18 +49,26 @@ def topk_router_backward_kernel(
     if SIGMOID:
         scores = tl.where(valid, sigmoid_accurate(x), 0.0)
     else:
-        scores = softmax_scores(x, valid, cols)
+        scores, vmax, denom, masked_row = softmax_parts(x, valid, cols)
     choices = rows.to(tl.int64) * K
     grads = rows.to(tl.int64) * stride_gt
+    logit_rows = logits_ptr + rows.to(tl.int64) * stride_t
 
-    # The chosen scores' sum (the renormalisation's total) and sum_s g_s p_s, in choice order.
+    # The chosen scores' sum (the renormalisation's total) and sum_s g_s p_s, in choice order. A
+    # chosen score is recomputed from its logit, read again (from cache), not gathered across the
+    # row's threads; a choice outside [0, E) (a raw call's) reads -inf: score 0, spread nowhere.
     total = tl.zeros((BLOCK_T,), tl.float32)
     weighted = tl.zeros((BLOCK_T,), tl.float32)
     if RENORMALIZE:
         for s in range(0, K):
             idx = tl.load(experts_ptr + choices + s, mask=row_ok, other=-1)
             g = to_float32(tl.load(grad_weights_ptr + grads + s * stride_gk, mask=row_ok, other=0.0))
-            p = tl.sum(tl.where(cols[None, :] == idx[:, None].to(tl.int32), scores, 0.0), axis=1)
+            inside = row_ok & (idx >= 0) & (idx < E)
+            logit = to_float32(tl.load(logit_rows + idx * stride_e, mask=inside, other=float("-inf")))
+            if SIGMOID:
+                p = sigmoid_accurate(logit)
+            else:
+                p = tl.where(inside, softmax_score(logit, vmax, denom, masked_row), 0.0)
             total += p
             weighted += g * p
     zero = total == 0
@@ -73,13 +81,18 @@ def topk_router_backward_kernel(
     for s in range(0, K):
         idx = tl.load(experts_ptr + choices + s, mask=row_ok, other=-1)
         g = to_float32(tl.load(grad_weights_ptr + grads + s * stride_gk, mask=row_ok, other=0.0))
-        hit = cols[None, :] == idx[:, None].to(tl.int32)
         if RENORMALIZE:
             g = tl.where(zero, 0.0, scaling / safe * (g - dot))
         else:
             g = scaling * g
-        p = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        inside = row_ok & (idx >= 0) & (idx < E)
+        logit = to_float32(tl.load(logit_rows + idx * stride_e, mask=inside, other=float("-inf")))
+        if SIGMOID:
+            p = sigmoid_accurate(logit)
+        else:
+            p = tl.where(inside, softmax_score(logit, vmax, denom, masked_row), 0.0)
         shift += g * p
+        hit = inside[:, None] & (cols[None, :] == idx[:, None].to(tl.int32))
         spread += tl.where(hit, g[:, None], 0.0)
     if SIGMOID:
         # 0 off the choices (spread is 0 there, the scores finite), NaN at a NaN logit: the

@@ -475,6 +475,25 @@ def test_triton_opcheck(backend):
                 )
 
 
+def test_triton_backward_drops_out_of_range_experts(backend):
+    """A raw call of the Triton backward with ids outside [0, E) touches no column for them (the
+    device cannot raise; docs/reliability.md): the same gradient as with those ids at -1, an id
+    that wraps to a real column in 32 bits included."""
+    if backend != "triton":
+        pytest.skip("the Triton op")
+    op = torch.ops.moe_kernels_triton.topk_router_backward
+    logits = torch.randn(4, 8, device=backend.device)
+    experts = torch.tensor([[0, 1], [2, 8], [2**32 + 3, 5], [-5, 7]], device=backend.device)
+    dropped = torch.tensor([[0, 1], [2, -1], [-1, 5], [-1, 7]], device=backend.device)
+    grad_w = torch.randn(4, 2, device=backend.device)
+    for scoring in ("softmax", "sigmoid"):
+        for renormalize in (True, False):
+            got = op(grad_w, logits, experts, scoring, renormalize, 1.0)
+            assert torch.equal(got, op(grad_w, logits, dropped, scoring, renormalize, 1.0))
+            assert torch.isfinite(got).all()
+            assert got[2, 3] == 0 or scoring == "softmax"  # 2**32 + 3 reached no column
+
+
 @pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
 def test_torch_backward_formula(router):
     # The backward in torch (float64 rows on the Triton backend): against the reference's autograd.
