@@ -6,7 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import NO_PAIR, on_tensor_device, rank_pair, row_tile_config, take_best, to_float32
+from moe_kernels.triton.common import (
+    NO_PAIR,
+    on_tensor_device,
+    rank_pair,
+    row_tile_config,
+    take_best_ranked,
+    to_float32,
+)
 
 # Registers per program as in topk_router: BLOCK_T x BLOCK_E elements, at most 8 per thread.
 MAX_EXPERTS = 4096
@@ -57,7 +64,7 @@ def load_probabilities_kernel(
     k1th = tl.zeros([BLOCK_T], dtype=tl.float32)
     top_row = rows.to(tl.int64) * (K + 1)
     for s in range(0, K + 1):
-        best, idx, value, pair = take_best(pair, x, cols)
+        best, idx, value, pair = take_best_ranked(pair, cols)  # the pairs rank x: its value decoded
         kth_pair = tl.where(s == K - 1, best, kth_pair)
         kth = tl.where(s == K - 1, value, kth)
         k1th = tl.where(s == K, value, k1th)
