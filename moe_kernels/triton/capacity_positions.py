@@ -1,6 +1,9 @@
-"""capacity_positions in Triton: one program per expert scans the fill order in blocks, numbering
-the expert's choices with a block cumsum plus a running count. No atomics and no host sync; every
-choice is written by the program of its expert (empty choices keep the -1 the launcher fills)."""
+"""capacity_positions in Triton, in O(T k): the fill order cut into blocks of BLOCK_N choices;
+each block's per-expert counts (a histogram), their exclusive sum over the blocks (torch's cumsum,
+on the device), then each choice's rank = its expert's count in the blocks before it plus the
+choices of its expert before it in its block (compared a chunk at a time). No atomics and no host
+sync; every choice's position is written once. Past MAX_BINS experts, the older kernel: one
+program per expert scans the whole fill order (O(E T k))."""
 
 import torch
 import triton
@@ -8,11 +11,89 @@ import triton.language as tl
 
 from moe_kernels.triton.common import on_tensor_device
 
+_BLOCK_N = 256  # choices per program of the O(T k) kernels
+_CHUNK = 32  # the block's earlier choices compared at a time ([BLOCK_N, CHUNK] int32 per step)
+_WARPS = 8
+MAX_BINS = 4096  # histogram bins per program: E + 1 (a spare bin) rounded up to a power of two
+
+
+@triton.jit
+def _fill_slot(i, order_ptr, T, K, HAS_ORDER: tl.constexpr):
+    """The flat index t * K + s of the i-th choice to fill: the given order, or the default
+    s-major one (every token's first choice, then every second choice, ...)."""
+    if HAS_ORDER:
+        return tl.load(order_ptr + i)
+    return (i % T) * K + i // T
+
+
+@triton.jit
+def block_counts_kernel(
+    experts_ptr,  # [T, K] int64 contiguous, -1 = empty
+    order_ptr,  # [N] int64 fill order (read if HAS_ORDER)
+    counts_ptr,  # [num_blocks, E] int32: each block's choices per expert
+    N,  # T * K
+    T,
+    K,
+    E,
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BINS: tl.constexpr,  # power of two > E
+):
+    b = tl.program_id(0)
+    i = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = i < N
+    ex = tl.load(experts_ptr + _fill_slot(tl.where(ok, i, 0), order_ptr, T, K, HAS_ORDER), mask=ok, other=-1)
+    # Empty choices, ids outside [0, E) (dropped on the device, docs/reliability.md) and padding
+    # go to the spare bin E.
+    bins = tl.where(ok & (ex >= 0) & (ex < E), ex, E).to(tl.int32)
+    e = tl.arange(0, BINS)
+    tl.store(counts_ptr + b.to(tl.int64) * E + e, tl.histogram(bins, BINS), mask=e < E)
+
+
+@triton.jit
+def block_positions_kernel(
+    experts_ptr,  # [T, K] int64 contiguous, -1 = empty
+    order_ptr,  # [N] int64 fill order (read if HAS_ORDER)
+    before_ptr,  # [num_blocks, E] int32: each expert's choices in the blocks before
+    positions_ptr,  # [T, K] int64, every entry written
+    N,
+    T,
+    K,
+    E,
+    C,  # capacity
+    HAS_ORDER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    first = b.to(tl.int64) * BLOCK_N
+    local = tl.arange(0, BLOCK_N)
+    ok = first + local < N
+    slot = _fill_slot(tl.where(ok, first + local, 0), order_ptr, T, K, HAS_ORDER)
+    ex = tl.load(experts_ptr + slot, mask=ok, other=-1)
+    real = ok & (ex >= 0) & (ex < E)
+    # Choices of the same expert earlier in this block, compared as int32 (E < 2^31; an id outside
+    # [0, E) is -2 here and -1 in the chunks, so it matches nothing).
+    mine = tl.where(real, ex, -2).to(tl.int32)
+    earlier = tl.zeros((BLOCK_N,), tl.int32)
+    for c in tl.static_range(0, BLOCK_N, CHUNK):
+        other = c + tl.arange(0, CHUNK)
+        other_ok = first + other < N
+        other_slot = _fill_slot(tl.where(other_ok, first + other, 0), order_ptr, T, K, HAS_ORDER)
+        other_ex = tl.load(experts_ptr + other_slot, mask=other_ok, other=-1)
+        other_ex = tl.where((other_ex >= 0) & (other_ex < E), other_ex, -1).to(tl.int32)
+        same = (mine[:, None] == other_ex[None, :]) & (other[None, :] < local[:, None])
+        earlier += tl.sum(same.to(tl.int32), axis=1)
+    base = tl.load(before_ptr + b.to(tl.int64) * E + tl.where(real, ex, 0), mask=real, other=0)
+    rank = (base + earlier).to(tl.int64)
+    tl.store(positions_ptr + slot, tl.where(real & (rank < C), rank, -1), mask=ok)
+
+
 _BLOCK = 1024  # choices per scan step
 
 
 @triton.jit
-def capacity_positions_kernel(
+def capacity_positions_kernel(  # the O(E T k) kernel, past MAX_BINS experts
     experts_ptr,  # [T, K] int64 contiguous, -1 = empty
     order_ptr,  # [N] int64: flat index t * K + s of the i-th choice to fill (N = T * K)
     positions_ptr,  # [T, K] int64, prefilled with -1
@@ -53,18 +134,54 @@ def capacity_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.capacity_positions (validated there)."""
     experts = experts.contiguous()
-    positions = torch.full_like(experts, -1)
-    counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
-    order = fill_order(experts, priority)
-    capacity_positions_kernel[(num_experts,)](
-        experts, order, positions, counts, experts.numel(), capacity, BLOCK=_BLOCK
-    )
-    return positions, counts
+    T, k = experts.shape
+    N = experts.numel()
+    if N == 0 or num_experts == 0:
+        return torch.full_like(experts, -1), torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    order = None if priority is None else fill_order(experts, priority)
+    bins = triton.next_power_of_2(num_experts + 1)
+    if bins > MAX_BINS:
+        positions = torch.full_like(experts, -1)
+        counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
+        order = fill_order(experts, None) if order is None else order
+        capacity_positions_kernel[(num_experts,)](experts, order, positions, counts, N, capacity, BLOCK=_BLOCK)
+        return positions, counts
+    blocks = triton.cdiv(N, _BLOCK_N)
+    per_block = torch.empty((blocks, num_experts), dtype=torch.int32, device=experts.device)
+    order_arg = experts if order is None else order  # unread without an order
+    block_counts_kernel[(blocks,)](
+        experts, order_arg, per_block, N, T, k, num_experts,
+        HAS_ORDER=order is not None, BLOCK_N=_BLOCK_N, BINS=bins, num_warps=_WARPS,
+    )  # fmt: skip
+    # Each expert's choices in the blocks before each block: an exclusive sum down the blocks.
+    running = per_block.cumsum(0, dtype=torch.int32)
+    before = running - per_block
+    positions = torch.empty_like(experts)
+    block_positions_kernel[(blocks,)](
+        experts, order_arg, before, positions, N, T, k, num_experts, capacity,
+        HAS_ORDER=order is not None, BLOCK_N=_BLOCK_N, CHUNK=_CHUNK, num_warps=_WARPS,
+    )  # fmt: skip
+    return positions, running[-1].to(torch.int64)
 
 
 @capacity_positions.register_fake
 def _(experts, num_experts, capacity, priority=None):
     return experts.new_empty(experts.shape), experts.new_empty(num_experts)
+
+
+def _aot_blocks(kernel, has_order: bool, num_experts: int):
+    signature = {"experts_ptr": "*i64", "order_ptr": "*i64"}
+    if kernel is block_counts_kernel:
+        signature["counts_ptr"] = "*i32"
+        constexprs = {"HAS_ORDER": has_order, "BLOCK_N": _BLOCK_N, "BINS": triton.next_power_of_2(num_experts + 1)}
+    else:
+        signature.update(before_ptr="*i32", positions_ptr="*i64")
+        constexprs = {"HAS_ORDER": has_order, "BLOCK_N": _BLOCK_N, "CHUNK": _CHUNK}
+    signature.update(N="i32", T="i32", K="i32", E="i32")
+    if kernel is block_positions_kernel:
+        signature["C"] = "i32"
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return kernel, signature, constexprs, {"num_warps": _WARPS}
 
 
 AOT_KERNELS = [
@@ -81,5 +198,9 @@ AOT_KERNELS = [
         },
         {"BLOCK": _BLOCK},
         {"num_warps": 4},
-    )
+    ),
+    _aot_blocks(block_counts_kernel, False, 256),
+    _aot_blocks(block_counts_kernel, True, MAX_BINS - 1),
+    _aot_blocks(block_positions_kernel, False, 256),
+    _aot_blocks(block_positions_kernel, True, 8),
 ]

@@ -122,6 +122,32 @@ def test_positions_large_parallel_path(backend):
         assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
 
 
+@pytest.mark.parametrize("max_bins", [None, 4])
+def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, max_bins):
+    """The Triton kernels' paths: the O(T k) blocks (a block's choices against each other, the
+    counts of the blocks before it) over many blocks, with a ragged last block, and the per-expert
+    scan past MAX_BINS experts (made small here); ids past E dropped on both."""
+    if backend != "triton":
+        pytest.skip("the Triton kernels' own paths")
+    from moe_kernels.triton import capacity_positions as kernels
+
+    if max_bins is not None:
+        monkeypatch.setattr(kernels, "MAX_BINS", max_bins)
+    T, E, k = 700, 5, 3  # 2100 choices: 9 blocks of 256, the last one ragged
+    experts = routing_choices("empties", T, E, k, seed=7).to(backend.device)
+    for p in (None, priorities("ties", T, k).to(backend.device)):
+        for C in (0, 1, capacity_for(T, E, k, 1.0), T * k):
+            positions, counts = kernels.capacity_positions(experts, E, C, p)
+            ref = reference.capacity_positions(experts, E, C, priority=p)
+            assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1]), (p is None, C)
+    wild = experts.clone()
+    wild[::7, 0] = E + 3  # out of range: no slot, not counted
+    positions, counts = kernels.capacity_positions(wild, E, T * k, None)
+    kept = torch.where(wild == E + 3, -1, wild)
+    ref = reference.capacity_positions(kept, E, T * k)
+    assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
+
+
 def test_capacity_for():
     assert capacity_for(16384, 64, 2, 1.0) == 512
     assert capacity_for(10, 4, 1, 1.25) == 4  # ceil(3.125)
