@@ -47,16 +47,12 @@ if backends.triton_importable():
         E, C, _ = buffer.shape
         # To the buffer: the weighted gather of grad_y into each kept slot (a weighted dispatch).
         grad_buffer = _triton_module.dispatch(grad_y, experts, positions, E, C, weights)
-        # To the weights: <grad_y[t], buffer[slot]>, in float32 (float64 for float64), over the
-        # choices the forward kept (kept_slots: an out-of-range id is dropped, never indexed).
-        acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
-        if C == 0:  # nothing kept
-            return grad_buffer, None, None, torch.zeros_like(weights)
-        slot = _triton_module.kept_slots(experts, positions, E, C).view(experts.shape)
-        rows = buffer.reshape(E * C, buffer.shape[2])[slot.clamp(min=0)]  # [T, k, d]
-        dots = (rows.to(acc) * grad_y.to(acc).unsqueeze(1)).sum(-1)
-        grad_weights = torch.where(slot >= 0, dots, 0.0).to(weights.dtype)
-        return grad_buffer, None, None, grad_weights
+        # To the weights: <grad_y[t], buffer[slot]> in float32 (float64 for float64) for the choices
+        # the forward kept, 0 for the others (kept_slots: an out-of-range id is dropped, never
+        # indexed); one pass over d (row_dots).
+        slot = _triton_module.kept_slots(experts, positions, E, C)
+        dots = _triton_module.row_dots(grad_y, buffer.reshape(E * C, buffer.shape[2]), slot, experts.shape[1])
+        return grad_buffer, None, None, dots.to(weights.dtype)
 
     _triton.register_autograd(_triton_backward, setup_context=_setup_context)
 

@@ -5,6 +5,8 @@ writer (no atomics):
   it is combine's backward to the buffer.
 - combine: a program per (block of tokens, d tile) sums its k weighted rows in float32, s = 0, 1..
   With unit weights it is dispatch's backward.
+- row_dots: a program per block of tokens walks d once: the k dot products <grad_y[t], row> of
+  combine's (and unpermute's) backward to the weights.
 """
 
 import torch
@@ -79,6 +81,49 @@ def combine_kernel(
         acc += w[:, None] * v.to(ACC)
     out = out_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def row_dots_kernel(
+    grad_ptr,  # [T, d] contiguous
+    src_ptr,  # [S, d] contiguous
+    row_ptr,  # [T * K] int64: the row of src of each choice, -1 = none (its dot is 0)
+    out_ptr,  # [T, K] ACC contiguous
+    T,
+    d,
+    K,
+    S,
+    ACC: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # next power of two >= K
+):
+    """out[t, s] = <grad[t], src[row[t K + s]]>: the weights' gradient of combine and unpermute. A
+    program walks d once for its tokens: each grad tile is read once for all k choices (the k dots
+    are columns of one accumulator tile), each chosen row once."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < T
+    kcols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=ACC)
+    for start in range(0, d, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        col_ok = cols < d
+        g = tl.load(
+            grad_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(ACC)
+        for s in range(0, K):
+            r = tl.load(row_ptr + rows.to(tl.int64) * K + s, mask=row_ok, other=-1)
+            kept = (r >= 0) & (r < S)
+            v = tl.load(
+                src_ptr + tl.where(kept, r, 0)[:, None] * d + cols[None, :],
+                mask=kept[:, None] & col_ok[None, :],
+                other=0.0,
+            ).to(ACC)
+            acc += tl.where(kcols[None, :] == s, tl.sum(g * v, axis=1)[:, None], 0.0)
+    out = out_ptr + rows.to(tl.int64)[:, None] * K + kcols[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & (kcols[None, :] < K))
 
 
 def kept_slots(experts, positions, E, C):
@@ -156,6 +201,37 @@ def gather_sum(src: torch.Tensor, row: torch.Tensor, weights: torch.Tensor) -> t
     return out
 
 
+@torch.library.custom_op("moe_kernels_triton::row_dots", mutates_args=())
+@on_tensor_device
+def row_dots(grad: torch.Tensor, src: torch.Tensor, row: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] in float32 (float64 for float64 data): <grad[t], src[row[t*k+s]]>, 0 where row is -1
+    (or outside src)."""
+    T, d = grad.shape
+    acc, acc_tl = acc_dtype(src.dtype)
+    out = torch.empty((T, k), dtype=acc, device=grad.device)
+    if out.numel():
+        row_dots_kernel[(triton.cdiv(T, _BLOCK_ROWS),)](
+            grad.contiguous(),
+            src.contiguous(),
+            row.contiguous(),
+            out,
+            T,
+            d,
+            k,
+            src.shape[0],
+            ACC=acc_tl,
+            BLOCK_ROWS=_BLOCK_ROWS,
+            BLOCK_D=_BLOCK_D,
+            BLOCK_K=triton.next_power_of_2(k),
+        )
+    return out
+
+
+@row_dots.register_fake
+def _(grad, src, row, k):
+    return grad.new_empty((grad.shape[0], k), dtype=torch.float64 if src.dtype == torch.float64 else torch.float32)
+
+
 @torch.library.custom_op("moe_kernels_triton::dispatch", mutates_args=())
 def dispatch(
     x: torch.Tensor,
@@ -229,7 +305,25 @@ def _aot_combine(dt):
     )
 
 
+def _aot_row_dots(dt):
+    signature = {
+        "grad_ptr": f"*{dt}",
+        "src_ptr": f"*{dt}",
+        "row_ptr": "*i64",
+        "out_ptr": "*fp32",
+        "T": "i32",
+        "d": "i32",
+        "K": "i32",
+        "S": "i32",
+    }
+    constexprs = {"ACC": tl.float32, "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D, "BLOCK_K": 8}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return row_dots_kernel, signature, constexprs, {"num_warps": 4}
+
+
 AOT_KERNELS = [
+    _aot_row_dots("bf16"),
+    _aot_row_dots("fp32"),
     _aot_dispatch("fp32", False),
     _aot_dispatch("bf16", True),
     _aot_dispatch("fp16", False),

@@ -82,10 +82,8 @@ def unpermute_backward(
     k = weights.shape[1]
     valid = (order >= 0) & (order < weights.numel())
     grad_y_sorted = _rows.gather_rows(grad_y, torch.where(valid, order, -1), k, weights)
-    acc = torch.float64 if y_sorted.dtype == torch.float64 else torch.float32
-    rows = rows_of_choices(order, weights.numel()).view(weights.shape)
-    dots = (y_sorted[rows.clamp(min=0)].to(acc) * grad_y.to(acc).unsqueeze(1)).sum(-1)
-    return grad_y_sorted, torch.where(rows >= 0, dots, 0.0).to(weights.dtype)
+    rows = rows_of_choices(order, weights.numel())
+    return grad_y_sorted, _rows.row_dots(grad_y, y_sorted, rows, k).to(weights.dtype)
 
 
 @unpermute_backward.register_fake
