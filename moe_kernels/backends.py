@@ -51,9 +51,14 @@ from moe_kernels import _extension
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 _ORDER = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda", "torch")}
 # Ops whose CUDA kernel measured faster than their Triton one on a GPU take it first there
-# (bench/results/gpu-nvidia-h100-80gb-hbm3.md, CUDA-graph replay on an H100): capacity_positions
-# at T = 65536, E = 256, k = 8: CUDA 0.62 ms, Triton 1.85 ms.
-_MEASURED_ORDER = {("capacity_positions", "cuda"): ("cuda", "triton", "torch")}
+# (bench/results/gpu-nvidia-h100-80gb-hbm3.md and gpu-nvidia-h200.md, CUDA-graph replay):
+# capacity_positions at T = 65536, E = 256, k = 8: CUDA 0.61 ms, Triton 1.84 ms (the Triton
+# per-expert scan; its O(T k) kernels are not yet timed); batchwise_mask at T = 65536, E = 64,
+# m = 2048, bf16: CUDA 1.06 ms, Triton 2.58 ms, on both devices.
+_MEASURED_ORDER = {
+    ("capacity_positions", "cuda"): ("cuda", "triton", "torch"),
+    ("batchwise_mask", "cuda"): ("cuda", "triton", "torch"),
+}
 
 
 def default_order(op: str, device_type: str) -> tuple[str, ...]:

@@ -145,8 +145,9 @@ def test_fallback_past_a_kernels_limits(monkeypatch):
 
 
 def test_measured_gpu_order(monkeypatch):
-    """capacity_positions takes its CUDA kernel first on CUDA tensors (measured faster on an H100);
-    the other ops keep Triton first; CPU tensors are unaffected."""
+    """capacity_positions and batchwise_mask take their CUDA kernel first on CUDA tensors
+    (measured faster on an H100 and an H200); the other ops keep Triton first; CPU tensors are
+    unaffected."""
     if not _extension.defines("capacity_positions"):
         pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
     monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)  # a CUDA build
@@ -154,6 +155,7 @@ def test_measured_gpu_order(monkeypatch):
     monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
     assert backends.default_order("capacity_positions", "cuda")[0] == "cuda"
     assert backends.choose("capacity_positions", "cuda") == "cuda"
+    assert backends.choose("batchwise_mask", "cuda") == "cuda"
     assert backends.choose("dispatch", "cuda") == "triton"
     assert backends.choose("capacity_positions", "cpu") == "cpu"
     with moe_kernels.use_backend("triton"):
