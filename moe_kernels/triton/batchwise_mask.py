@@ -1,7 +1,14 @@
-"""Batchwise top-m mask (eq 18, Shazeer et al. 2017 Appendix F) in Triton: one program per expert,
-a radix select over the 32-bit order keys of the expert's column (4 bits per pass, MSB first,
-each pass a loop over T in tiles), then one pass in token order that keeps the keys above the
-m-th largest and the first of its ties, compacting the kept tokens with a running prefix sum."""
+"""Batchwise top-m mask (eq 18, Shazeer et al. 2017 Appendix F) in Triton, every expert at once
+over coalesced row tiles ([BLOCK_T tokens, GROUP experts] of the row-major scores):
+  1. a radix select of each column's m-th largest 32-bit order key, 4 bits per pass, MSB first:
+     each pass histograms the digit of the keys still matching the column's prefix (a register
+     histogram per tile, added into [E, 16] counters with integer atomics: order-independent, so
+     deterministic), then one program per expert picks the digit holding its m-th key;
+  2. each tile's count of keys above that key and of its ties, per expert;
+  3. their exclusive sums down the tiles (torch's cumsum, on the device), then each tile keeps
+     the keys above and the first `remaining` ties in token order (tl.cumsum ranks them), writes
+     its mask rows whole and the kept tokens at their ranks.
+No host sync; each output element has one writer."""
 
 import torch
 import triton
@@ -9,8 +16,13 @@ import triton.language as tl
 
 from moe_kernels.triton.common import on_tensor_device, rank_pair, to_float32
 
-_BLOCK_T = 256  # tokens per tile: BLOCK_T x 16 bin comparisons per histogram step
-_NUM_WARPS = 4
+# A tile is 256 tokens x 16 experts (a 32-byte sector of a bf16 row); its histogram has 16 x 16
+# bins (4-bit digits, 8 passes): Triton's histogram keeps bins / 32 counters in every thread, and
+# 8-bit digits (16 x 256 bins) spilled.
+_BLOCK_T = 256
+_GROUP = 16
+_RADIX_BITS = 4
+_NUM_WARPS = 8
 
 
 @triton.jit
@@ -21,65 +33,127 @@ def _order_keys(x):
 
 
 @triton.jit
-def batchwise_mask_kernel(
+def _tile_keys(scores_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    """(token ids [BLOCK_T], expert ids [GROUP], in-range [BLOCK_T, GROUP], order keys) of this
+    program's tile."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    valid = (t < T)[:, None] & (e < E)[None, :]
+    ptrs = scores_ptr + t.to(tl.int64)[:, None] * stride_t + e.to(tl.int64)[None, :] * stride_e
+    key = _order_keys(to_float32(tl.load(ptrs, mask=valid, other=0.0)))
+    return t, e, valid, key
+
+
+@triton.jit
+def _signed(key):
+    """An order key as int32 (the same order, signed): half the registers of the int64 key."""
+    return (key - 2147483648).to(tl.int32)
+
+
+@triton.jit
+def digit_histogram_kernel(
     scores_ptr,  # [T, E] fp32/fp16/bf16, any strides
-    mask_ptr,  # [T, E] contiguous bool, zero-initialised by the launcher
-    tokens_ptr,  # [E, M] contiguous int64
-    T,  # tokens
-    E,  # experts
-    stride_t,  # elements between consecutive tokens of scores
-    stride_e,  # elements between consecutive experts of scores
-    M,  # tokens per expert, 1 <= M <= T
-    BLOCK_T: tl.constexpr,  # tokens per tile
-    RADIX_BITS: tl.constexpr,  # bits per radix pass (32 must be a multiple)
+    prefix_ptr,  # [E] int64: the leading digits of each column's m-th key found so far
+    hist_ptr,  # [E, 2^RADIX_BITS] int32, zeroed: this pass's counts, added into
+    T,
+    E,
+    stride_t,
+    stride_e,
+    SHIFT: tl.constexpr,  # the digit's lowest bit
+    RADIX_BITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    t, e, valid, key = _tile_keys(scores_ptr, T, E, stride_t, stride_e, BLOCK_T, GROUP)
+    prefix = tl.load(prefix_ptr + e, mask=e < E, other=0)
+    match = valid & ((key >> (SHIFT + RADIX_BITS)) == (prefix >> (SHIFT + RADIX_BITS))[None, :])
+    digit = (key >> SHIFT) & (BINS - 1)
+    local = (tl.arange(0, GROUP)[None, :] * BINS + digit).to(tl.int32)  # in [0, GROUP * BINS)
+    # Keys that no longer match (and padding) are left out of the histogram.
+    counts = tl.histogram(tl.reshape(local, [BLOCK_T * GROUP]), GROUP * BINS, mask=tl.reshape(match, [BLOCK_T * GROUP]))
+    bins = tl.arange(0, GROUP * BINS)
+    column = tl.program_id(1) * GROUP + bins // BINS
+    tl.atomic_add(
+        hist_ptr + column.to(tl.int64) * BINS + bins % BINS, counts, mask=(column < E) & (counts > 0), sem="relaxed"
+    )
+
+
+@triton.jit
+def select_digit_kernel(
+    hist_ptr,  # [E, 2^RADIX_BITS] int32: this pass's counts
+    prefix_ptr,  # [E] int64, updated
+    remaining_ptr,  # [E] int64: the m-th key's rank among the keys sharing the prefix, updated
+    SHIFT: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):
+    """One program per expert: the digit of the remaining-th largest candidate is the largest bin
+    whose count from the top reaches `remaining` (counts from the top decrease with the bin)."""
     e = tl.program_id(0)
     BINS: tl.constexpr = 1 << RADIX_BITS
-    PASSES: tl.constexpr = 32 // RADIX_BITS
     bins = tl.arange(0, BINS)
-    offs = tl.arange(0, BLOCK_T)
-    column = scores_ptr + e.to(tl.int64) * stride_e
-    prefix = tl.full((), 0, tl.int64)  # the leading digits of the M-th largest key found so far
-    remaining = tl.full((), 0, tl.int64) + M  # its rank among the keys sharing those digits
+    hist = tl.load(hist_ptr + e.to(tl.int64) * BINS + bins).to(tl.int64)
+    remaining = tl.load(remaining_ptr + e)
+    from_top = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys in this bin and above
+    digit = tl.max(tl.where(from_top >= remaining, bins, 0), axis=0).to(tl.int64)
+    tl.store(remaining_ptr + e, remaining - tl.sum(tl.where(bins > digit, hist, 0), axis=0))
+    tl.store(prefix_ptr + e, tl.load(prefix_ptr + e) | (digit << SHIFT))
 
-    for p in tl.static_range(PASSES):
-        shift = 32 - RADIX_BITS * (p + 1)  # a constant: static_range unrolls the passes
-        hist = tl.zeros([BINS], tl.int64)
-        for t0 in range(0, T, BLOCK_T):
-            t = t0 + offs
-            valid = t < T
-            x = to_float32(tl.load(column + t.to(tl.int64) * stride_t, mask=valid, other=0.0))
-            key = _order_keys(x)
-            match = valid & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-            d = (key >> shift) & (BINS - 1)
-            hit = match[:, None] & (d[:, None] == bins[None, :])
-            hist += tl.sum(hit.to(tl.int64), axis=0)
-        # The digit of the remaining-th largest candidate: the largest bin whose count from the
-        # top reaches `remaining` (counts from the top decrease with the bin).
-        from_top = tl.sum(tl.where(bins[None, :] >= bins[:, None], hist[None, :], 0), axis=1)
-        digit = tl.max(tl.where(from_top >= remaining, bins, 0), axis=0).to(tl.int64)
-        above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        remaining -= above
-        prefix = prefix | (digit << shift)
 
-    # prefix is the M-th largest key; keep every key above it and the first `remaining` ties.
-    ties_before = tl.full((), 0, tl.int64)
-    kept_before = tl.full((), 0, tl.int64)
-    out_tokens = tokens_ptr + e.to(tl.int64) * M
-    for t0 in range(0, T, BLOCK_T):
-        t = t0 + offs
-        valid = t < T
-        x = to_float32(tl.load(column + t.to(tl.int64) * stride_t, mask=valid, other=0.0))
-        key = _order_keys(x)
-        tie = (valid & (key == prefix)).to(tl.int64)
-        tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie
-        keep = valid & ((key > prefix) | ((tie != 0) & (tie_rank < remaining)))
-        kept = keep.to(tl.int64)
-        pos = kept_before + tl.cumsum(kept, axis=0) - kept
-        tl.store(mask_ptr + t.to(tl.int64) * E + e, tl.full([BLOCK_T], 1, tl.int1), mask=keep)
-        tl.store(out_tokens + pos, t.to(tl.int64), mask=keep)
-        ties_before += tl.sum(tie, axis=0)
-        kept_before += tl.sum(kept, axis=0)
+@triton.jit
+def tile_counts_kernel(
+    scores_ptr,
+    prefix_ptr,  # [E] int64: each column's m-th largest key
+    above_ptr,  # [tiles, E] int32: keys above it in each tile
+    ties_ptr,  # [tiles, E] int32: keys equal to it in each tile
+    T,
+    E,
+    stride_t,
+    stride_e,
+    BLOCK_T: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    t, e, valid, key = _tile_keys(scores_ptr, T, E, stride_t, stride_e, BLOCK_T, GROUP)
+    key = _signed(key)
+    threshold = _signed(tl.load(prefix_ptr + e, mask=e < E, other=0))[None, :]
+    out = tl.program_id(0).to(tl.int64) * E + e
+    tl.store(above_ptr + out, tl.sum((valid & (key > threshold)).to(tl.int32), axis=0), mask=e < E)
+    tl.store(ties_ptr + out, tl.sum((valid & (key == threshold)).to(tl.int32), axis=0), mask=e < E)
+
+
+@triton.jit
+def write_mask_kernel(
+    scores_ptr,
+    prefix_ptr,  # [E] int64: each column's m-th largest key
+    remaining_ptr,  # [E] int64: how many of its ties are kept (the first ones in token order)
+    above_before_ptr,  # [tiles, E] int32: keys above it in the tiles before
+    ties_before_ptr,  # [tiles, E] int32: its ties in the tiles before
+    mask_ptr,  # [T, E] contiguous bool, every element written
+    tokens_ptr,  # [E, M] contiguous int64
+    T,
+    E,
+    stride_t,
+    stride_e,
+    M,
+    BLOCK_T: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    t, e, valid, key = _tile_keys(scores_ptr, T, E, stride_t, stride_e, BLOCK_T, GROUP)
+    key = _signed(key)  # int32 below: counts and ranks are < 2^31 (T is an int32)
+    col_ok = e < E
+    threshold = _signed(tl.load(prefix_ptr + e, mask=col_ok, other=0))[None, :]
+    remaining = tl.load(remaining_ptr + e, mask=col_ok, other=0).to(tl.int32)[None, :]
+    before = tl.program_id(0).to(tl.int64) * E + e
+    ties_before = tl.load(ties_before_ptr + before, mask=col_ok, other=0)[None, :]
+    above_before = tl.load(above_before_ptr + before, mask=col_ok, other=0)[None, :]
+    tie = (valid & (key == threshold)).to(tl.int32)
+    tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie
+    keep = valid & ((key > threshold) | ((tie != 0) & (tie_rank < remaining)))
+    kept = keep.to(tl.int32)
+    pos = above_before + tl.minimum(ties_before, remaining) + tl.cumsum(kept, axis=0) - kept
+    tl.store(mask_ptr + t.to(tl.int64)[:, None] * E + e[None, :], keep, mask=valid)
+    out = tokens_ptr + e.to(tl.int64)[None, :] * M + pos
+    tl.store(out, t.to(tl.int64)[:, None] + tl.zeros(pos.shape, tl.int64), mask=keep)
 
 
 @torch.library.custom_op("moe_kernels_triton::batchwise_mask", mutates_args=())
@@ -87,22 +161,38 @@ def batchwise_mask_kernel(
 def batchwise_mask(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.batchwise_mask (validated there)."""
     T, E = scores.shape
-    mask = torch.zeros((T, E), dtype=torch.bool, device=scores.device)
-    tokens = torch.empty((E, m), dtype=torch.int64, device=scores.device)
-    if m > 0 and E > 0:
-        batchwise_mask_kernel[(E,)](
-            scores,
-            mask,
-            tokens,
-            T,
-            E,
-            scores.stride(0),
-            scores.stride(1),
-            m,
-            BLOCK_T=_BLOCK_T,
-            RADIX_BITS=4,
-            num_warps=_NUM_WARPS,
-        )
+    device = scores.device
+    if m == 0 or E == 0:
+        empty = torch.empty((E, m), dtype=torch.int64, device=device)
+        return torch.zeros((T, E), dtype=torch.bool, device=device), empty
+    mask = torch.empty((T, E), dtype=torch.bool, device=device)
+    tokens = torch.empty((E, m), dtype=torch.int64, device=device)
+    strides = (scores.stride(0), scores.stride(1))
+    tiles = triton.cdiv(T, _BLOCK_T)
+    grid = (tiles, triton.cdiv(E, _GROUP))
+    passes = 32 // _RADIX_BITS
+    prefix = torch.zeros(E, dtype=torch.int64, device=device)
+    remaining = torch.full((E,), m, dtype=torch.int64, device=device)
+    hist = torch.zeros((passes, E, 1 << _RADIX_BITS), dtype=torch.int32, device=device)
+    for p in range(passes):
+        shift = 32 - _RADIX_BITS * (p + 1)
+        digit_histogram_kernel[grid](
+            scores, prefix, hist[p], T, E, *strides,
+            SHIFT=shift, RADIX_BITS=_RADIX_BITS, BLOCK_T=_BLOCK_T, GROUP=_GROUP, num_warps=_NUM_WARPS,
+        )  # fmt: skip
+        select_digit_kernel[(E,)](hist[p], prefix, remaining, SHIFT=shift, RADIX_BITS=_RADIX_BITS)
+    above = torch.empty((tiles, E), dtype=torch.int32, device=device)
+    ties = torch.empty((tiles, E), dtype=torch.int32, device=device)
+    tile_counts_kernel[grid](
+        scores, prefix, above, ties, T, E, *strides, BLOCK_T=_BLOCK_T, GROUP=_GROUP, num_warps=_NUM_WARPS
+    )
+    # Exclusive sums down the tiles: the keys above / the ties in the tiles before each tile.
+    above_before = above.cumsum(0, dtype=torch.int32) - above
+    ties_before = ties.cumsum(0, dtype=torch.int32) - ties
+    write_mask_kernel[grid](
+        scores, prefix, remaining, above_before, ties_before, mask, tokens, T, E, *strides, m,
+        BLOCK_T=_BLOCK_T, GROUP=_GROUP, num_warps=_NUM_WARPS,
+    )  # fmt: skip
     return mask, tokens
 
 
@@ -114,21 +204,40 @@ def _(scores, m):
     return scores.new_empty((T, E), dtype=torch.bool), scores.new_empty((E, m), dtype=torch.int64)
 
 
-def _aot(dt):
-    signature = {
-        "scores_ptr": f"*{dt}",
-        "mask_ptr": "*i1",
-        "tokens_ptr": "*i64",
-        "T": "i32",
-        "E": "i32",
-        "stride_t": "i64",
-        "stride_e": "i64",
-        "M": "i32",
-        "BLOCK_T": "constexpr",
-        "RADIX_BITS": "constexpr",
-    }
-    constexprs = {"BLOCK_T": _BLOCK_T, "RADIX_BITS": 4}
-    return batchwise_mask_kernel, signature, constexprs, {"num_warps": _NUM_WARPS}
+def _aot(kernel, dt="fp32"):
+    tile = {"BLOCK_T": _BLOCK_T, "GROUP": _GROUP}
+    strides = {"T": "i32", "E": "i32", "stride_t": "i64", "stride_e": "i64"}
+    if kernel is digit_histogram_kernel:
+        signature = {"scores_ptr": f"*{dt}", "prefix_ptr": "*i64", "hist_ptr": "*i32", **strides}
+        constexprs = {"SHIFT": 16, "RADIX_BITS": _RADIX_BITS, **tile}
+    elif kernel is select_digit_kernel:
+        signature = {"hist_ptr": "*i32", "prefix_ptr": "*i64", "remaining_ptr": "*i64"}
+        constexprs = {"SHIFT": 16, "RADIX_BITS": _RADIX_BITS}
+    elif kernel is tile_counts_kernel:
+        signature = {"scores_ptr": f"*{dt}", "prefix_ptr": "*i64", "above_ptr": "*i32", "ties_ptr": "*i32", **strides}
+        constexprs = tile
+    else:
+        signature = {
+            "scores_ptr": f"*{dt}",
+            "prefix_ptr": "*i64",
+            "remaining_ptr": "*i64",
+            "above_before_ptr": "*i32",
+            "ties_before_ptr": "*i32",
+            "mask_ptr": "*i1",
+            "tokens_ptr": "*i64",
+            **strides,
+            "M": "i32",
+        }
+        constexprs = tile
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return kernel, signature, constexprs, {"num_warps": 4 if kernel is select_digit_kernel else _NUM_WARPS}
 
 
-AOT_KERNELS = [_aot("fp32"), _aot("fp16"), _aot("bf16")]
+AOT_KERNELS = [
+    _aot(digit_histogram_kernel, "bf16"),
+    _aot(digit_histogram_kernel, "fp32"),
+    _aot(select_digit_kernel),
+    _aot(tile_counts_kernel, "fp16"),
+    _aot(write_mask_kernel, "bf16"),
+    _aot(write_mask_kernel, "fp32"),
+]
