@@ -151,6 +151,21 @@ def test_larger_batch_many_experts(kernel_backend):
     assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
 
 
+@pytest.mark.parametrize("m", [1, 250, 600])
+def test_tiles_and_expert_groups(kernel_backend, m):
+    """Several token tiles (256 on Triton: the last one ragged) and expert groups (16 on Triton: the
+    last one ragged), ties that span tiles (scores of 8 values) and NaN, on a strided input."""
+    T, E = 600, 37
+    g = torch.Generator().manual_seed(m)
+    base = torch.randint(0, 8, (E, T), generator=g).float().t()  # [T, E] with strides (1, T)
+    base[torch.rand(T, E, generator=g) < 0.01] = float("nan")
+    for scores in (base, base.bfloat16()):
+        mask, tokens = run(kernel_backend, scores, m)
+        ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+        check_layout(mask, tokens, m)
+        assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
+
+
 def sampled_threshold_scores(T, E, seed):
     """Columns for the C++ kernel's sampled-threshold select (csrc/cpu/select/column_filter.h, T >= 4096,
     m << T), including columns it must hand back to the whole-column select: one whose sampled rows
