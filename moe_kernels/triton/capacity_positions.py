@@ -17,32 +17,39 @@ _WARPS = 8
 MAX_BINS = 4096  # histogram bins per program: E + 1 (a spare bin) rounded up to a power of two
 
 
+# The fill orders the kernels compute or read (ORDER): capacity_positions' default (every token's
+# first choice, then every second choice, ...), one given as an array (by priority), or the flat
+# order t * k + s (permute's: rows grouped by expert, stable by token).
+S_MAJOR, GIVEN, FLAT = 0, 1, 2
+
+
 @triton.jit
-def _fill_slot(i, order_ptr, T, K, HAS_ORDER: tl.constexpr):
-    """The flat index t * K + s of the i-th choice to fill: the given order, or the default
-    s-major one (every token's first choice, then every second choice, ...)."""
-    if HAS_ORDER:
+def _fill_slot(i, order_ptr, T, K, ORDER: tl.constexpr):
+    """The flat index t * K + s of the i-th choice to fill in the ORDER fill order."""
+    if ORDER == 1:
         return tl.load(order_ptr + i)
+    if ORDER == 2:
+        return i
     return (i % T) * K + i // T
 
 
 @triton.jit
 def block_counts_kernel(
     experts_ptr,  # [T, K] int64 contiguous, -1 = empty
-    order_ptr,  # [N] int64 fill order (read if HAS_ORDER)
+    order_ptr,  # [N] int64 fill order (read if ORDER is GIVEN)
     counts_ptr,  # [num_blocks, E] int32: each block's choices per expert
     N,  # T * K
     T,
     K,
     E,
-    HAS_ORDER: tl.constexpr,
+    ORDER: tl.constexpr,  # S_MAJOR, GIVEN or FLAT
     BLOCK_N: tl.constexpr,
     BINS: tl.constexpr,  # power of two > E
 ):
     b = tl.program_id(0)
     i = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = i < N
-    ex = tl.load(experts_ptr + _fill_slot(tl.where(ok, i, 0), order_ptr, T, K, HAS_ORDER), mask=ok, other=-1)
+    ex = tl.load(experts_ptr + _fill_slot(tl.where(ok, i, 0), order_ptr, T, K, ORDER), mask=ok, other=-1)
     # Empty choices, ids outside [0, E) (dropped on the device, docs/reliability.md) and padding
     # go to the spare bin E.
     bins = tl.where(ok & (ex >= 0) & (ex < E), ex, E).to(tl.int32)
@@ -53,7 +60,7 @@ def block_counts_kernel(
 @triton.jit
 def block_positions_kernel(
     experts_ptr,  # [T, K] int64 contiguous, -1 = empty
-    order_ptr,  # [N] int64 fill order (read if HAS_ORDER)
+    order_ptr,  # [N] int64 fill order (read if ORDER is GIVEN)
     before_ptr,  # [num_blocks, E] int32: each expert's choices in the blocks before
     positions_ptr,  # [T, K] int64, every entry written
     N,
@@ -61,7 +68,7 @@ def block_positions_kernel(
     K,
     E,
     C,  # capacity
-    HAS_ORDER: tl.constexpr,
+    ORDER: tl.constexpr,  # S_MAJOR, GIVEN or FLAT
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -69,7 +76,7 @@ def block_positions_kernel(
     first = b.to(tl.int64) * BLOCK_N
     local = tl.arange(0, BLOCK_N)
     ok = first + local < N
-    slot = _fill_slot(tl.where(ok, first + local, 0), order_ptr, T, K, HAS_ORDER)
+    slot = _fill_slot(tl.where(ok, first + local, 0), order_ptr, T, K, ORDER)
     ex = tl.load(experts_ptr + slot, mask=ok, other=-1)
     real = ok & (ex >= 0) & (ex < E)
     # Choices of the same expert earlier in this block, compared as int32 (E < 2^31; an id outside
@@ -79,7 +86,7 @@ def block_positions_kernel(
     for c in tl.static_range(0, BLOCK_N, CHUNK):
         other = c + tl.arange(0, CHUNK)
         other_ok = first + other < N
-        other_slot = _fill_slot(tl.where(other_ok, first + other, 0), order_ptr, T, K, HAS_ORDER)
+        other_slot = _fill_slot(tl.where(other_ok, first + other, 0), order_ptr, T, K, ORDER)
         other_ex = tl.load(experts_ptr + other_slot, mask=other_ok, other=-1)
         other_ex = tl.where((other_ex >= 0) & (other_ex < E), other_ex, -1).to(tl.int32)
         same = (mine[:, None] == other_ex[None, :]) & (other[None, :] < local[:, None])
@@ -134,24 +141,34 @@ def capacity_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.capacity_positions (validated there)."""
     experts = experts.contiguous()
-    T, k = experts.shape
-    N = experts.numel()
-    if N == 0 or num_experts == 0:
+    if experts.numel() == 0 or num_experts == 0:
         return torch.full_like(experts, -1), torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
     order = None if priority is None else fill_order(experts, priority)
+    return ranks(experts, num_experts, capacity, S_MAJOR if order is None else GIVEN, order)
+
+
+def ranks(
+    experts: torch.Tensor, num_experts: int, capacity: int, mode: int, order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [T, k]: each choice's rank among its expert's choices in the fill order `mode`
+    (S_MAJOR, GIVEN: `order`, FLAT), -1 from `capacity` on and for empty or out-of-range ids;
+    counts [E] int64). experts: [T, k] int64 contiguous, at least one choice and one expert."""
+    T, k = experts.shape
+    N = experts.numel()
     bins = triton.next_power_of_2(num_experts + 1)
     if bins > MAX_BINS:
         positions = torch.full_like(experts, -1)
         counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
-        order = fill_order(experts, None) if order is None else order
+        if mode != GIVEN:
+            order = fill_order(experts, None) if mode == S_MAJOR else torch.arange(N, device=experts.device)
         capacity_positions_kernel[(num_experts,)](experts, order, positions, counts, N, capacity, BLOCK=_BLOCK)
         return positions, counts
     blocks = triton.cdiv(N, _BLOCK_N)
     per_block = torch.empty((blocks, num_experts), dtype=torch.int32, device=experts.device)
-    order_arg = experts if order is None else order  # unread without an order
+    order_arg = experts if order is None else order  # unread unless GIVEN
     block_counts_kernel[(blocks,)](
         experts, order_arg, per_block, N, T, k, num_experts,
-        HAS_ORDER=order is not None, BLOCK_N=_BLOCK_N, BINS=bins, num_warps=_WARPS,
+        ORDER=mode, BLOCK_N=_BLOCK_N, BINS=bins, num_warps=_WARPS,
     )  # fmt: skip
     # Each expert's choices in the blocks before each block: an exclusive sum down the blocks.
     running = per_block.cumsum(0, dtype=torch.int32)
@@ -159,7 +176,7 @@ def capacity_positions(
     positions = torch.empty_like(experts)
     block_positions_kernel[(blocks,)](
         experts, order_arg, before, positions, N, T, k, num_experts, capacity,
-        HAS_ORDER=order is not None, BLOCK_N=_BLOCK_N, CHUNK=_CHUNK, num_warps=_WARPS,
+        ORDER=mode, BLOCK_N=_BLOCK_N, CHUNK=_CHUNK, num_warps=_WARPS,
     )  # fmt: skip
     return positions, running[-1].to(torch.int64)
 
@@ -169,14 +186,14 @@ def _(experts, num_experts, capacity, priority=None):
     return experts.new_empty(experts.shape), experts.new_empty(num_experts)
 
 
-def _aot_blocks(kernel, has_order: bool, num_experts: int):
+def _aot_blocks(kernel, order: int, num_experts: int):
     signature = {"experts_ptr": "*i64", "order_ptr": "*i64"}
     if kernel is block_counts_kernel:
         signature["counts_ptr"] = "*i32"
-        constexprs = {"HAS_ORDER": has_order, "BLOCK_N": _BLOCK_N, "BINS": triton.next_power_of_2(num_experts + 1)}
+        constexprs = {"ORDER": order, "BLOCK_N": _BLOCK_N, "BINS": triton.next_power_of_2(num_experts + 1)}
     else:
         signature.update(before_ptr="*i32", positions_ptr="*i64")
-        constexprs = {"HAS_ORDER": has_order, "BLOCK_N": _BLOCK_N, "CHUNK": _CHUNK}
+        constexprs = {"ORDER": order, "BLOCK_N": _BLOCK_N, "CHUNK": _CHUNK}
     signature.update(N="i32", T="i32", K="i32", E="i32")
     if kernel is block_positions_kernel:
         signature["C"] = "i32"
@@ -199,8 +216,9 @@ AOT_KERNELS = [
         {"BLOCK": _BLOCK},
         {"num_warps": 4},
     ),
-    _aot_blocks(block_counts_kernel, False, 256),
-    _aot_blocks(block_counts_kernel, True, MAX_BINS - 1),
-    _aot_blocks(block_positions_kernel, False, 256),
-    _aot_blocks(block_positions_kernel, True, 8),
+    _aot_blocks(block_counts_kernel, S_MAJOR, 256),
+    _aot_blocks(block_counts_kernel, GIVEN, MAX_BINS - 1),
+    _aot_blocks(block_positions_kernel, S_MAJOR, 256),
+    _aot_blocks(block_positions_kernel, GIVEN, 8),
+    _aot_blocks(block_positions_kernel, FLAT, 64),
 ]

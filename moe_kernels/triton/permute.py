@@ -1,6 +1,6 @@
 """Dropless permute / unpermute on the Triton kernels of capacity_positions and dispatch:
-- permute: the capacity scan in flat order t * k + s with no capacity gives each choice its rank
-  within its expert; row = offsets[expert] + rank; the rows are gathered by dispatch_kernel.
+- permute: capacity_positions' ranks in the flat order t * k + s with no capacity give each choice
+  its rank within its expert; row = offsets[expert] + rank; the rows are gathered by dispatch_kernel.
 - unpermute: the inverse of `order` gives each choice its row; combine_kernel sums them per token.
 No atomics: every output row / token has one writer."""
 
@@ -40,12 +40,11 @@ def permute(
     n = T * k
     experts = experts.contiguous()
     flat = torch.arange(n, device=x.device)
-    rank = torch.full_like(experts, -1)
-    counts = torch.empty(num_experts, dtype=torch.int64, device=x.device)
-    if num_experts:
-        _positions.capacity_positions_kernel[(num_experts,)](
-            experts, flat, rank, counts, n, n + 1, BLOCK=_positions._BLOCK
-        )
+    if n and num_experts:
+        rank, counts = _positions.ranks(experts, num_experts, n + 1, _positions.FLAT)
+    else:
+        rank = torch.full_like(experts, -1)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     e = experts.reshape(-1)
     # An id outside [0, E) matches no expert's scan (rank -1): dropped like an empty choice,
