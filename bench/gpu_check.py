@@ -361,9 +361,9 @@ def start_compile_warmup(run: Run, *, full: bool) -> subprocess.Popen:
     log = (run.out / "compile-warmup.log").open("w")
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=bench_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    # A few compile workers: the test groups need the cores more.
+    env = dict(bench_env(), TORCHINDUCTOR_COMPILE_THREADS="4")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     return proc
 
