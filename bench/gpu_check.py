@@ -253,15 +253,18 @@ def unit_of(classname: str, name: str) -> str | None:
 
 
 def record_seconds(outs: list[Path]) -> dict[str, float]:
-    """Each unit's seconds in the junit files of these gpu-check outputs, merged into SECONDS
-    (a unit they hold replaces its old figure; one they lack keeps it)."""
+    """Each unit's seconds in the junit files of these gpu-check outputs (the sum over its cases;
+    a later output's figure replaces an earlier one's), merged into SECONDS (a unit they hold
+    replaces its old figure; one they lack keeps it)."""
     found: dict[str, float] = {}
-    for out in outs:
+    for out in outs:  # a unit in a later output replaces its figure from an earlier one
+        run: dict[str, float] = {}
         for xml in sorted(out.glob("tests-*.xml")):
             for case in ET.parse(xml).getroot().iter("testcase"):
                 unit = unit_of(case.get("classname", ""), case.get("name", ""))
                 if unit is not None:
-                    found[unit] = found.get(unit, 0.0) + float(case.get("time") or 0)
+                    run[unit] = run.get(unit, 0.0) + float(case.get("time") or 0)
+        found.update(run)
     table = {**measured_seconds(), **{u: round(s, 2) for u, s in found.items()}}
     SECONDS.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
     return found

@@ -17,7 +17,7 @@ import torch
 
 import moe_kernels
 from moe_kernels.bench.output import bandwidth_section, compile_notes, report
-from moe_kernels.bench.timing import compile_sequence, copy_pass, measure
+from moe_kernels.bench.timing import compile_sequence, copy_pass, generator, measure
 from moe_kernels.gates.noisy_topk import noisy_topk_routing
 from moe_kernels.ops import load_probabilities, noisy_topk_gate
 
@@ -74,7 +74,7 @@ def run(args):
     print(f"backend: {moe_kernels.backends()['load_probabilities']}")
     rows, notes, bandwidth = [], [], []
     for T, E, k in grid:
-        g = torch.Generator(device=torch.get_default_device()).manual_seed(0)  # the GPU under gpu-report
+        g = generator(0)
         clean = torch.randn(T, E, generator=g)
         raw = torch.randn(T, E, generator=g)
         noise = torch.randn(T, E, generator=g)

@@ -51,7 +51,14 @@ if backends.triton_importable():
         # the forward kept, 0 for the others (kept_slots: an out-of-range id is dropped, never
         # indexed); one pass over d (row_dots).
         slot = _triton_module.kept_slots(experts, positions, E, C)
-        dots = _triton_module.row_dots(grad_y, buffer.reshape(E * C, buffer.shape[2]), slot, experts.shape[1])
+        rows = buffer.reshape(E * C, buffer.shape[2])
+        if torch.is_grad_enabled() and C:  # create_graph: torch ops, differentiable again
+            acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
+            chosen = rows[slot.clamp(min=0)].view(*experts.shape, -1)
+            dots = (chosen.to(acc) * grad_y.to(acc).unsqueeze(1)).sum(-1)
+            kept = slot.view(experts.shape) >= 0
+            return grad_buffer, None, None, torch.where(kept, dots, 0.0).to(weights.dtype)
+        dots = _triton_module.row_dots(grad_y, rows, slot, experts.shape[1])
         return grad_buffer, None, None, dots.to(weights.dtype)
 
     _triton.register_autograd(_triton_backward, setup_context=_setup_context)

@@ -148,9 +148,12 @@ if backends.triton_importable():
 
     def _backward_triton(ctx, grad_weights, grad_experts):
         """The Triton kernel's backward: one fused pass (float64 rows, which the forward sent to
-        the reference, take the formulas in torch)."""
+        the reference, and a backward that builds a graph for a second one take the formulas in
+        torch)."""
         logits, experts = ctx.saved_tensors
-        if logits.dtype == torch.float64 or not _triton_backward_module.supports(logits.shape[1]):
+        # create_graph (grad mode on in here): the torch formula, which is differentiable again.
+        fused = logits.dtype != torch.float64 and _triton_backward_module.supports(logits.shape[1])
+        if not fused or torch.is_grad_enabled():
             return _backward_torch(ctx, grad_weights, grad_experts)
         grad = None
         if grad_weights is not None and ctx.needs_input_grad[0]:

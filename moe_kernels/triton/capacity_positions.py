@@ -14,7 +14,10 @@ from moe_kernels.triton.common import on_tensor_device
 _BLOCK_N = 256  # choices per program of the O(T k) kernels
 _CHUNK = 32  # the block's earlier choices compared at a time ([BLOCK_N, CHUNK] int32 per step)
 _WARPS = 8
-MAX_BINS = 4096  # histogram bins per program: E + 1 (a spare bin) rounded up to a power of two
+# Histogram bins per program: E + 1 rounded up to a power of two. The per-block counts are
+# [T k / 256, E] int32, so at E in the thousands they outweigh the ids (at E = 4095 about 16 bytes
+# per choice) but are still read once, where the per-expert scan reads the ids E times.
+MAX_BINS = 4096
 
 
 # The fill orders the kernels compute or read (ORDER): capacity_positions' default (every token's

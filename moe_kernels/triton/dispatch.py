@@ -121,7 +121,8 @@ def row_dots_kernel(
                 mask=kept[:, None] & col_ok[None, :],
                 other=0.0,
             ).to(ACC)
-            acc += tl.where(kcols[None, :] == s, tl.sum(g * v, axis=1)[:, None], 0.0)
+            # Gated on kept, not left to v = 0: inf * 0 in a dropped choice's dot would be NaN.
+            acc += tl.where((kcols[None, :] == s) & kept[:, None], tl.sum(g * v, axis=1)[:, None], 0.0)
     out = out_ptr + rows.to(tl.int64)[:, None] * K + kcols[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & (kcols[None, :] < K))
 

@@ -33,10 +33,10 @@ def supports(num_experts: int, num_groups: int) -> bool:
 @triton.jit
 def softmax_parts(x, valid, cols):
     """The softmax of each row of a [BLOCK_T, BLOCK_E] float32 tile (`valid`: the real entries;
-    padding reads 0): (scores, the row max, the row sum of exp(x - max), whether the row is all
-    -inf). The max is taken by rank (NaN first, so a NaN row is all NaN as torch's); an all -inf
-    row gets scores 0, as the reference's router_scores. A single score is
-    softmax_score(x_e, max, sum, masked), bit for bit the tile's."""
+    padding loaded as -inf; padded rows get NaN scores, never stored): (scores, the row max, the
+    row sum of exp(x - max), whether the row is all -inf). The max is taken by rank (NaN first,
+    so a NaN row is all NaN as torch's); an all -inf row gets scores 0, as the reference's
+    router_scores. A single score is softmax_score(x_e, max, sum, masked), bit for bit the tile's."""
     _b, _i, vmax, _p = take_best_ranked(tl.where(valid, rank_pair(x, cols), NO_PAIR), cols)
     masked_row = vmax == float("-inf")
     terms = tl.where(valid & ~masked_row[:, None], tl.exp(x - vmax[:, None]), 0.0)

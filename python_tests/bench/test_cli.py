@@ -138,6 +138,5 @@ def test_cuda_benchmarks_draw_on_the_device():
         if "cuda" not in bench.devices:
             continue
         tree = ast.parse((PACKAGE / "bench" / f"{bench.name}.py").read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.Generator":
-                assert node.args or node.keywords, f"{bench.name}: {ast.unparse(node)} draws on the CPU"
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.Generator"]
+        assert not calls, f"{bench.name}: {[ast.unparse(c) for c in calls]}: use timing.generator(seed)"

@@ -9,7 +9,7 @@ from tolerances import assert_close
 
 import moe_kernels
 from moe_kernels import backends, reference
-from moe_kernels.ops import capacity_for, capacity_positions, combine, dispatch, permute, unpermute
+from moe_kernels.ops import capacity_for, capacity_positions, combine, dispatch, permute, topk_router, unpermute
 
 CAPACITY_OPS = ("capacity_positions", "dispatch", "combine")
 DROPLESS_OPS = ("permute", "unpermute")
@@ -333,6 +333,64 @@ def test_permute_equals_dropless_dispatch_combine(backend):
 
 
 # ---------------------------------------------------------------------------- torch.library / compile
+
+
+def test_weight_gradient_of_dropped_choices_is_zero_with_nonfinite_grad(backend):
+    """combine's and unpermute's gradient to the weights: 0 for a dropped or empty choice, also
+    where the output's gradient holds inf or NaN (inf * 0 in a dot over a zero row would be NaN);
+    a kept choice's dot is the reference's."""
+    E, C, d = 2, 1, 4
+    buffer = torch.randn(E, C, d)
+    experts = torch.tensor([[0, 1], [1, -1]])
+    positions = torch.tensor([[0, -1], [-1, -1]])  # (0, 0) kept, (0, 1) dropped, row 1 empty / dropped
+    weights = torch.rand(2, 2)
+    grad_y = torch.randn(2, d)
+    grad_y[0, 0], grad_y[1, 1] = float("inf"), float("nan")
+
+    def weight_grad(fn, *args):
+        w = weights.clone().requires_grad_()
+        (g,) = torch.autograd.grad(fn(*args, w), w, grad_y)
+        return g
+
+    with moe_kernels.use_backend(backend):
+        got = weight_grad(lambda b, e, p, w: combine(b, e, p, w), buffer, experts, positions)
+    want = weight_grad(reference.combine, buffer, experts, positions)
+    assert torch.equal(got[:, 1], torch.zeros(2)) and got[1, 0] == 0 and torch.isinf(got[0, 0])
+    assert torch.equal(got, want)
+
+    x = torch.randn(2, d)
+    with moe_kernels.use_backend(backend):
+        y_sorted, _, order = permute(x, experts, E)
+        got = weight_grad(lambda y, o, w: unpermute(y, o, w, 2), y_sorted, order)
+    y_ref, _, order_ref = reference.permute(x, experts, E)
+    want = weight_grad(lambda y, o, w: reference.unpermute(y, o, w, 2), y_ref, order_ref)
+    assert got[1, 1] == 0 and torch.equal(torch.isnan(got), torch.isnan(want))
+    assert_close(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+def test_triton_double_backward(backend):
+    """A backward that builds a graph (create_graph) through the Triton router and combine: their
+    fused weight-gradient kernels have no autograd, so those calls take the torch formulas."""
+    if backend != "triton":
+        pytest.skip("the Triton backwards")
+    logits = torch.randn(6, 8, dtype=torch.float64).float().requires_grad_()
+    grads = []
+    for b in (backend, "torch"):
+        with moe_kernels.use_backend(b):
+            w, _ = topk_router(logits, 2, renormalize=True)
+            (g,) = torch.autograd.grad((w * torch.arange(2.0)).sum(), logits, create_graph=True)
+            grads.append(torch.autograd.grad((g * g).sum(), logits)[0])
+    assert_close(grads[0], grads[1])
+    buffer = torch.randn(2, 3, 4, requires_grad=True)
+    experts, positions = torch.tensor([[0, 1], [1, 0]]), torch.tensor([[0, 2], [1, -1]])
+    weights = torch.rand(2, 2, requires_grad=True)
+    seconds = []
+    for b in (backend, "torch"):
+        with moe_kernels.use_backend(b):
+            y = combine(buffer, experts, positions, weights)
+            (gw,) = torch.autograd.grad(y.square().sum(), weights, create_graph=True)
+            seconds.append(torch.autograd.grad(gw.sum(), buffer)[0])
+    assert_close(seconds[0], seconds[1])
 
 
 def test_opcheck(kernel_backend):

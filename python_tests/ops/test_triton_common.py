@@ -22,7 +22,8 @@ if backends.triton_importable():
 
 def _bf16_edge_values() -> torch.Tensor:
     """float32 values over bfloat16's whole range, its rounding ties and its limits."""
-    wide = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-45, 45, 4096, base=2)
+    # From float32's subnormals (2^-149) to past bfloat16's largest finite (2^127 and above).
+    wide = torch.randn(8192, generator=torch.Generator().manual_seed(0)) * torch.logspace(-150, 127, 8192, base=2)
     bits = [
         0x7F7FFFFF,  # float32 max: rounds past bfloat16's max to inf
         0x7F7F7FFF,  # just below the tie that overflows
