@@ -19,6 +19,8 @@ from moe_kernels.triton.common import on_tensor_device, rank_pair, to_float32
 # A tile is 256 tokens x 16 experts (a 32-byte sector of a bf16 row); its histogram has 16 x 16
 # bins (4-bit digits, 8 passes): Triton's histogram keeps bins / 32 counters in every thread, and
 # 8-bit digits (16 x 256 bins) spilled.
+# tl.histogram's GPU lowering needs its input to cover the program's threads at least once
+# (_BLOCK_T * _GROUP >= 32 * _NUM_WARPS) and every value inside [0, bins): keep both.
 _BLOCK_T = 256
 _GROUP = 16
 _RADIX_BITS = 4

@@ -11,6 +11,8 @@ import triton.language as tl
 
 from moe_kernels.triton.common import on_tensor_device
 
+# tl.histogram's GPU lowering needs its input to cover the program's threads at least once
+# (BLOCK_N >= 32 * _WARPS) and every value inside [0, bins): keep both when changing these.
 _BLOCK_N = 256  # choices per program of the O(T k) kernels
 _CHUNK = 32  # the block's earlier choices compared at a time ([BLOCK_N, CHUNK] int32 per step)
 _WARPS = 8
