@@ -152,6 +152,7 @@ def capacity_positions(
     return ranks(experts, num_experts, capacity, S_MAJOR if order is None else GIVEN, order)
 
 
+@on_tensor_device
 def ranks(
     experts: torch.Tensor, num_experts: int, capacity: int, mode: int, order: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
