@@ -31,6 +31,18 @@ def supports(num_experts: int, num_groups: int) -> bool:
 
 
 @triton.jit
+def logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's [BLOCK_T, BLOCK_E] tile of the [T, E] logits (any strides), as float32 with
+    padding -inf: (rows, cols, rows in range, entries in range, x)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    valid = row_ok[:, None] & (cols[None, :] < E)
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e
+    return rows, cols, row_ok, valid, to_float32(tl.load(ptrs, mask=valid, other=float("-inf")))
+
+
+@triton.jit
 def softmax_parts(x, valid, cols):
     """The softmax of each row of a [BLOCK_T, BLOCK_E] float32 tile (`valid`: the real entries;
     padding loaded as -inf; padded rows get NaN scores, never stored): (scores, the row max, the
@@ -73,17 +85,7 @@ def topk_router_kernel(
     BLOCK_G: tl.constexpr,  # next power of two >= NUM_GROUPS
     BLOCK_K: tl.constexpr,  # next power of two >= K
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < T
-    valid = row_ok[:, None] & (cols[None, :] < E)
-    x = to_float32(
-        tl.load(
-            logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e,
-            mask=valid,
-            other=float("-inf"),
-        )
-    )
+    rows, cols, row_ok, valid, x = logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
 
     # Phase 1: scores.
     if SIGMOID:

@@ -13,7 +13,26 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.common import from_float32, on_tensor_device, row_tile_config, sigmoid_accurate, to_float32
-from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, softmax_parts, softmax_score
+from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, logits_tile, softmax_parts, softmax_score
+
+
+@triton.jit
+def _choice(
+    s, experts_ptr, choices, grad_weights_ptr, grads, stride_gk, logit_rows, stride_e, row_ok, E,
+    vmax, denom, masked_row, SIGMOID: tl.constexpr,
+):  # fmt: skip
+    """Choice s of each row: (its expert, its weight's gradient, whether the expert is in [0, E),
+    its score). The score is recomputed from its logit, read again (from cache), not gathered
+    across the row's threads; a choice outside [0, E) (a raw call's) reads -inf: score 0."""
+    idx = tl.load(experts_ptr + choices + s, mask=row_ok, other=-1)
+    g = to_float32(tl.load(grad_weights_ptr + grads + s * stride_gk, mask=row_ok, other=0.0))
+    inside = row_ok & (idx >= 0) & (idx < E)
+    logit = to_float32(tl.load(logit_rows + idx * stride_e, mask=inside, other=float("-inf")))
+    if SIGMOID:
+        p = sigmoid_accurate(logit)
+    else:
+        p = tl.where(inside, softmax_score(logit, vmax, denom, masked_row), 0.0)
+    return idx, g, inside, p
 
 
 @triton.jit
@@ -35,40 +54,27 @@ def topk_router_backward_kernel(
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_E: tl.constexpr,  # next power of two >= E
 ):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < T
-    valid = row_ok[:, None] & (cols[None, :] < E)
-    x = to_float32(
-        tl.load(
-            logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e,
-            mask=valid,
-            other=float("-inf"),
-        )
-    )
+    rows, cols, row_ok, valid, x = logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
     if SIGMOID:
         scores = tl.where(valid, sigmoid_accurate(x), 0.0)
+        vmax = tl.zeros((BLOCK_T,), tl.float32)  # the softmax's row values: unused by sigmoid
+        denom = vmax
+        masked_row = row_ok
     else:
         scores, vmax, denom, masked_row = softmax_parts(x, valid, cols)
     choices = rows.to(tl.int64) * K
     grads = rows.to(tl.int64) * stride_gt
     logit_rows = logits_ptr + rows.to(tl.int64) * stride_t
 
-    # The chosen scores' sum (the renormalisation's total) and sum_s g_s p_s, in choice order. A
-    # chosen score is recomputed from its logit, read again (from cache), not gathered across the
-    # row's threads; a choice outside [0, E) (a raw call's) reads -inf: score 0, spread nowhere.
+    # The chosen scores' sum (the renormalisation's total) and sum_s g_s p_s, in choice order.
     total = tl.zeros((BLOCK_T,), tl.float32)
     weighted = tl.zeros((BLOCK_T,), tl.float32)
     if RENORMALIZE:
         for s in range(0, K):
-            idx = tl.load(experts_ptr + choices + s, mask=row_ok, other=-1)
-            g = to_float32(tl.load(grad_weights_ptr + grads + s * stride_gk, mask=row_ok, other=0.0))
-            inside = row_ok & (idx >= 0) & (idx < E)
-            logit = to_float32(tl.load(logit_rows + idx * stride_e, mask=inside, other=float("-inf")))
-            if SIGMOID:
-                p = sigmoid_accurate(logit)
-            else:
-                p = tl.where(inside, softmax_score(logit, vmax, denom, masked_row), 0.0)
+            idx, g, inside, p = _choice(
+                s, experts_ptr, choices, grad_weights_ptr, grads, stride_gk, logit_rows, stride_e, row_ok, E,
+                vmax, denom, masked_row, SIGMOID,
+            )  # fmt: skip
             total += p
             weighted += g * p
     zero = total == 0
@@ -79,18 +85,14 @@ def topk_router_backward_kernel(
     spread = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
     shift = tl.zeros((BLOCK_T,), tl.float32)
     for s in range(0, K):
-        idx = tl.load(experts_ptr + choices + s, mask=row_ok, other=-1)
-        g = to_float32(tl.load(grad_weights_ptr + grads + s * stride_gk, mask=row_ok, other=0.0))
+        idx, g, inside, p = _choice(
+            s, experts_ptr, choices, grad_weights_ptr, grads, stride_gk, logit_rows, stride_e, row_ok, E,
+            vmax, denom, masked_row, SIGMOID,
+        )  # fmt: skip
         if RENORMALIZE:
             g = tl.where(zero, 0.0, scaling / safe * (g - dot))
         else:
             g = scaling * g
-        inside = row_ok & (idx >= 0) & (idx < E)
-        logit = to_float32(tl.load(logit_rows + idx * stride_e, mask=inside, other=float("-inf")))
-        if SIGMOID:
-            p = sigmoid_accurate(logit)
-        else:
-            p = tl.where(inside, softmax_score(logit, vmax, denom, masked_row), 0.0)
         shift += g * p
         hit = inside[:, None] & (cols[None, :] == idx[:, None].to(tl.int32))
         spread += tl.where(hit, g[:, None], 0.0)
