@@ -5,8 +5,8 @@ writer (no atomics):
   it is combine's backward to the buffer.
 - combine: a program per (block of tokens, d tile) sums its k weighted rows in float32, s = 0, 1..
   With unit weights it is dispatch's backward.
-- row_dots: a program per block of tokens walks d once: the k dot products <grad_y[t], row> of
-  combine's (and unpermute's) backward to the weights.
+- row_dots: a program per block of tokens, its k choices one after the other, each walking d: the
+  dot products <grad_y[t], row> of combine's (and unpermute's) backward to the weights.
 """
 
 import torch
@@ -96,35 +96,32 @@ def row_dots_kernel(
     ACC: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # next power of two >= K
 ):
     """out[t, s] = <grad[t], src[row[t K + s]]>: the weights' gradient of combine and unpermute. A
-    program walks d once for its tokens: each grad tile is read once for all k choices (the k dots
-    are columns of one accumulator tile), each chosen row once."""
+    program takes a block of tokens and their k choices one after the other, each walking d: its
+    grad tile is re-read k times from cache (it is 8 rows), each chosen row read once."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < T
-    kcols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_K), dtype=ACC)
-    for start in range(0, d, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        col_ok = cols < d
-        g = tl.load(
-            grad_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :],
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        ).to(ACC)
-        for s in range(0, K):
-            r = tl.load(row_ptr + rows.to(tl.int64) * K + s, mask=row_ok, other=-1)
-            kept = (r >= 0) & (r < S)
+    for s in range(0, K):
+        r = tl.load(row_ptr + rows.to(tl.int64) * K + s, mask=row_ok, other=-1)
+        kept = (r >= 0) & (r < S)
+        acc = tl.zeros((BLOCK_ROWS,), dtype=ACC)
+        for start in range(0, d, BLOCK_D):
+            cols = start + tl.arange(0, BLOCK_D)
+            col_ok = cols < d
+            g = tl.load(
+                grad_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            ).to(ACC)
             v = tl.load(
                 src_ptr + tl.where(kept, r, 0)[:, None] * d + cols[None, :],
                 mask=kept[:, None] & col_ok[None, :],
                 other=0.0,
             ).to(ACC)
-            # Gated on kept, not left to v = 0: inf * 0 in a dropped choice's dot would be NaN.
-            acc += tl.where((kcols[None, :] == s) & kept[:, None], tl.sum(g * v, axis=1)[:, None], 0.0)
-    out = out_ptr + rows.to(tl.int64)[:, None] * K + kcols[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & (kcols[None, :] < K))
+            acc += tl.sum(g * v, axis=1)
+        # 0 for a choice not kept, not acc: inf or NaN in grad times its zero row would be NaN.
+        tl.store(out_ptr + rows.to(tl.int64) * K + s, tl.where(kept, acc, 0.0), mask=row_ok)
 
 
 def kept_slots(experts, positions, E, C):
@@ -223,7 +220,6 @@ def row_dots(grad: torch.Tensor, src: torch.Tensor, row: torch.Tensor, k: int) -
             ACC=acc_tl,
             BLOCK_ROWS=_BLOCK_ROWS,
             BLOCK_D=_BLOCK_D,
-            BLOCK_K=triton.next_power_of_2(k),
         )
     return out
 
@@ -317,7 +313,7 @@ def _aot_row_dots(dt):
         "K": "i32",
         "S": "i32",
     }
-    constexprs = {"ACC": tl.float32, "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D, "BLOCK_K": 8}
+    constexprs = {"ACC": tl.float32, "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return row_dots_kernel, signature, constexprs, {"num_warps": 4}
 
