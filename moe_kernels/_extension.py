@@ -78,13 +78,11 @@ def defines(op: str) -> bool:
 
 def has_kernel(op: str, dispatch_key: str) -> bool:
     """True when the extension registered a kernel for torch.ops.moe_kernels.<op> on the key."""
-    if not defines(op):
-        return False
     # The dispatcher's answer costs 3 us (it parses the name), more than the op at a few tokens,
     # and cannot change: the extension registers its kernels when it loads, before any call.
     known = _KERNELS.get((op, dispatch_key))
     if known is None:
-        known = _KERNELS[op, dispatch_key] = torch._C._dispatch_has_kernel_for_dispatch_key(
+        known = _KERNELS[op, dispatch_key] = defines(op) and torch._C._dispatch_has_kernel_for_dispatch_key(
             f"moe_kernels::{op}", dispatch_key
         )
     return known
