@@ -45,10 +45,11 @@ class RouterCode:
     forward: Callable  # our forward, bound to the router (or block) instance
     method: str = "forward"  # the method replaced (DBRX routes in its block)
     applicable: Callable = lambda module: None  # None, or why this instance cannot be patched
-    # Inference at fewer tokens than this calls transformers' own forward: its torch sequence is
+    # CPU inference at fewer tokens than this runs few_forward, the routing in two torch ops,
     # cheaper than our op's call there (bench/bench_decode.py; docs/routers.md, "At a few
-    # tokens"). 0: ours at every size (measured faster from T = 1, or not measured).
+    # tokens"). 0: the op at every size (measured faster from T = 1, or not measured).
     few_tokens: int = 0
+    few_forward: Callable | None = None
 
 
 # The transformers releases whose router classes were checked against _CODES (every router class
@@ -59,6 +60,16 @@ VERIFIED = "5.23 to 5.24"
 def token_rows(hidden_states, module):
     """[..., hidden] hidden states as [T, hidden] token rows (T: every token of the batch)."""
     return hidden_states.reshape(-1, module.hidden_dim)
+
+
+def tensor_of(module, name: str):
+    """module.<name> for a parameter or buffer, read where nn.Module keeps it: its __getattr__,
+    which such a read goes through, costs 0.6 us, a tenth of a router's call at one token. Anything
+    else (a parametrized weight, a plain attribute, None) through getattr."""
+    value = module._parameters.get(name)
+    if value is None:
+        value = module._buffers.get(name)
+    return getattr(module, name) if value is None else value
 
 
 def autocast_lowers(hidden_states) -> bool:
@@ -88,25 +99,58 @@ def autocast_on(device: str) -> bool:
 
 
 def _mixtral(self, hidden_states):
-    router_logits = F.linear(token_rows(hidden_states, self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self), tensor_of(self, "weight"))
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
     return router_logits, weights, experts
 
 
 def _qwen2_moe(self, hidden_states):
-    router_logits = F.linear(token_rows(hidden_states, self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self), tensor_of(self, "weight"))
     weights, experts = topk_router(router_logits, self.top_k, renormalize=bool(self.norm_topk_prob))
     return router_logits, weights.to(router_logits.dtype), experts
 
 
 def _qwen3_5_moe(self, hidden_states):
-    router_logits = F.linear(token_rows(hidden_states, self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self), tensor_of(self, "weight"))
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
     return router_logits, weights.to(router_logits.dtype), experts
 
 
+# At a few tokens (RouterCode.few_forward): each op's call costs more than its work there, so the
+# cheapest torch sequence of the same routing runs instead, two ops after the linear where
+# transformers' own takes four or five. Ties at the k-th place break as torch.topk breaks them.
+
+
+def _mixtral_few(self, hidden_states):
+    """The op's arithmetic (ranked by the logits; the softmax of the k chosen logits is the
+    renormalised softmax at the top k) in torch.topk and a float32 softmax."""
+    router_logits = F.linear(token_rows(hidden_states, self), tensor_of(self, "weight"))
+    top, experts = torch.topk(router_logits, self.top_k, dim=-1)
+    return router_logits, torch.softmax(top, dim=-1, dtype=torch.float32), experts
+
+
+def _qwen2_moe_few(self, hidden_states):
+    """As _mixtral_few with norm_topk_prob; without it, transformers' own sequence (the softmax
+    over all experts, then its top k), less the division it skips."""
+    router_logits = F.linear(token_rows(hidden_states, self), tensor_of(self, "weight"))
+    if self.norm_topk_prob:
+        top, experts = torch.topk(router_logits, self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+    else:
+        weights, experts = torch.topk(torch.softmax(router_logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+    return router_logits, weights.to(router_logits.dtype), experts
+
+
+def _gpt_oss_few(self, hidden_states):
+    """transformers' own GPT-OSS routing, already two ops after the linear (the same ops: the same
+    bits), with its parameters read as tensor_of reads them."""
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight"), tensor_of(self, "bias"))
+    top, experts = torch.topk(router_logits, self.top_k, dim=-1)
+    return router_logits, F.softmax(top, dim=1, dtype=top.dtype), experts
+
+
 def _granitemoe(self, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight).float()
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight")).float()
     # softmax over the top-k logits == the renormalised full softmax at the top k
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
     return router_logits, weights.type_as(hidden_states), experts
@@ -123,19 +167,19 @@ def _gemma4(self, hidden_states):
 
 
 def _jamba(self, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight"))
     weights, experts = topk_router(router_logits, self.top_k)
     return router_logits, weights.to(hidden_states.dtype), experts
 
 
 def _gpt_oss(self, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight"), tensor_of(self, "bias"))
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
     return router_logits, weights.to(router_logits.dtype), experts
 
 
 def _deepseek_v2(self, hidden_states):
-    router_logits = F.linear(token_rows(hidden_states, self).type(torch.float32), self.weight.type(torch.float32))
+    router_logits = F.linear(token_rows(hidden_states, self).type(torch.float32), tensor_of(self, "weight").type(torch.float32))
     groups = {}
     if self.topk_method == "group_limited_greedy":
         groups = dict(num_groups=self.num_group, topk_groups=self.topk_group, group_scoring="max")
@@ -156,7 +200,7 @@ def _ernie4_5_moe(self, hidden_states):
     off = autocast_on(device)
     # float32, as transformers (its maybe_autocast: no context on meta, or with autocast off)
     with torch.autocast(device_type=device, enabled=False) if off else contextlib.nullcontext():
-        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        router_logits = F.linear(hidden_states.float(), tensor_of(self, "weight").float())
         bias = self.moe_statics.e_score_correction_bias.reshape(-1)
         weights, experts = topk_router(router_logits, self.top_k, bias=bias, renormalize=True)
     return router_logits, weights.to(hidden_states.dtype), experts
@@ -181,14 +225,14 @@ def _dbrx_applicable(module):
 
 
 def _aria(self, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight"))
     # softmax over the top-k logits == the renormalised full softmax at the top k
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
     return router_logits, weights.to(router_logits.dtype), experts
 
 
 def _cohere2_moe(self, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight"))
     # Cohere ranks the logits for both scorings; softmax is taken over the top k only (renormalised).
     renormalize = self.expert_selection_fn == "softmax" or bool(self.norm_topk_prob)
     weights, experts = topk_router(router_logits, self.top_k, scoring=self.expert_selection_fn, renormalize=renormalize)
@@ -212,7 +256,7 @@ def _hunyuan_v1_moe(self, hidden_states):
 
 def _mistral4(self, hidden_states):
     # transformers takes this softmax in the logits' dtype; the op's is float32 (same in float32)
-    router_logits = F.linear(hidden_states.view(-1, self.hidden_dim), self.weight)
+    router_logits = F.linear(hidden_states.view(-1, self.hidden_dim), tensor_of(self, "weight"))
     weights, experts = topk_router(
         router_logits,
         self.top_k,
@@ -227,7 +271,7 @@ def _mistral4(self, hidden_states):
 def _mistral_large4(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
-    router_logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
+    router_logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(), tensor_of(self, "weight").float())
     weights, experts = topk_router(
         router_logits,
         self.top_k,
@@ -255,7 +299,7 @@ def _groups_applicable(module):
 def _openai_privacy_filter(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
-    router_logits = F.linear(hidden_states.float(), self.weight.float(), self.bias.float())
+    router_logits = F.linear(hidden_states.float(), tensor_of(self, "weight").float(), tensor_of(self, "bias").float())
     weights, experts = topk_router(router_logits, self.top_k, renormalize=True, scaling_factor=1.0 / self.top_k)
     return router_logits, weights, experts
 
@@ -297,7 +341,7 @@ def _longcat_flash(self, hidden_states):
     weights, experts = topk_router(
         router_logits,
         self.top_k,
-        bias=self.e_score_correction_bias,
+        bias=tensor_of(self, "e_score_correction_bias"),
         scaling_factor=float(self.routed_scaling_factor),
     )
     return router_logits, weights.to(router_logits.dtype), experts
@@ -310,13 +354,13 @@ def _deepseek_v3(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
     router_logits = F.linear(
-        hidden_states.view(-1, self.hidden_dim).type(torch.float32), self.weight.type(torch.float32)
+        hidden_states.view(-1, self.hidden_dim).type(torch.float32), tensor_of(self, "weight").type(torch.float32)
     )
     weights, experts = topk_router(
         router_logits,
         self.top_k,
         scoring="sigmoid",
-        bias=self.e_score_correction_bias,
+        bias=tensor_of(self, "e_score_correction_bias"),
         num_groups=self.num_group,
         topk_groups=self.topk_group,
         renormalize=bool(self.norm_topk_prob),
@@ -326,7 +370,7 @@ def _deepseek_v3(self, hidden_states):
 
 
 def _minimax_m2(self, hidden_states, e_score_correction_bias):
-    router_logits = F.linear(token_rows(hidden_states, self).to(self.weight.dtype), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self).to(tensor_of(self, "weight").dtype), tensor_of(self, "weight"))
     weights, experts = topk_router(
         router_logits, self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
     )
@@ -334,7 +378,7 @@ def _minimax_m2(self, hidden_states, e_score_correction_bias):
 
 
 def _hy_v3(self, hidden_states, e_score_correction_bias):
-    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
+    router_logits = F.linear(token_rows(hidden_states, self).float(), tensor_of(self, "weight").float())
     weights, experts = topk_router(
         router_logits,
         self.top_k,
@@ -360,7 +404,7 @@ def _afmoe(self, hidden_states, expert_bias):
 
 
 def _lfm2_moe(self, hidden_states, expert_bias=None):
-    router_logits = F.linear(hidden_states, self.weight)
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight"))
     bias = expert_bias if self.use_expert_bias else None
     if bias is not None and router_logits.dtype != torch.float32:
         # LFM2 rounds the sigmoid to the logits' 16-bit type before it adds the (float32) bias;
@@ -378,7 +422,7 @@ def _lfm2_moe(self, hidden_states, expert_bias=None):
 
 
 def _llama4(self, hidden_states):
-    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight"), tensor_of(self, "bias"))
     weights, experts = topk_router(router_logits, self.top_k, scoring="sigmoid")
     # Llama 4 returns dense scores: sigmoid of the selected logits, sigmoid(-inf) = 0 elsewhere.
     router_scores = torch.zeros_like(router_logits).scatter_(1, experts, weights.to(router_logits.dtype))
@@ -388,27 +432,27 @@ def _llama4(self, hidden_states):
 def _flint(self, hidden_states):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     with torch.autocast(device_type=hidden_states.device.type, enabled=False):  # float32, as transformers
-        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        router_logits = F.linear(hidden_states.float(), tensor_of(self, "weight").float())
     weights, experts = topk_router(router_logits, self.top_k, scoring="sigmoid", renormalize=bool(self.norm_topk_prob))
     return router_logits, weights, experts
 
 
 def _laguna(self, hidden_states):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    router_logits = F.linear(hidden_states, self.weight).float()
+    router_logits = F.linear(hidden_states, tensor_of(self, "weight")).float()
     if self.router_logit_softcapping > 0.0:  # the capped logits are the router's logits
         cap = self.router_logit_softcapping
         router_logits = torch.tanh(router_logits / cap) * cap
     weights, experts = topk_router(
-        router_logits, self.top_k, scoring="sigmoid", bias=self.e_score_correction_bias.float(), renormalize=True
+        router_logits, self.top_k, scoring="sigmoid", bias=tensor_of(self, "e_score_correction_bias").float(), renormalize=True
     )
     return router_logits, weights.to(hidden_states.dtype), experts
 
 
 def _minimax_m3_vl(self, hidden_states):
-    router_logits = F.linear(token_rows(hidden_states, self).to(self.weight.dtype), self.weight)
+    router_logits = F.linear(token_rows(hidden_states, self).to(tensor_of(self, "weight").dtype), tensor_of(self, "weight"))
     weights, experts = topk_router(
-        router_logits, self.top_k, scoring="sigmoid", bias=self.e_score_correction_bias, renormalize=True
+        router_logits, self.top_k, scoring="sigmoid", bias=tensor_of(self, "e_score_correction_bias"), renormalize=True
     )
     return router_logits, weights, experts
 
@@ -416,7 +460,7 @@ def _minimax_m3_vl(self, hidden_states):
 def _axk2(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
-    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
+    router_logits = F.linear(token_rows(hidden_states, self).float(), tensor_of(self, "weight").float())
     groups = {}
     if self.num_group is not None:  # the light checkpoints route without groups
         groups = dict(num_groups=self.num_group, topk_groups=self.topk_group)
@@ -424,7 +468,7 @@ def _axk2(self, hidden_states):
         router_logits,
         self.top_k,
         scoring="sigmoid",
-        bias=self.e_score_correction_bias,
+        bias=tensor_of(self, "e_score_correction_bias"),
         renormalize=bool(self.norm_topk_prob),
         scaling_factor=float(self.routed_scaling_factor),
         **groups,
@@ -439,13 +483,13 @@ def _axk2_applicable(module):
 def _beam(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
-    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float())
+    router_logits = F.linear(token_rows(hidden_states, self).float(), tensor_of(self, "weight").float())
     # Beam scales by routed_scaling_factor after the experts, in its block.
     weights, experts = topk_router(
         router_logits,
         self.top_k,
         scoring="sigmoid",
-        bias=self.e_score_correction_bias,
+        bias=tensor_of(self, "e_score_correction_bias"),
         num_groups=self.num_group,
         topk_groups=self.topk_group,
         renormalize=bool(self.norm_topk_prob),
@@ -456,12 +500,12 @@ def _beam(self, hidden_states):
 def _inkling2(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
-    router_logits = F.linear(token_rows(hidden_states.float(), self), self.weight)
+    router_logits = F.linear(token_rows(hidden_states.float(), self), tensor_of(self, "weight"))
     weights, experts = topk_router(
         router_logits,
         self.top_k,
         scoring="sigmoid",
-        bias=self.e_score_correction_bias,
+        bias=tensor_of(self, "e_score_correction_bias"),
         renormalize=True,
         scaling_factor=float(self.routed_scaling_factor),
     )
@@ -477,12 +521,12 @@ def _inkling2_applicable(module):
 def _muse_spark(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
-    router_logits = F.linear(token_rows(hidden_states, self).float(), self.weight.float()) * self.output_multiplier
+    router_logits = F.linear(token_rows(hidden_states, self).float(), tensor_of(self, "weight").float()) * self.output_multiplier
     weights, experts = topk_router(
         router_logits,
         self.top_k,
         scoring="sigmoid",
-        bias=self.e_score_correction_bias,
+        bias=tensor_of(self, "e_score_correction_bias"),
         renormalize=True,
         scaling_factor=float(self.routed_scaling_factor),
     )
@@ -492,10 +536,10 @@ def _muse_spark(self, hidden_states):
 def _inkling(self, hidden_states):
     flat = hidden_states.reshape(-1, self.hidden_dim)
     with torch.autocast(device_type=hidden_states.device.type, enabled=False):  # float32, as transformers
-        router_logits = F.linear(flat.float(), self.weight.float())
+        router_logits = F.linear(flat.float(), tensor_of(self, "weight").float())
         routed_logits = router_logits[..., : -self.n_shared_experts]
         shared = router_logits[..., -self.n_shared_experts :].sigmoid()
-        bias = self.e_score_correction_bias.float()
+        bias = tensor_of(self, "e_score_correction_bias").float()
         scores, experts = topk_router(routed_logits, self.top_k, scoring="sigmoid", bias=bias)
         # The selected and the shared experts' sigmoids normalised together (transformers: a softmax
         # of their log-sigmoids), then scaled.
@@ -510,12 +554,13 @@ def _inkling(self, hidden_states):
 # classes have exactly that code in either release (hy_v4_vl and inkling2_loop are new in 5.24).
 # The family forwards above reproduce each one.
 _CODES: dict[str, RouterCode] = {
-    "e522519b94efb45a": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=48),
+    "e522519b94efb45a": RouterCode("mixtral", "minimax, mixtral", _mixtral, few_tokens=96, few_forward=_mixtral_few),
     "9b0053e488a15363": RouterCode(
         "qwen2_moe",
         "flex_olmo, mellum, olmoe, qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen4_exp",
         _qwen2_moe,
-        few_tokens=24,
+        few_tokens=16,
+        few_forward=_qwen2_moe_few,
     ),
     "c1bdd995f91ae637": RouterCode("qwen3_5_moe", "qwen3_5_moe, qwen3_omni_moe, qwen3_vl_moe", _qwen3_5_moe),
     "8e541ed261f65fa3": RouterCode(
@@ -523,7 +568,7 @@ _CODES: dict[str, RouterCode] = {
     ),
     "21778f711f1820c8": RouterCode("jamba", "jamba", _jamba),
     "93da2dd7247f880e": RouterCode("gemma4", "diffusion_gemma, gemma4", _gemma4),
-    "e6850402800fcd94": RouterCode("gpt_oss", "gpt_oss", _gpt_oss, few_tokens=128),
+    "e6850402800fcd94": RouterCode("gpt_oss", "gpt_oss", _gpt_oss, few_tokens=48, few_forward=_gpt_oss_few),
     "d7bab485fab93575": RouterCode(
         "deepseek_v2", "deepseek_ocr2, deepseek_v2, unlimited_ocr", _deepseek_v2, applicable=_deepseek_v2_applicable
     ),
@@ -595,12 +640,17 @@ def _recognise(cls: type):
         yield method, original, key, code if code is not None and code.method == method else None
 
 
+# The few-token forward of each router forward that has one.
+_FEW_FORWARDS = {code.forward: code.few_forward for code in _CODES.values() if code.few_forward is not None}
+assert all(code.few_forward is not None for code in _CODES.values() if code.few_tokens), "few_tokens needs a few_forward"
+
+
 def _route(forward, module, few, hidden_states, *args, **kwargs):
-    """A patched router's forward: ours, or transformers' own for CPU inference at fewer than `few`
-    tokens (RouterCode.few_tokens; 0: never), where its torch sequence costs less than our op's
-    call. Traced (torch.compile), with gradients or on another device: always ours. Codes that
-    patch another method (DBRX's block routing) have few_tokens = 0. The cheap tests first: at a
-    few tokens this wrapper is all that a patched router adds to transformers' own."""
+    """A patched router's forward: ours through the op, or its few_forward for CPU inference at
+    fewer than `few` tokens (RouterCode.few_tokens; 0: never), where two torch ops cost less than
+    the op's call. Traced (torch.compile), with gradients or on another device: always the op.
+    Codes that patch another method (DBRX's block routing) have few_tokens = 0. The cheap tests
+    first: at a few tokens they are all that this wrapper adds."""
     if (
         few
         and not torch.is_grad_enabled()
@@ -608,7 +658,7 @@ def _route(forward, module, few, hidden_states, *args, **kwargs):
         and not torch.compiler.is_compiling()  # before the size test, which would guard on T
         and hidden_states.numel() < few * hidden_states.shape[-1]
     ):
-        return type(module).forward(module, hidden_states, *args, **kwargs)
+        return _FEW_FORWARDS[forward](module, hidden_states, *args, **kwargs)
     return forward(module, hidden_states, *args, **kwargs)
 
 
@@ -620,8 +670,9 @@ def apply_moe_kernels(model: torch.nn.Module, *, experts: bool = True, few_token
       experts: also switch the model's experts implementation to "moe_kernels" (where the
         model supports transformers' experts interface).
       few_tokens: CPU inference calls at fewer tokens than measured per router code (decode) run
-        transformers' own router, which is faster there (Mixtral below 48 tokens, the Qwen2-MoE
-        code below 24, GPT-OSS below 128; docs/routers.md). False: ours at every size.
+        its routing in two torch ops, faster there than the op's call (Mixtral below 96 tokens,
+        the Qwen2-MoE code below 16, GPT-OSS below 48; docs/routers.md). False: the op at every
+        size.
 
     Returns:
       {"patched": {module name: family code}, "skipped": {module name: reason},

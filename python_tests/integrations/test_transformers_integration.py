@@ -291,30 +291,61 @@ def test_example_runs():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
-def test_few_tokens_take_transformers_router_in_inference(family, monkeypatch):
-    # Below the measured token count, inference calls transformers' own router (cheaper there);
-    # from it, and with gradients at any size, ours.
-    model = tiny_model(family)
-    apply_moe_kernels(model)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_tokens_take_the_few_forward_in_inference(family, dtype, monkeypatch):
+    # Below the measured token count, inference runs the code's few_forward (two torch ops, cheaper
+    # there than the op's call); from it, and with gradients at any size, the op. Both give
+    # transformers' experts (no ties here) and its weights within rounding; GPT-OSS's few_forward
+    # is transformers' own sequence, bit for bit.
+    from moe_kernels.integrations import transformers as integration
+
+    model = tiny_model(family, dtype=dtype, seed=3)
+    apply_moe_kernels(model, experts=False)
     router = first_router(model)
     few = router._moe_kernels_few_tokens
     assert few > 0
+    forward = router.forward.args[0]
     calls = []
-    original = type(router).forward
-    monkeypatch.setattr(
-        type(router), "forward", lambda self, *a, **kw: calls.append(len(a[0])) or original(self, *a, **kw)
+    few_forward = integration._FEW_FORWARDS[forward]
+    monkeypatch.setitem(
+        integration._FEW_FORWARDS, forward, lambda self, h: calls.append(len(h)) or few_forward(self, h)
     )
     d = router.weight.shape[-1]
+    h = torch.randn(few, d, generator=torch.Generator().manual_seed(4)).to(dtype)
     with torch.no_grad():
-        theirs = original(router, torch.ones(few - 1, d))
-        ours = router(torch.ones(few - 1, d))
+        theirs = type(router).forward(router, h[:-1])
+        ours_few = router(h[:-1])
         assert calls == [few - 1]
-        for a, b in zip(ours, theirs, strict=True):
-            assert torch.equal(a, b)
-        router(torch.ones(few, d))
-    router(torch.ones(few - 1, d))
-    assert calls == [few - 1], "ours must run from the threshold on, and with gradients"
+        ours_op = forward(router, h[:-1])
+        router(h)
+    assert calls == [few - 1], "the op must run from the threshold on"
+    router(h[:-1])
+    assert calls == [few - 1], "and with gradients"
+    for few_out, op_out, ref in zip(ours_few, ours_op, theirs, strict=True):
+        assert few_out.dtype == ref.dtype and few_out.shape == ref.shape
+        if family == "gpt_oss":
+            assert torch.equal(few_out, ref)
+        elif ref.is_floating_point():
+            torch.testing.assert_close(few_out, ref, rtol=2e-6 if dtype == torch.float32 else 8e-3, atol=1e-7)
+            torch.testing.assert_close(few_out, op_out, rtol=2e-6 if dtype == torch.float32 else 8e-3, atol=1e-7)
+        else:
+            assert torch.equal(few_out, ref) and torch.equal(few_out, op_out)
     apply_moe_kernels(model, few_tokens=False)  # already patched: the first setting stays
     assert router._moe_kernels_few_tokens == few
     remove_moe_kernels(model)
     assert "_moe_kernels_few_tokens" not in vars(router)
+
+
+def test_few_forward_of_qwen2_moe_without_norm():
+    # norm_topk_prob=False: the softmax over every expert at the top k, as transformers gives it.
+    from moe_kernels.integrations import transformers as integration
+
+    model = tiny_model("qwen3_moe", seed=5)
+    router = next(m for m in model.modules() if type(m).__name__.endswith("Router"))
+    router.norm_topk_prob = False
+    h = torch.randn(7, router.weight.shape[-1], generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        theirs = type(router).forward(router, h)
+        ours = integration._qwen2_moe_few(router, h)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
