@@ -179,7 +179,9 @@ def _gpt_oss(self, hidden_states):
 
 
 def _deepseek_v2(self, hidden_states):
-    router_logits = F.linear(token_rows(hidden_states, self).type(torch.float32), tensor_of(self, "weight").type(torch.float32))
+    router_logits = F.linear(
+        token_rows(hidden_states, self).type(torch.float32), tensor_of(self, "weight").type(torch.float32)
+    )
     groups = {}
     if self.topk_method == "group_limited_greedy":
         groups = dict(num_groups=self.num_group, topk_groups=self.topk_group, group_scoring="max")
@@ -370,7 +372,8 @@ def _deepseek_v3(self, hidden_states):
 
 
 def _minimax_m2(self, hidden_states, e_score_correction_bias):
-    router_logits = F.linear(token_rows(hidden_states, self).to(tensor_of(self, "weight").dtype), tensor_of(self, "weight"))
+    weight = tensor_of(self, "weight")
+    router_logits = F.linear(token_rows(hidden_states, self).to(weight.dtype), weight)
     weights, experts = topk_router(
         router_logits, self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
     )
@@ -444,13 +447,18 @@ def _laguna(self, hidden_states):
         cap = self.router_logit_softcapping
         router_logits = torch.tanh(router_logits / cap) * cap
     weights, experts = topk_router(
-        router_logits, self.top_k, scoring="sigmoid", bias=tensor_of(self, "e_score_correction_bias").float(), renormalize=True
+        router_logits,
+        self.top_k,
+        scoring="sigmoid",
+        bias=tensor_of(self, "e_score_correction_bias").float(),
+        renormalize=True,
     )
     return router_logits, weights.to(hidden_states.dtype), experts
 
 
 def _minimax_m3_vl(self, hidden_states):
-    router_logits = F.linear(token_rows(hidden_states, self).to(tensor_of(self, "weight").dtype), tensor_of(self, "weight"))
+    weight = tensor_of(self, "weight")
+    router_logits = F.linear(token_rows(hidden_states, self).to(weight.dtype), weight)
     weights, experts = topk_router(
         router_logits, self.top_k, scoring="sigmoid", bias=tensor_of(self, "e_score_correction_bias"), renormalize=True
     )
@@ -521,7 +529,9 @@ def _inkling2_applicable(module):
 def _muse_spark(self, hidden_states):
     if autocast_lowers(hidden_states):
         return type(self).forward(self, hidden_states)
-    router_logits = F.linear(token_rows(hidden_states, self).float(), tensor_of(self, "weight").float()) * self.output_multiplier
+    router_logits = (
+        F.linear(token_rows(hidden_states, self).float(), tensor_of(self, "weight").float()) * self.output_multiplier
+    )
     weights, experts = topk_router(
         router_logits,
         self.top_k,
@@ -642,7 +652,9 @@ def _recognise(cls: type):
 
 # The few-token forward of each router forward that has one.
 _FEW_FORWARDS = {code.forward: code.few_forward for code in _CODES.values() if code.few_forward is not None}
-assert all(code.few_forward is not None for code in _CODES.values() if code.few_tokens), "few_tokens needs a few_forward"
+assert all(code.few_forward is not None for code in _CODES.values() if code.few_tokens), (
+    "few_tokens needs a few_forward"
+)
 
 
 def _route(forward, module, few, hidden_states, *args, **kwargs):
