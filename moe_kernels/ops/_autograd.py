@@ -93,5 +93,37 @@ def direct(packet) -> Callable:
     return call
 
 
+def through_reference(reference: Callable, args: tuple, needs_input_grad, grads: tuple) -> tuple:
+    """The gradients of `reference(*args)` with respect to the args marked in `needs_input_grad`,
+    for the output gradients `grads`, as a graph of torch ops (create_graph): what a kernel's
+    backward returns when it is asked to build a graph (a second derivative: grad mode is on in the
+    backward). The kernels' own backwards have no derivative, and a gradient without a graph would
+    make every second derivative through it silently zero. `args` are the op's inputs as saved
+    (they keep their history); int outputs and None gradients take no part. Returns one entry per
+    arg: its gradient (zeros where the reference does not use it), or None where not asked."""
+    wanted = [i for i, need in enumerate(needs_input_grad) if need]
+    result = [None] * len(args)
+    if not wanted:
+        return tuple(result)
+    with torch.enable_grad():
+        outputs = reference(*args)
+    outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    found = (
+        torch.autograd.grad(
+            [o for o, _ in pairs],
+            [args[i] for i in wanted],
+            [g for _, g in pairs],
+            create_graph=True,
+            allow_unused=True,
+        )
+        if pairs
+        else [None] * len(wanted)
+    )
+    for i, grad in zip(wanted, found, strict=True):
+        result[i] = torch.zeros_like(args[i]) if grad is None else grad
+    return tuple(result)
+
+
 # Registrations last as long as their Library object.
 _LIBRARIES: dict[str, torch.library.Library] = {}

@@ -31,6 +31,10 @@ if backends._extension.defines("combine"):
 
     def _backward(ctx, grad_y):
         buffer, experts, positions, weights = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: a graph of torch ops, differentiable again
+            return _autograd.through_reference(
+                reference.combine, (buffer, experts, positions, weights), ctx.needs_input_grad, (grad_y,)
+            )
         grad_buffer, grad_weights = torch.ops.moe_kernels.combine_backward(grad_y, buffer, experts, positions, weights)
         return grad_buffer, None, None, grad_weights
 

@@ -30,7 +30,14 @@ if backends._extension.defines("dispatch"):
 
     def _backward(ctx, grad_buffer):
         experts, positions = ctx.saved_tensors
-        grad_x = torch.ops.moe_kernels.dispatch_backward(grad_buffer, experts, positions)
+        if torch.is_grad_enabled():  # create_graph: a graph of torch ops (dispatch is linear in x)
+            E, C, d = grad_buffer.shape
+            x = grad_buffer.new_zeros(experts.shape[0], d, requires_grad=True)
+            (grad_x,) = _autograd.through_reference(
+                lambda x: reference.dispatch(x, experts, positions, E, C), (x,), (True,), (grad_buffer,)
+            )
+        else:
+            grad_x = torch.ops.moe_kernels.dispatch_backward(grad_buffer, experts, positions)
         return grad_x, None, None, None, None
 
     _autograd.register_autograd("moe_kernels::dispatch", _backward, setup_context=_setup_context)

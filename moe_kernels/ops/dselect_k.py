@@ -19,12 +19,21 @@ MAX_EXPERTS = 1 << 20
 def _setup_context(ctx, inputs, output):
     alpha, z, num_experts, gamma, return_selectors = inputs
     ctx.save_for_backward(alpha, z)
-    ctx.num_experts, ctx.gamma = num_experts, gamma
+    ctx.num_experts, ctx.gamma, ctx.return_selectors = num_experts, gamma, return_selectors
 
 
 def _make_backward(op):
     def backward(ctx, grad_gates, grad_selectors):
         alpha, z = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the reference's, differentiable again
+            E, gamma, selectors = ctx.num_experts, ctx.gamma, ctx.return_selectors
+            grads = _autograd.through_reference(
+                lambda a, z: _reference(a, z, E, gamma, selectors),
+                (alpha, z),
+                ctx.needs_input_grad[:2],
+                (grad_gates, grad_selectors),
+            )
+            return (*grads, None, None, None)
         if grad_gates is None:
             grad_gates = alpha.new_zeros((alpha.shape[0], ctx.num_experts))
         grad_alpha, grad_z = op()(grad_gates, grad_selectors, alpha, z, ctx.num_experts, ctx.gamma)

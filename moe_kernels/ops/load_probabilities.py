@@ -66,7 +66,7 @@ def _backward_kernel(ctx, grad_p, grad_top):
     if grad_p is None:
         return None, None, None, None
     kernel = backends.extension_kernel("load_probabilities_backward", noisy_logits)
-    if kernel is None:
+    if kernel is None or torch.is_grad_enabled():  # create_graph: the torch formula, differentiable again
         return _backward(ctx, grad_p, grad_top)
     return (*kernel(grad_p, clean_logits, noisy_logits, noise_stddev, top, ctx.k), None)
 

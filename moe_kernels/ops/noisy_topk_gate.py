@@ -25,6 +25,15 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_weights, grad_top, grad_load):
     clean_logits, raw_noise_stddev, noise, token_weights, top = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph: the reference's, differentiable again
+        k, eps = ctx.k, ctx.noise_epsilon
+        grads = _autograd.through_reference(
+            lambda c, r, n: reference.noisy_topk_gate(c, r, n, k, eps, token_weights),
+            (clean_logits, raw_noise_stddev, noise),
+            ctx.needs_input_grad[:3],
+            (grad_weights, None, grad_load),
+        )
+        return (*grads, None, None, None)
     T, E = clean_logits.shape
     if grad_weights is None:
         grad_weights = clean_logits.new_zeros((T, ctx.k), dtype=torch.float32)

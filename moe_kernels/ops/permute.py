@@ -45,6 +45,15 @@ if backends._extension.defines("permute"):
 
     def _unpermute_backward(ctx, grad_y):
         y_sorted, order, weights = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: a graph of torch ops, differentiable again
+            T = grad_y.shape[0]
+            grads = _autograd.through_reference(
+                lambda y, o, w: reference.unpermute(y, o, w, T),
+                (y_sorted, order, weights),
+                ctx.needs_input_grad[:3],
+                (grad_y,),
+            )
+            return (*grads, None)
         grad_y_sorted, grad_weights = torch.ops.moe_kernels.unpermute_backward(grad_y, y_sorted, order, weights)
         return grad_y_sorted, None, grad_weights, None
 
@@ -65,6 +74,15 @@ if backends.triton_importable():
 
     def _triton_unpermute_backward(ctx, grad_y):
         y_sorted, order, weights = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: as the kernel backward's above
+            T = grad_y.shape[0]
+            grads = _autograd.through_reference(
+                lambda y, o, w: reference.unpermute(y, o, w, T),
+                (y_sorted, order, weights),
+                ctx.needs_input_grad[:3],
+                (grad_y,),
+            )
+            return (*grads, None)
         grad_y_sorted, grad_weights = _triton_module.unpermute_backward(grad_y, y_sorted, order, weights)
         return grad_y_sorted, None, grad_weights, None
 

@@ -20,12 +20,22 @@ def _setup_context(ctx, inputs, output):
     ctx.gamma = gamma
 
 
+def _backward_in_graph(ctx, grad):
+    """create_graph (grad mode on in the backward): the reference's, differentiable again."""
+    (t,) = ctx.saved_tensors
+    return _autograd.through_reference(lambda t: reference.smooth_step(t, ctx.gamma), (t,), (True,), (grad,))[0], None
+
+
 def _backward_cpp(ctx, grad):
+    if torch.is_grad_enabled():
+        return _backward_in_graph(ctx, grad)
     (t,) = ctx.saved_tensors
     return torch.ops.moe_kernels.smooth_step_backward(grad, t, ctx.gamma), None
 
 
 def _backward_triton(ctx, grad):
+    if torch.is_grad_enabled():
+        return _backward_in_graph(ctx, grad)
     (t,) = ctx.saved_tensors
     return torch.ops.moe_kernels_triton.smooth_step_backward(grad, t, ctx.gamma), None
 

@@ -85,7 +85,7 @@ def _setup_context_kernel(ctx, inputs, output):
     scores over their sum) determine its gradient, so where the device has the kernel that takes
     them, a copy of the [T, k] weights is saved instead of the [T, E] logits (a copy: a caller may
     edit the returned weights in place). The backward then reads no logits, and the graph does not
-    keep them alive."""
+    keep them alive; the price is that such a router has no second derivative (_backward says so)."""
     logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormalize, scaling_factor = inputs
     from_weights = (
         scoring == "softmax"
@@ -103,6 +103,14 @@ def _setup_context_kernel(ctx, inputs, output):
 
 
 def _backward(ctx, grad_weights, grad_experts):
+    if torch.is_grad_enabled():  # create_graph: the torch formula, differentiable again
+        if ctx.from_weights:
+            raise RuntimeError(
+                "topk_router: no second derivative (create_graph=True) through the extension's backward of a "
+                "renormalised softmax router: its graph keeps the [T, k] weights, not the [T, E] logits (memory). "
+                "Run the router under moe_kernels.use_backend('torch') where a double backward goes through it."
+            )
+        return _backward_torch(ctx, grad_weights, grad_experts)
     if ctx.from_weights:
         grad = None
         if grad_weights is not None and ctx.needs_input_grad[0]:
