@@ -1,8 +1,8 @@
-"""dispatch and combine in Triton, tiled along d; both are gathers, so every output element has one
-writer (no atomics):
-- dispatch: a program per (block of buffer slots, d tile) reads the token of each slot from the
-  slot -> choice map and copies (optionally scales) its row; empty slots get zeros. With weights
-  it is combine's backward to the buffer.
+"""dispatch and combine in Triton, tiled along d; every output element has one writer (no atomics):
+- dispatch: a program per (block of tokens, d tile) reads its token rows once and writes each of
+  their k copies to its slot (TE's permute design: a gather per slot read each token row k times),
+  a choice writing only where the slot -> choice map names it; a second pass writes zeros to the
+  empty slots alone. With weights it is combine's backward to the buffer.
 - combine: a program per (block of tokens, d tile) sums its k weighted rows in float32, s = 0, 1..
   With unit weights it is dispatch's backward.
 - row_dots: a program per block of tokens, its k choices one after the other, each walking d: the
@@ -22,11 +22,13 @@ _BLOCK_D = 128
 
 
 @triton.jit
-def dispatch_kernel(
+def scatter_rows_kernel(
     x_ptr,  # [T, d] contiguous
-    source_ptr,  # [S] int64: choice t * K + s that fills slot r, -1 = empty (S = E * C)
+    dest_ptr,  # [T * K] int64: the output row of choice t * K + s, -1 = none
+    source_ptr,  # [S] int64: the choice that fills each output row, -1 = empty (dest's inverse)
     weights_ptr,  # [T * K] float32 (read only if HAS_WEIGHTS)
     out_ptr,  # [S, d] contiguous, x's dtype
+    T,
     S,
     d,
     K,
@@ -35,19 +37,48 @@ def dispatch_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    tokens = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    token_ok = tokens < T
+    col_ok = cols < d
+    v = tl.load(
+        x_ptr + tokens.to(tl.int64)[:, None] * d + cols[None, :],
+        mask=token_ok[:, None] & col_ok[None, :],
+        other=0.0,
+    )
+    for s in range(0, K):
+        j = tokens.to(tl.int64) * K + s
+        r = tl.load(dest_ptr + j, mask=token_ok, other=-1)
+        ok = (r >= 0) & (r < S)
+        # Only the choice the row's source names writes it: one writer per row even where two
+        # choices claim one slot (positions not unique: invalid, unchecked on a GPU), and the
+        # same choice as the gather from `source` would copy.
+        owner = tl.load(source_ptr + tl.where(ok, r, 0), mask=ok, other=-1)
+        ok = ok & (owner == j)
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + j, mask=ok, other=0.0)
+            value = (v.to(ACC) * w[:, None]).to(out_ptr.dtype.element_ty)
+        else:
+            value = v
+        tl.store(out_ptr + tl.where(ok, r, 0)[:, None] * d + cols[None, :], value, mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def zero_rows_kernel(
+    source_ptr,  # [S] int64: -1 marks an empty row
+    out_ptr,  # [S, d] contiguous
+    S,
+    d,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Zeros into the empty rows alone (the filled ones are scatter_rows_kernel's)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < S
-    col_ok = cols < d
-    j = tl.load(source_ptr + rows, mask=row_ok, other=-1)
-    filled = j >= 0
-    token = tl.where(filled, j // K, 0)
-    m = filled[:, None] & col_ok[None, :]
-    v = tl.load(x_ptr + token[:, None] * d + cols[None, :], mask=m, other=0.0)
-    if HAS_WEIGHTS:
-        w = tl.load(weights_ptr + tl.where(filled, j, 0), mask=filled, other=0.0)
-        v = (v.to(ACC) * w[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :], v, mask=row_ok[:, None] & col_ok[None, :])
+    empty = row_ok & (tl.load(source_ptr + rows, mask=row_ok, other=0) < 0)
+    zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :], zeros, mask=empty[:, None] & (cols < d)[None, :])
 
 
 @triton.jit
@@ -153,26 +184,35 @@ def _grid(rows, d):
 
 
 @on_tensor_device
-def gather_rows(x: torch.Tensor, source: torch.Tensor, k: int, weights: torch.Tensor | None) -> torch.Tensor:
-    """out [S, d]: out[r] = weights[source[r]] * x[source[r] // k] (weight 1 if None), 0 where -1."""
+def scatter_rows(
+    x: torch.Tensor, dest: torch.Tensor, source: torch.Tensor, k: int, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """out [S, d]: out[r] = weights[j] * x[j // k] for the choice j = source[r] (weight 1 if None),
+    0 where source[r] is -1. dest [T * k]: the row of each choice, -1 for none; source [S]: its
+    inverse on the rows it fills (a choice whose dest row names another choice writes nothing)."""
     S, d = source.numel(), x.shape[1]
+    T = x.shape[0]
     out = x.new_empty(S, d)
     if out.numel():
         acc, acc_tl = acc_dtype(x.dtype)
         w = (weights if weights is not None else source.new_empty(0)).to(acc).contiguous().reshape(-1)
-        dispatch_kernel[_grid(S, d)](
-            x.contiguous(),
-            source,
-            w,
-            out,
-            S,
-            d,
-            k,
-            HAS_WEIGHTS=weights is not None,
-            ACC=acc_tl,
-            BLOCK_ROWS=_BLOCK_ROWS,
-            BLOCK_D=_BLOCK_D,
-        )
+        zero_rows_kernel[_grid(S, d)](source, out, S, d, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=_BLOCK_D)
+        if T * k:
+            scatter_rows_kernel[_grid(T, d)](
+                x.contiguous(),
+                dest.contiguous(),
+                source,
+                w,
+                out,
+                T,
+                S,
+                d,
+                k,
+                HAS_WEIGHTS=weights is not None,
+                ACC=acc_tl,
+                BLOCK_ROWS=_BLOCK_ROWS,
+                BLOCK_D=_BLOCK_D,
+            )
     return out
 
 
@@ -240,8 +280,9 @@ def dispatch(
 ) -> torch.Tensor:
     """buffer [E, C, d] (weighted by weights[t, s] when given: combine's backward to the buffer)."""
     S = num_experts * capacity
-    source = slot_sources(kept_slots(experts, positions, num_experts, capacity), S)
-    return gather_rows(x, source, experts.shape[1], weights).view(num_experts, capacity, x.shape[1])
+    slot = kept_slots(experts, positions, num_experts, capacity)
+    rows = scatter_rows(x, slot, slot_sources(slot, S), experts.shape[1], weights)
+    return rows.view(num_experts, capacity, x.shape[1])
 
 
 @dispatch.register_fake
@@ -263,22 +304,28 @@ def _(buffer, experts, positions, weights):
     return buffer.new_empty(experts.shape[0], buffer.shape[2])
 
 
-def _aot_dispatch(dt, has_weights):
+def _aot_scatter_rows(dt, has_weights):
     signature = {
         "x_ptr": f"*{dt}",
+        "dest_ptr": "*i64",
         "source_ptr": "*i64",
         "weights_ptr": "*fp32",
         "out_ptr": f"*{dt}",
+        "T": "i32",
         "S": "i32",
         "d": "i32",
         "K": "i32",
-        "HAS_WEIGHTS": "constexpr",
-        "ACC": "constexpr",
-        "BLOCK_ROWS": "constexpr",
-        "BLOCK_D": "constexpr",
     }
     constexprs = {"HAS_WEIGHTS": has_weights, "ACC": tl.float32, "BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D}
-    return dispatch_kernel, signature, constexprs, {"num_warps": 4}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return scatter_rows_kernel, signature, constexprs, {"num_warps": 4}
+
+
+def _aot_zero_rows(dt):
+    signature = {"source_ptr": "*i64", "out_ptr": f"*{dt}", "S": "i32", "d": "i32"}
+    constexprs = {"BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return zero_rows_kernel, signature, constexprs, {"num_warps": 4}
 
 
 def _aot_combine(dt):
@@ -321,9 +368,11 @@ def _aot_row_dots(dt):
 AOT_KERNELS = [
     _aot_row_dots("bf16"),
     _aot_row_dots("fp32"),
-    _aot_dispatch("fp32", False),
-    _aot_dispatch("bf16", True),
-    _aot_dispatch("fp16", False),
+    _aot_scatter_rows("fp32", False),
+    _aot_scatter_rows("bf16", True),
+    _aot_scatter_rows("fp16", False),
+    _aot_zero_rows("bf16"),
+    _aot_zero_rows("fp32"),
     _aot_combine("fp32"),
     _aot_combine("bf16"),
     _aot_combine("fp16"),

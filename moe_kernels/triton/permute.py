@@ -1,6 +1,7 @@
 """Dropless permute / unpermute on the Triton kernels of capacity_positions and dispatch:
 - permute: capacity_positions' ranks in the flat order t * k + s with no capacity give each choice
-  its rank within its expert; row = offsets[expert] + rank; the rows are gathered by dispatch_kernel.
+  its rank within its expert; row = offsets[expert] + rank; each token row is read once and written
+  to its k rows by dispatch.py's scatter_rows.
 - unpermute: the inverse of `order` gives each choice its row; combine_kernel sums them per token.
 No atomics: every output row / token has one writer."""
 
@@ -52,7 +53,7 @@ def permute(
     valid = (e >= 0) & (e < num_experts)
     row = torch.where(valid, offsets[e.clamp(0, max(num_experts - 1, 0))] + rank.reshape(-1), -1)
     order = scatter_valid(row, flat, valid, n)
-    return _rows.gather_rows(x, order, k, None), offsets, order
+    return _rows.scatter_rows(x, row, order, k, None), offsets, order
 
 
 @permute.register_fake
@@ -80,8 +81,8 @@ def unpermute_backward(
     grad_weights[t, s] = <grad_y[t], y_sorted[row of (t, s)]> in float32 (float64 for float64)."""
     k = weights.shape[1]
     valid = (order >= 0) & (order < weights.numel())
-    grad_y_sorted = _rows.gather_rows(grad_y, torch.where(valid, order, -1), k, weights)
     rows = rows_of_choices(order, weights.numel())
+    grad_y_sorted = _rows.scatter_rows(grad_y, rows, torch.where(valid, order, -1), k, weights)
     return grad_y_sorted, _rows.row_dots(grad_y, y_sorted, rows, k).to(weights.dtype)
 
 

@@ -154,3 +154,28 @@ def test_public_unpermute_ignores_out_of_range_order(bad):
         run = lambda y, w, o: unpermute(y, o, w, T)  # noqa: E731
         w = torch.rand(T, k)
         _assert_same(_forward_and_grads(run, [y_sorted, w], poisoned), _forward_and_grads(run, [y_sorted, w], empty))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_dispatch_one_writer_per_slot_when_positions_repeat(weighted):
+    # Positions that repeat within an expert are invalid (the host backends raise); the GPU reads
+    # no value to check them. Each token row is scattered to its slots, but a slot is written only
+    # by the choice the slot -> choice map names, so the buffer is what the gather from that map
+    # gives: one writer per slot, whatever order the programs run in; empty slots are zeros.
+    from moe_kernels.triton import dispatch as rows
+
+    ops = _ops()
+    # Slot (3, 0) is claimed by choices 1 (token 0, s = 1) and 6 (token 3, s = 0): the map names 6,
+    # and a kernel that let the later store win would keep 1 (it stores s = 1 after s = 0).
+    experts = torch.tensor([[0, 3], [0, 2], [1, 0], [3, 2], [0, 1]])
+    positions = torch.tensor([[0, 0], [0, 1], [0, 2], [0, 1], [1, 0]])
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(T, d, generator=g), torch.rand(T, k, generator=g)
+    buffer = ops.dispatch(x, experts, positions, E, C, w if weighted else None).reshape(E * C, d)
+    source = rows.slot_sources(rows.kept_slots(experts, positions, E, C), E * C)
+    for slot, choice in enumerate(source.tolist()):
+        if choice < 0:
+            assert torch.equal(buffer[slot], torch.zeros(d)), slot
+        else:
+            scale = w.reshape(-1)[choice] if weighted else 1.0
+            assert torch.equal(buffer[slot], (x[choice // k] * scale).to(x.dtype)), slot
