@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from moe_kernels import backends
+from moe_kernels import _extension, backends
 from moe_kernels.ops import capacity_positions, combine, dispatch, permute, unpermute
 
 NAME = "moe_kernels"
@@ -232,6 +232,10 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 # the same expert weights, and it was as fast or faster (docs/routers.md, "Experts at a few tokens").
 FEW_CHOICES = 256
 CHOSEN_SHARE = 8
+# chosen_linear against a torch.mm per expert, by rows per expert (E = 8, [256, 512] weights,
+# float32 / bf16, 1 and 2 threads): 1.2-3.2x at one row, 0.98-1.95x at two, 0.57-1.30x at four
+# (the kernel has no register blocking across rows; torch.mm's GEMM wins from a few rows on).
+CHOSEN_LINEAR_ROWS = 2
 
 
 def _forward_few(self, hidden_states, experts, top_k_weights, E):
@@ -243,9 +247,16 @@ def _forward_few(self, hidden_states, experts, top_k_weights, E):
     ids = experts.reshape(-1).tolist()
     if ids and (min(ids) < 0 or max(ids) >= E):
         raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{min(ids)}, {max(ids)}]")
-    if not ids or len(set(ids)) > max(experts.shape[1], E // CHOSEN_SHARE):
+    first = self.gate_up_proj if self.has_gate else self.up_proj
+    x = hidden_states.to(first.dtype)
+    # The chosen experts alone: while few are chosen (a torch.mm each beats a matmul per expert
+    # of all E), or, with chosen_linear, while they average at most CHOSEN_LINEAR_ROWS rows.
+    distinct = len(set(ids))
+    chosen = distinct <= max(experts.shape[1], E // CHOSEN_SHARE) or (
+        distinct * CHOSEN_LINEAR_ROWS >= len(ids) and _takes_chosen_linear(x, first, self.is_transposed)
+    )
+    if not ids or not chosen:
         return _forward_transformers(self, hidden_states, experts, top_k_weights)
-    x = hidden_states.to((self.gate_up_proj if self.has_gate else self.up_proj).dtype)
     return _forward_chosen(self, x, experts, top_k_weights, ids).to(hidden_states.dtype)
 
 
@@ -289,13 +300,42 @@ def _forward_chosen(self, x, experts, top_k_weights, ids: list[int]):
 
 def _chosen_linear(rows, weight, bias, *, spans, expert_of_row, transposed):
     """rows [S, in] sorted by expert -> [S, out]: each span's rows through its expert's weight
-    ([E, out, in], or [E, in, out] if transposed; a view, no copy) (+ bias [E, out])."""
-    out = rows.new_empty(rows.shape[0], weight.shape[2] if transposed else weight.shape[1])
+    ([E, out, in], or [E, in, out] if transposed; a view, no copy) (+ bias [E, out]). Spans of at
+    most CHOSEN_LINEAR_ROWS rows go through chosen_linear where it applies
+    (csrc/cpu/chosen_linear.cpp: each weight row read once, contiguous, on torch's threads), the
+    others through a torch.mm each."""
+    short = [span for span in spans if span[2] - span[1] <= CHOSEN_LINEAR_ROWS]
+    if short and _takes_chosen_linear(rows, weight, transposed):
+        # The short spans here (the other rows zero), then the long ones written over them.
+        out = torch.ops.moe_kernels.chosen_linear(rows, weight, torch.tensor(short, dtype=torch.int64))
+        spans = [span for span in spans if span[2] - span[1] > CHOSEN_LINEAR_ROWS]
+    else:
+        out = rows.new_empty(rows.shape[0], weight.shape[2] if transposed else weight.shape[1])
     for e, a, b in spans:
         torch.mm(rows[a:b], weight[e] if transposed else weight[e].t(), out=out[a:b])
     if bias is not None:
         out += bias.index_select(0, expert_of_row)
     return out
+
+
+if _extension.defines("chosen_linear"):
+
+    @torch.library.register_fake("moe_kernels::chosen_linear")
+    def _(rows, weight, spans):
+        return rows.new_empty(rows.shape[0], weight.shape[1])
+
+
+def _takes_chosen_linear(rows, weight, transposed) -> bool:
+    """Whether the chosen-experts linear runs as chosen_linear: an [E, out, in] weight contiguous
+    along in, of the rows' dtype (float32 / bf16 / fp16), on CPU, with the extension's kernel."""
+    return (
+        not transposed
+        and rows.dtype == weight.dtype
+        and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and weight.stride(-1) == 1
+        and weight.device.type == "cpu"
+        and _extension.has_kernel("chosen_linear", "CPU")
+    )
 
 
 def _projections(self, rows, linear):

@@ -190,3 +190,33 @@ def test_few_choices_path_by_distinct_experts(monkeypatch):
                     transformers_experts.experts_forward(experts, x, index.clone().fill_(bad), w)
         empty = transformers_experts.experts_forward(experts, x[:0], few[:0], w[:0])
     assert empty.shape == (0, 64)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_many_distinct_experts_take_chosen_linear(family, monkeypatch):
+    """Below FEW_CHOICES with more distinct experts than the torch.mm path takes but at most
+    CHOSEN_LINEAR_ROWS rows each on average: the chosen experts' path where chosen_linear applies
+    ([E, out, in] weights: Mixtral), transformers' grouped_mm forward where it does not (GPT-OSS's
+    transposed ones); both equal to eager."""
+    if not transformers_experts._extension.has_kernel("chosen_linear", "CPU"):
+        pytest.skip("extension not built")
+    experts = experts_of(family)
+    E = experts.num_experts
+    index = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]) % E  # 8 distinct experts, one row each
+    assert index.unique().numel() > max(2, E // transformers_experts.CHOSEN_SHARE)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    w = torch.full((4, 2), 0.5)
+    calls = spy_paths(monkeypatch)
+    takes = []
+    original = transformers_experts._takes_chosen_linear
+    monkeypatch.setattr(
+        transformers_experts, "_takes_chosen_linear", lambda *a: takes.append(original(*a)) or takes[-1]
+    )
+    with torch.no_grad():
+        ours = transformers_experts.experts_forward(experts, x, index, w)
+        ref = eager(experts, x, index, w)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    chosen = not experts.is_transposed
+    assert calls == ["_forward_chosen" if chosen else "_forward_transformers"]
+    # the path test, then (Mixtral) each of the two projections: all through the kernel
+    assert takes == ([True] * 3 if chosen else [False])
