@@ -17,6 +17,17 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+def _backward_in_graph(ctx, grad_y):
+    """A backward that builds a graph (create_graph): the reference's, differentiable again in the
+    buffer and the weights jointly, with the ids the kernels drop dropped."""
+    buffer, experts, positions, weights = ctx.saved_tensors
+    E, C, _ = buffer.shape
+    experts, positions = _autograd.kept_choices(experts, positions, E, C)
+    return _autograd.through_reference(
+        reference.combine, (buffer, experts, positions, weights), ctx.needs_input_grad, (grad_y,)
+    )
+
+
 _cpp = None
 if backends._extension.defines("combine"):
     _cpp = _autograd.direct(torch.ops.moe_kernels.combine)
@@ -32,9 +43,7 @@ if backends._extension.defines("combine"):
     def _backward(ctx, grad_y):
         buffer, experts, positions, weights = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a graph of torch ops, differentiable again
-            return _autograd.through_reference(
-                reference.combine, (buffer, experts, positions, weights), ctx.needs_input_grad, (grad_y,)
-            )
+            return _backward_in_graph(ctx, grad_y)
         grad_buffer, grad_weights = torch.ops.moe_kernels.combine_backward(grad_y, buffer, experts, positions, weights)
         return grad_buffer, None, None, grad_weights
 
@@ -47,6 +56,8 @@ if backends.triton_importable():
     _triton = _triton_module.combine
 
     def _triton_backward(ctx, grad_y):
+        if torch.is_grad_enabled():  # create_graph: as the kernel backward's above
+            return _backward_in_graph(ctx, grad_y)
         buffer, experts, positions, weights = ctx.saved_tensors
         E, C, _ = buffer.shape
         # To the buffer: the weighted gather of grad_y into each kept slot (a weighted dispatch).
@@ -56,12 +67,6 @@ if backends.triton_importable():
         # indexed); one pass over d (row_dots).
         slot = _triton_module.kept_slots(experts, positions, E, C)
         rows = buffer.reshape(E * C, buffer.shape[2])
-        if torch.is_grad_enabled() and C:  # create_graph: torch ops, differentiable again
-            acc = torch.float64 if buffer.dtype == torch.float64 else torch.float32
-            chosen = rows[slot.clamp(min=0)].view(*experts.shape, -1)
-            dots = (chosen.to(acc) * grad_y.to(acc).unsqueeze(1)).sum(-1)
-            kept = slot.view(experts.shape) >= 0
-            return grad_buffer, None, None, torch.where(kept, dots, 0.0).to(weights.dtype)
         dots = _triton_module.row_dots(grad_y, rows, slot, experts.shape[1])
         return grad_buffer, None, None, dots.to(weights.dtype)
 

@@ -32,9 +32,10 @@ if backends._extension.defines("dispatch"):
         experts, positions = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a graph of torch ops (dispatch is linear in x)
             E, C, d = grad_buffer.shape
+            kept_e, kept_p = _autograd.kept_choices(experts, positions, E, C)
             x = grad_buffer.new_zeros(experts.shape[0], d, requires_grad=True)
             (grad_x,) = _autograd.through_reference(
-                lambda x: reference.dispatch(x, experts, positions, E, C), (x,), (True,), (grad_buffer,)
+                lambda x: reference.dispatch(x, kept_e, kept_p, E, C), (x,), (True,), (grad_buffer,)
             )
         else:
             grad_x = torch.ops.moe_kernels.dispatch_backward(grad_buffer, experts, positions)

@@ -10,6 +10,20 @@ import torch
 from moe_kernels import backends, reference
 from moe_kernels.ops import _autograd, _validate
 
+
+def _unpermute_backward_in_graph(ctx, grad_y):
+    """A backward that builds a graph (create_graph): the reference's, differentiable again, reading
+    the rows the kernels read (_autograd.kept_order)."""
+    y_sorted, order, weights = ctx.saved_tensors
+    T = grad_y.shape[0]
+    order = _autograd.kept_order(order, weights.numel())
+    needs = ctx.needs_input_grad
+    grad_y_sorted, grad_weights = _autograd.through_reference(
+        lambda y, w: reference.unpermute(y, order, w, T), (y_sorted, weights), (needs[0], needs[2]), (grad_y,)
+    )
+    return grad_y_sorted, None, grad_weights, None
+
+
 _cpp_permute = _cpp_unpermute = None
 if backends._extension.defines("permute"):
     _cpp_permute = _autograd.direct(torch.ops.moe_kernels.permute)
@@ -46,14 +60,7 @@ if backends._extension.defines("permute"):
     def _unpermute_backward(ctx, grad_y):
         y_sorted, order, weights = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a graph of torch ops, differentiable again
-            T = grad_y.shape[0]
-            grads = _autograd.through_reference(
-                lambda y, o, w: reference.unpermute(y, o, w, T),
-                (y_sorted, order, weights),
-                ctx.needs_input_grad[:3],
-                (grad_y,),
-            )
-            return (*grads, None)
+            return _unpermute_backward_in_graph(ctx, grad_y)
         grad_y_sorted, grad_weights = torch.ops.moe_kernels.unpermute_backward(grad_y, y_sorted, order, weights)
         return grad_y_sorted, None, grad_weights, None
 
@@ -75,14 +82,7 @@ if backends.triton_importable():
     def _triton_unpermute_backward(ctx, grad_y):
         y_sorted, order, weights = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: as the kernel backward's above
-            T = grad_y.shape[0]
-            grads = _autograd.through_reference(
-                lambda y, o, w: reference.unpermute(y, o, w, T),
-                (y_sorted, order, weights),
-                ctx.needs_input_grad[:3],
-                (grad_y,),
-            )
-            return (*grads, None)
+            return _unpermute_backward_in_graph(ctx, grad_y)
         grad_y_sorted, grad_weights = _triton_module.unpermute_backward(grad_y, y_sorted, order, weights)
         return grad_y_sorted, None, grad_weights, None
 

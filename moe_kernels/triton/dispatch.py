@@ -65,18 +65,25 @@ def scatter_rows_kernel(
 
 @triton.jit
 def zero_rows_kernel(
-    source_ptr,  # [S] int64: -1 marks an empty row
+    source_ptr,  # [S] int64: the choice that fills each row, -1 = empty
+    dest_ptr,  # [N] int64: the row of each choice (N = T * K)
     out_ptr,  # [S, d] contiguous
     S,
+    N,
     d,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Zeros into the empty rows alone (the filled ones are scatter_rows_kernel's)."""
+    """Zeros into the rows scatter_rows_kernel does not write: those whose source is -1 (or outside
+    [0, N)), or names a choice whose dest is another row (a choice two rows of a malformed map
+    name). Every row is then written exactly once."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < S
-    empty = row_ok & (tl.load(source_ptr + rows, mask=row_ok, other=0) < 0)
+    j = tl.load(source_ptr + rows, mask=row_ok, other=-1)
+    named = (j >= 0) & (j < N)
+    back = tl.load(dest_ptr + tl.where(named, j, 0), mask=row_ok & named, other=-1)
+    empty = row_ok & ~(named & (back == rows))
     zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * d + cols[None, :], zeros, mask=empty[:, None] & (cols < d)[None, :])
 
@@ -187,20 +194,22 @@ def _grid(rows, d):
 def scatter_rows(
     x: torch.Tensor, dest: torch.Tensor, source: torch.Tensor, k: int, weights: torch.Tensor | None
 ) -> torch.Tensor:
-    """out [S, d]: out[r] = weights[j] * x[j // k] for the choice j = source[r] (weight 1 if None),
-    0 where source[r] is -1. dest [T * k]: the row of each choice, -1 for none; source [S]: its
-    inverse on the rows it fills (a choice whose dest row names another choice writes nothing)."""
+    """out [S, d]: out[r] = weights[j] * x[j // k] for the choice j = source[r] where dest[j] = r
+    (weight 1 if None), 0 elsewhere (source[r] = -1, or a choice whose dest is another row).
+    dest [T * k]: the row of each choice, -1 for none; source [S]: its inverse on the rows it fills
+    (a choice whose dest row names another choice writes nothing)."""
     S, d = source.numel(), x.shape[1]
     T = x.shape[0]
     out = x.new_empty(S, d)
     if out.numel():
         acc, acc_tl = acc_dtype(x.dtype)
         w = (weights if weights is not None else source.new_empty(0)).to(acc).contiguous().reshape(-1)
-        zero_rows_kernel[_grid(S, d)](source, out, S, d, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=_BLOCK_D)
+        dest = dest.contiguous()
+        zero_rows_kernel[_grid(S, d)](source, dest, out, S, dest.numel(), d, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=_BLOCK_D)
         if T * k:
             scatter_rows_kernel[_grid(T, d)](
                 x.contiguous(),
-                dest.contiguous(),
+                dest,
                 source,
                 w,
                 out,
@@ -322,7 +331,7 @@ def _aot_scatter_rows(dt, has_weights):
 
 
 def _aot_zero_rows(dt):
-    signature = {"source_ptr": "*i64", "out_ptr": f"*{dt}", "S": "i32", "d": "i32"}
+    signature = {"source_ptr": "*i64", "dest_ptr": "*i64", "out_ptr": f"*{dt}", "S": "i32", "N": "i32", "d": "i32"}
     constexprs = {"BLOCK_ROWS": _BLOCK_ROWS, "BLOCK_D": _BLOCK_D}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return zero_rows_kernel, signature, constexprs, {"num_warps": 4}

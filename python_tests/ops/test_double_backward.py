@@ -82,3 +82,36 @@ def test_second_derivative_matches_reference(backend, case):
         got = _second_derivative(f, x)
     assert got is not None, f"{case}: the {backend.id} backward built no graph"
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def _mixed_cases():
+    """(name, f(a, b), a, b): the first derivative in a, the second in b (the two inputs of a
+    bilinear op interact only in its mixed second derivative)."""
+    experts = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(11))
+    positions = reference.capacity_positions(experts, E, C - 1)[0]
+    buffer, weights, x = _draw(12, E, C, D), _draw(13, T, K, low=0.1), _draw(14, T, D)
+    x_sorted, _, order = reference.permute(x, experts, E)
+    yield "combine buffer then weights", lambda b, w: ops.combine(b, experts, positions, w), buffer, weights
+    yield "combine weights then buffer", lambda w, b: ops.combine(b, experts, positions, w), weights, buffer
+    yield "unpermute rows then weights", lambda y, w: ops.unpermute(y, order, w, T), x_sorted, weights
+    yield "unpermute weights then rows", lambda w, y: ops.unpermute(y, order, w, T), weights, x_sorted
+
+
+MIXED = {name: (f, a, b) for name, f, a, b in _mixed_cases()}
+
+
+@pytest.mark.parametrize("case", list(MIXED))
+def test_mixed_second_derivative_matches_reference(backend, case):
+    f, a, b = MIXED[case]
+
+    def mixed():
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(f(a_, b_).square().sum(), a_, create_graph=True)
+        (second,) = torch.autograd.grad(grad.square().sum(), b_)
+        return second
+
+    with moe_kernels.use_backend("torch"):
+        expected = mixed()
+    with moe_kernels.use_backend(backend):
+        got = mixed()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

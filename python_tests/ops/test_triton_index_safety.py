@@ -179,3 +179,66 @@ def test_dispatch_one_writer_per_slot_when_positions_repeat(weighted):
         else:
             scale = w.reshape(-1)[choice] if weighted else 1.0
             assert torch.equal(buffer[slot], (x[choice // k] * scale).to(x.dtype)), slot
+
+
+def test_unpermute_backward_writes_every_row_when_order_repeats():
+    # A malformed order naming one choice from two rows: the forward reads one of them (the
+    # choice -> row map's), so the other's gradient is zero, written, not left as it was allocated.
+    ops = _ops()
+    experts, x = inputs()
+    y_sorted, _, order = ops.permute(x, experts, E)
+    bad = order.clone()
+    bad[1] = bad[0]
+    w, g = torch.rand(T, k), torch.randn(T, d)
+    ys = y_sorted.clone().requires_grad_()
+    ops.unpermute(ys, bad, w, T).backward(g)
+    for _ in range(3):
+        torch.full((64 * T * k * d,), float("nan"))  # reused memory must not leak into the result
+        grad_rows, _ = ops.unpermute_backward(g, y_sorted, bad, w)
+        assert torch.equal(grad_rows, ys.grad)
+    from moe_kernels.triton.permute import rows_of_choices
+
+    read = set(rows_of_choices(bad, T * k).tolist())
+    unread = [r for r in range(T * k) if r not in read]
+    assert unread and all(torch.equal(ys.grad[r], torch.zeros(d)) for r in unread)
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_double_backward_drops_out_of_range_ids(bad):
+    # A backward that builds a graph differentiates the reference, which would index an id the
+    # kernels drop: the ids are dropped before it (as -1), the gradient as for an empty choice.
+    _ops()
+    experts, x = inputs()
+    positions, _ = moe_kernels.reference.capacity_positions(experts, E, C)
+    _, _, order = moe_kernels.reference.permute(x, experts, E)
+    w = torch.rand(T, k)
+    buffer = torch.randn(E, C, d)
+
+    def second(f, t, poisoned):
+        t = t.clone().requires_grad_()
+        with moe_kernels.use_backend("triton"):
+            (grad,) = torch.autograd.grad(f(t, poisoned).square().sum(), t, create_graph=True)
+            return torch.autograd.grad(grad.square().sum(), t)[0]
+
+    def combine(b, e):
+        return moe_kernels.ops.combine(b, e, positions, w)
+
+    def unpermute(y, o):
+        return torch.ops.moe_kernels_triton.unpermute(y, o, w, T)
+
+    poisoned_e, empty_e = experts.clone(), experts.clone()
+    poisoned_e[2, 1], empty_e[2, 1] = bad, -1
+    empty_p = positions.clone()
+    empty_p[2, 1] = -1
+    got = second(combine, buffer, poisoned_e)
+    with moe_kernels.use_backend("torch"):
+        b = buffer.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(
+            moe_kernels.ops.combine(b, experts, empty_p, w).square().sum(), b, create_graph=True
+        )
+        expected = torch.autograd.grad(grad.square().sum(), b)[0]
+    torch.testing.assert_close(got, expected)
+    y_sorted = torch.randn(T * k, d)
+    poisoned_o, empty_o = order.clone(), order.clone()
+    poisoned_o[0], empty_o[0] = bad, -1
+    torch.testing.assert_close(second(unpermute, y_sorted, poisoned_o), second(unpermute, y_sorted, empty_o))
