@@ -14,9 +14,11 @@ grouped matmul per projection (torch._grouped_mm, on CPU a matmul per expert ove
 unpermute with the routing weights (float32 products of the float32 router weights, summed in
 float32 and rounded once). Without gradients on CPU at fewer than FEW_CHOICES (token, expert)
 choices (decode), the ids are read on the host: at most k or E / CHOSEN_SHARE distinct experts,
-only those run, each on its rows through views of its weights (torch._grouped_mm on CPU runs a matmul
-per expert of all E, empty or not); more, transformers' own grouped_mm forward (at a few tokens
-our permute and unpermute calls cost more than they save). Where torch's grouped matmul
+or 3 in 4 choices in experts of at most CHOSEN_LINEAR_ROWS rows, only those run, each on its rows
+through views of its weights (torch._grouped_mm on CPU runs a matmul per expert of all E, empty or
+not), an expert of one or two rows through the chosen_linear op (csrc/cpu/chosen_linear.cpp); else
+transformers' own grouped_mm forward (at a few tokens our permute and unpermute calls cost more than
+they save). Where torch's grouped matmul
 does not take the dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes;
 CUDA before sm_80 or other than bf16), the same projections run as one batched matmul over a
 padded [E, C, d] buffer (capacity_positions with C = the largest count, dispatch, combine).
