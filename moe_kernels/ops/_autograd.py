@@ -125,25 +125,5 @@ def through_reference(reference: Callable, args: tuple, needs_input_grad, grads:
     return tuple(result)
 
 
-def kept_choices(experts: torch.Tensor, positions: torch.Tensor, E: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts, positions) with -1 for every choice outside [0, E) x [0, C): what the kernels
-    drop (docs/reliability.md), made what the reference drops, before through_reference hands the
-    ids to it (the GPU backends never range-check them; the reference would index them)."""
-    kept = (experts >= 0) & (experts < E) & (positions >= 0) & (positions < C)
-    return torch.where(kept, experts, -1), torch.where(kept, positions, -1)
-
-
-def kept_order(order: torch.Tensor, n: int) -> torch.Tensor:
-    """permute's order [R] with -1 for every row the kernels' unpermute reads nothing from: an
-    entry outside [0, n), or a choice another row also names and the choice -> row map (the kernels'
-    inverse of order) does not point back to. The reference then reads what the kernels read."""
-    valid = (order >= 0) & (order < n)
-    row = torch.arange(order.numel(), device=order.device)
-    row_of = torch.full((n + 1,), -1, dtype=torch.int64, device=order.device)
-    row_of = row_of.scatter(0, torch.where(valid, order, n), row)[:n]
-    owns = valid & (row_of[order.clamp(0, max(n - 1, 0))] == row) if n else valid
-    return torch.where(owns, order, -1)
-
-
 # Registrations last as long as their Library object.
 _LIBRARIES: dict[str, torch.library.Library] = {}

@@ -10,7 +10,7 @@ devices; float32 / float16 / bfloat16). backends.py chooses among them.
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _autograd, _validate
+from moe_kernels.ops import _autograd, _index_maps, _validate
 
 
 def _setup_context(ctx, inputs, output):
@@ -22,7 +22,7 @@ def _backward_in_graph(ctx, grad_y):
     buffer and the weights jointly, with the ids the kernels drop dropped."""
     buffer, experts, positions, weights = ctx.saved_tensors
     E, C, _ = buffer.shape
-    experts, positions = _autograd.kept_choices(experts, positions, E, C)
+    experts, positions = _index_maps.kept_choices(experts, positions, E, C)
     return _autograd.through_reference(
         reference.combine, (buffer, experts, positions, weights), ctx.needs_input_grad, (grad_y,)
     )

@@ -10,7 +10,7 @@ backends.py chooses among them.
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _autograd, _validate
+from moe_kernels.ops import _autograd, _index_maps, _validate
 
 _cpp = None
 if backends._extension.defines("dispatch"):
@@ -32,7 +32,7 @@ if backends._extension.defines("dispatch"):
         experts, positions = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a graph of torch ops (dispatch is linear in x)
             E, C, d = grad_buffer.shape
-            kept_e, kept_p = _autograd.kept_choices(experts, positions, E, C)
+            kept_e, kept_p = _index_maps.kept_choices(experts, positions, E, C)
             x = grad_buffer.new_zeros(experts.shape[0], d, requires_grad=True)
             (grad_x,) = _autograd.through_reference(
                 lambda x: reference.dispatch(x, kept_e, kept_p, E, C), (x,), (True,), (grad_buffer,)

@@ -8,7 +8,7 @@ backends.py chooses among them.
 import torch
 
 from moe_kernels import backends, reference
-from moe_kernels.ops import _autograd, _validate
+from moe_kernels.ops import _autograd, _index_maps, _validate
 
 
 def _unpermute_backward_in_graph(ctx, grad_y):
@@ -16,7 +16,7 @@ def _unpermute_backward_in_graph(ctx, grad_y):
     the rows the kernels read (_autograd.kept_order)."""
     y_sorted, order, weights = ctx.saved_tensors
     T = grad_y.shape[0]
-    order = _autograd.kept_order(order, weights.numel())
+    order = _index_maps.kept_order(order, weights.numel())
     needs = ctx.needs_input_grad
     grad_y_sorted, grad_weights = _autograd.through_reference(
         lambda y, w: reference.unpermute(y, order, w, T), (y_sorted, weights), (needs[0], needs[2]), (grad_y,)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.ops import _index_maps
 from moe_kernels.triton.common import on_tensor_device
 
 # 8 rows x 128 columns per program, 4 warps: under triton 3.7.1 (torch 2.13.0's), 16 rows made
@@ -164,21 +165,15 @@ def row_dots_kernel(
 
 def kept_slots(experts, positions, E, C):
     """[T * k] int64: e * C + p for kept choices, -1 otherwise."""
-    kept = (positions >= 0) & (experts >= 0) & (positions < C) & (experts < E)
-    return torch.where(kept, experts * C + positions, -1).reshape(-1)
+    return torch.where(_index_maps.kept(experts, positions, E, C), experts * C + positions, -1).reshape(-1)
 
 
 def slot_sources(slot, S):
     """[S] int64: the choice that fills each slot, -1 for empty slots (slots are unique).
 
-    slot: [T * k] int64 from kept_slots (-1 or a slot in [0, S)). Every choice is scattered, the
-    unkept ones into a spare slot S that is cut off: no boolean mask, whose data-dependent
-    shape would read the mask's count back to the host (a device sync).
+    slot: [T * k] int64 from kept_slots (-1 or a slot in [0, S)).
     """
-    target = torch.where(slot >= 0, slot, S)
-    choices = torch.arange(slot.numel(), device=slot.device)
-    source = torch.full((S + 1,), -1, dtype=torch.int64, device=slot.device)
-    return source.scatter(0, target, choices)[:S]
+    return _index_maps.scatter_valid(slot, torch.arange(slot.numel(), device=slot.device), slot >= 0, S)
 
 
 def acc_dtype(dtype):

@@ -7,28 +7,10 @@ No atomics: every output row / token has one writer."""
 
 import torch
 
+from moe_kernels.ops._index_maps import rows_of_choices, scatter_valid
 from moe_kernels.triton import capacity_positions as _positions
 from moe_kernels.triton import dispatch as _rows
 from moe_kernels.triton.common import on_tensor_device
-
-
-def scatter_valid(index: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
-    """[n] int64 out with out[index[i]] = values[i] where valid[i], -1 elsewhere.
-
-    index, values, valid: one shape; index must be in [0, n) where valid. The invalid entries are
-    scattered into a spare element n that is cut off: no boolean-mask indexing, whose
-    data-dependent shape would read the mask's count back to the host (a device sync).
-    """
-    target = torch.where(valid, index, n).reshape(-1)
-    out = torch.full((n + 1,), -1, dtype=torch.int64, device=index.device)
-    return out.scatter(0, target, values.reshape(-1))[:n]
-
-
-def rows_of_choices(order: torch.Tensor, n: int) -> torch.Tensor:
-    """[n] int64: the row of each choice (the inverse of order), -1 for choices without a row.
-    order: [R] int64 from permute; an entry outside [0, n) is ignored."""
-    valid = (order >= 0) & (order < n)
-    return scatter_valid(order, torch.arange(order.numel(), device=order.device), valid, n)
 
 
 @torch.library.custom_op("moe_kernels_triton::permute", mutates_args=())
