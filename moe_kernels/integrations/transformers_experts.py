@@ -12,13 +12,14 @@ also covers the interleaved layout of `is_concatenated=False`) or `up_proj` + `a
 Ours: permute (the T*k token copies sorted by expert, contiguous per expert, no padding) -> one
 grouped matmul per projection (torch._grouped_mm, on CPU a matmul per expert over its rows) ->
 unpermute with the routing weights (float32 products of the float32 router weights, summed in
-float32 and rounded once). Without gradients on CPU at fewer than FEW_CHOICES (token, expert)
-choices (decode), the ids are read on the host: at most k or E / CHOSEN_SHARE distinct experts,
-or 3 in 4 choices in experts of at most CHOSEN_LINEAR_ROWS rows, only those run, each on its rows
-through views of its weights (torch._grouped_mm on CPU runs a matmul per expert of all E, empty or
-not), an expert of one or two rows through the chosen_linear op (csrc/cpu/chosen_linear.cpp); else
-transformers' own grouped_mm forward (at a few tokens our permute and unpermute calls cost more than
-they save). Where torch's grouped matmul
+float32 and rounded once). Without gradients on CPU at a few tokens (fewer than FEW_CHOICES
+(token, expert) choices, or, with chosen_linear, up to FEW_ROWS_PER_EXPERT an expert), the ids are
+read on the host and only the chosen experts run, each on its rows through views of its weights
+(torch._grouped_mm on CPU runs a matmul per expert of all E, empty or not): an expert of at most
+CHOSEN_LINEAR_ROWS rows through the chosen_linear op (csrc/cpu/chosen_linear.cpp, both weight
+layouts), a longer one through torch.mm. Without chosen_linear, the same for at most k or
+E / CHOSEN_SHARE distinct experts, else transformers' own grouped_mm forward (at a few tokens our
+permute and unpermute calls cost more than they save). Where torch's grouped matmul
 does not take the dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes;
 CUDA before sm_80 or other than bf16), the same projections run as one batched matmul over a
 padded [E, C, d] buffer (capacity_positions with C = the largest count, dispatch, combine).
@@ -36,7 +37,6 @@ docs/routers.md, Experts implementation, has the measurements.
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
@@ -205,10 +205,10 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     E = self.num_experts
     if (
         not torch.compiler.is_compiling()  # first: traced, a size test would guard (recompile) on T k
-        and top_k_index.numel() < FEW_CHOICES
         and hidden_states.device.type == "cpu"
         and not torch.is_grad_enabled()
         and hidden_states.dtype != torch.float64
+        and _few(top_k_index.numel(), E, self.gate_up_proj if self.has_gate else self.up_proj)
         and _grouped_mm_takes(hidden_states, self.gate_up_proj if self.has_gate else self.up_proj, self.down_proj)
     ):  # decode: first, so that the few-token path pays for few other checks
         return _forward_few(self, hidden_states, top_k_index, top_k_weights, E)
@@ -225,42 +225,51 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     return y.to(hidden_states.dtype)
 
 
-# Below this many (token, expert) choices, CPU inference does not take our grouped path (_forward_few):
-# our permute / unpermute calls cost more than they save at a few tokens (decode). Measured with
-# bench/bench_decode.py's experts at hidden 512 and 1024 (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS;
-# 1 and 2 threads): at 16-64 choices ours took 1.00-1.05x transformers' time, from 256 on 0.9-1.0x.
-# There, with at most k (one token's) or E / CHOSEN_SHARE distinct experts, only those run
-# (_forward_chosen): transformers' grouped_mm forward costs a matmul per expert of all E, most of
-# its time at one token. With more, transformers' forward: from a few tokens on both read about
-# the same expert weights, and it was as fast or faster (docs/routers.md, "Experts at a few tokens").
+# CPU inference takes _forward_few below FEW_CHOICES (token, expert) choices, or, where
+# chosen_linear takes the weights, up to FEW_ROWS_PER_EXPERT choices per expert on average: there
+# our permute / unpermute calls cost more than they save, and the chosen experts' path beats a
+# torch.mm per expert. Measured with bench/bench_decode.py's experts at hidden 512 (2 threads):
+# the chosen path against transformers' forward was 1.05-2.8x at T = 64 for the four families
+# (Mixtral 16 rows an expert, DeepSeek-V3 2), 1.4x for Qwen3-MoE at T = 128 (8 rows an expert) and
+# 1.1x at 256 (16, as the grouped path), 0.91x for Mixtral at T = 128 (32; grouped 0.94x). Without
+# chosen_linear, with at most k (one token's) or E / CHOSEN_SHARE distinct experts, only those run
+# (a torch.mm each; transformers' grouped_mm forward costs a matmul per expert of all E, most of
+# its time at one token), with more transformers' forward (docs/routers.md, "Experts at a few
+# tokens").
 FEW_CHOICES = 256
+FEW_ROWS_PER_EXPERT = 8
 CHOSEN_SHARE = 8
-# chosen_linear against a torch.mm per expert, by rows per expert (E = 8, [256, 512] weights,
-# float32 / bf16, 1 and 2 threads): 1.2-3.2x at one row, 0.98-1.95x at two, 0.57-1.30x at four
-# (the kernel has no register blocking across rows; torch.mm's GEMM wins from a few rows on).
-CHOSEN_LINEAR_ROWS = 2
+# The longest span (rows of one expert) chosen_linear takes, by dtype; longer spans take a torch.mm
+# each. chosen_linear against a torch.mm per expert, by rows per expert (8 experts of [256, 512]
+# weights, both layouts, 1 and 2 threads): float32 1.6-4.0x at 1-4 rows, 1.2-1.9x at 8, 0.9-1.4x
+# at 16; bf16 1.3-3.4x at 1-4 rows, 0.8-1.3x at 8 (torch.mm's bf16 GEMM multiplies with the CPU's
+# bf16 dot products, ours in float32); fp16 1.1-1.5x from 2 rows ([E, out, in] weights; 0.7-1.0x
+# at one row) and 3.6-18x at 1-32 rows ([E, in, out]).
+CHOSEN_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 4, torch.float16: 32}
+
+
+def _few(choices: int, E: int, first: torch.Tensor) -> bool:
+    """Whether CPU inference on `choices` (token, expert) choices takes _forward_few."""
+    return choices < FEW_CHOICES or (
+        choices <= FEW_ROWS_PER_EXPERT * E and _takes_chosen_linear(first, first.dtype)  # rows take its dtype
+    )
 
 
 def _forward_few(self, hidden_states, experts, top_k_weights, E):
-    """CPU inference below FEW_CHOICES choices. The ids are read on the host (two to a few hundred):
+    """CPU inference at a few tokens (_few). The ids are read on the host (two to a few thousand):
     the range check transformers' forward lacks (its histc drops ids outside [0, E): tokens lost
-    silently), then the path by the number of distinct experts chosen: at most k (one token) or
-    E / CHOSEN_SHARE, only those experts run (_forward_chosen); more, transformers' own grouped_mm
-    forward."""
+    silently), then the chosen experts alone where chosen_linear takes the weights or at most k
+    (one token) or E / CHOSEN_SHARE distinct experts are chosen (_forward_chosen); else
+    transformers' own grouped_mm forward."""
     ids = experts.reshape(-1).tolist()
     if ids and (min(ids) < 0 or max(ids) >= E):
         raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{min(ids)}, {max(ids)}]")
     first = self.gate_up_proj if self.has_gate else self.up_proj
     x = hidden_states.to(first.dtype)
     # The chosen experts alone: while few are chosen (a torch.mm each beats a matmul per expert
-    # of all E), or, with chosen_linear, while 3 in 4 choices fall in experts of at most
-    # CHOSEN_LINEAR_ROWS rows (the others' torch.mm and the host layout then cost more than
-    # grouped_mm saves: Mixtral at 8 tokens, 0.95x).
-    rows_of = collections.Counter(ids)
-    chosen = len(rows_of) <= max(experts.shape[1], E // CHOSEN_SHARE) or (
-        4 * sum(n for n in rows_of.values() if n <= CHOSEN_LINEAR_ROWS) >= 3 * len(ids)
-        and _takes_chosen_linear(x, first, self.is_transposed)
-    )
+    # of all E), or wherever chosen_linear takes the weights (its short spans beat torch.mm, and a
+    # long span takes the torch.mm grouped_mm would run for it).
+    chosen = _takes_chosen_linear(first, x.dtype) or len(set(ids)) <= max(experts.shape[1], E // CHOSEN_SHARE)
     if not ids or not chosen:
         return _forward_transformers(self, hidden_states, experts, top_k_weights)
     return _forward_chosen(self, x, experts, top_k_weights, ids).to(hidden_states.dtype)
@@ -310,11 +319,12 @@ def _chosen_linear(rows, weight, bias, *, spans, expert_of_row, transposed):
     most CHOSEN_LINEAR_ROWS rows go through chosen_linear where it applies
     (csrc/cpu/chosen_linear.cpp: each weight row read once, contiguous, on torch's threads), the
     others through a torch.mm each."""
-    short = [span for span in spans if span[2] - span[1] <= CHOSEN_LINEAR_ROWS]
-    if short and _takes_chosen_linear(rows, weight, transposed):
+    limit = CHOSEN_LINEAR_ROWS.get(rows.dtype, 0)
+    short = [span for span in spans if span[2] - span[1] <= limit]
+    if short and _takes_chosen_linear(weight, rows.dtype):
         # The short spans here (the other rows zero), then the long ones written over them.
-        out = torch.ops.moe_kernels.chosen_linear(rows, weight, torch.tensor(short, dtype=torch.int64))
-        spans = [span for span in spans if span[2] - span[1] > CHOSEN_LINEAR_ROWS]
+        out = torch.ops.moe_kernels.chosen_linear(rows, weight, torch.tensor(short, dtype=torch.int64), transposed)
+        spans = [span for span in spans if span[2] - span[1] > limit]
     else:
         out = rows.new_empty(rows.shape[0], weight.shape[2] if transposed else weight.shape[1])
     for e, a, b in spans:
@@ -327,17 +337,17 @@ def _chosen_linear(rows, weight, bias, *, spans, expert_of_row, transposed):
 if _extension.defines("chosen_linear"):
 
     @torch.library.register_fake("moe_kernels::chosen_linear")
-    def _(rows, weight, spans):
-        return rows.new_empty(rows.shape[0], weight.shape[1])
+    def _(rows, weight, spans, transposed=False):
+        return rows.new_empty(rows.shape[0], weight.shape[2] if transposed else weight.shape[1])
 
 
-def _takes_chosen_linear(rows, weight, transposed) -> bool:
-    """Whether the chosen-experts linear runs as chosen_linear: an [E, out, in] weight contiguous
-    along in, of the rows' dtype (float32 / bf16 / fp16), on CPU, with the extension's kernel."""
+def _takes_chosen_linear(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the chosen-experts linear runs as chosen_linear for rows of `dtype`: an [E, out, in]
+    (or, transposed, [E, in, out]) weight contiguous along its last dimension, of the rows' dtype
+    (float32 / bf16 / fp16), on CPU, with the extension's kernel."""
     return (
-        not transposed
-        and rows.dtype == weight.dtype
-        and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        dtype == weight.dtype
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
         and weight.stride(-1) == 1
         and weight.device.type == "cpu"
         and _extension.has_kernel("chosen_linear", "CPU")

@@ -3,8 +3,10 @@ machine can run and checked against a scalar specification: the row selections (
 select.cpp, the candidate filter of candidates.cpp, the top-2 by values of top2_avx512.cpp, the
 top eight in registers of top8_avx512.cpp) and the softmax terms and sums (csrc/cpu/score/:
 exp_sums.cpp, with exp_terms.cpp's table exp where the variant has AVX-512 F), checked by
-python_tests/builds/isa/row_vector_check.cpp; and batchwise_mask's sampled-threshold select
-(csrc/cpu/select/column_filter.cpp, checked by python_tests/builds/isa/batchwise_filter_check.cpp).
+python_tests/builds/isa/row_vector_check.cpp; batchwise_mask's sampled-threshold select
+(csrc/cpu/select/column_filter.cpp, checked by python_tests/builds/isa/batchwise_filter_check.cpp);
+and chosen_linear's blocks (csrc/cpu/linear/chosen_rows.cpp, checked bit for bit by
+python_tests/builds/isa/chosen_rows_check.cpp).
 
 The extension compiles them for AVX-512, AVX2 and SSE2 and runs only the variant the CPU supports,
 so without this test the others (what an AVX2-only user runs) would never execute here. Each build
@@ -35,6 +37,7 @@ CHECKS = [
         10000,
     ),
     ("column_filter", "batchwise_filter_check.cpp", ("select/column_filter.cpp",), 2000),
+    ("chosen_rows", "chosen_rows_check.cpp", ("linear/chosen_rows.cpp",), 50000),
 ]
 
 # (name, g++ flags, the /proc/cpuinfo flags the CPU needs to run it)

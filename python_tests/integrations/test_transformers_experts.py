@@ -108,17 +108,21 @@ def test_inference_path_matches_eager(family, T):
         (torch.float64, True, 9, "_forward_padded"),
         (torch.bfloat16, True, 9, "_forward_grouped"),
         (torch.float64, False, 9, "_forward_padded"),
-        (torch.bfloat16, False, 9, "_forward_transformers"),
+        (torch.bfloat16, False, 9, "_forward_chosen"),
         (torch.bfloat16, False, 160, "_forward_grouped"),
     ],
 )
 def test_path_by_dtype_and_grad_mode(dtype, grad, T, path, monkeypatch):
     # float64 runs on the padded path, bf16 with 16-byte rows on the grouped one; inference on CPU
-    # below FEW_CHOICES (T k = 18 here) is transformers' own grouped_mm forward, from it (320) ours;
-    # each equals eager.
+    # below FEW_CHOICES (T k = 18 here) is the chosen experts' path (with chosen_linear; else, with
+    # more than max(k, E / CHOSEN_SHARE) distinct experts, transformers' own grouped_mm forward),
+    # from it and past FEW_ROWS_PER_EXPERT choices an expert (320) ours; each equals eager.
     experts = experts_of("qwen3_moe", dtype=dtype)
+    if path == "_forward_chosen" and not transformers_experts._takes_chosen_linear(experts.gate_up_proj, dtype):
+        path = "_forward_transformers"
+    assert 2 * 160 > transformers_experts.FEW_ROWS_PER_EXPERT * experts.num_experts
     calls = []
-    for name in ("_forward_grouped", "_forward_padded", "_forward_transformers"):
+    for name in ("_forward_grouped", "_forward_padded", "_forward_transformers", "_forward_chosen"):
         original = getattr(transformers_experts, name)
         monkeypatch.setattr(
             transformers_experts, name, lambda *a, _o=original, _n=name, **kw: calls.append(_n) or _o(*a, **kw)
@@ -166,9 +170,11 @@ def test_chosen_experts_path_matches_eager(family, index, dtype, monkeypatch):
 
 
 def test_few_choices_path_by_distinct_experts(monkeypatch):
-    """Below FEW_CHOICES: the chosen experts alone while at most max(k, E / CHOSEN_SHARE) distinct
-    ones are chosen, transformers' grouped_mm forward from one more; an out-of-range id is an error
-    on both (transformers' histc would drop it), and an empty batch gives an empty result."""
+    """Below FEW_CHOICES without chosen_linear: the chosen experts alone while at most
+    max(k, E / CHOSEN_SHARE) distinct ones are chosen, transformers' grouped_mm forward from one
+    more; an out-of-range id is an error on both (transformers' histc would drop it), and an empty
+    batch gives an empty result."""
+    monkeypatch.setattr(transformers_experts, "_takes_chosen_linear", lambda *a: False)
     experts = experts_of("mixtral")
     E = experts.num_experts
     limit = max(2, E // transformers_experts.CHOSEN_SHARE)  # k = 2
@@ -194,10 +200,9 @@ def test_few_choices_path_by_distinct_experts(monkeypatch):
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_many_distinct_experts_take_chosen_linear(family, monkeypatch):
-    """Below FEW_CHOICES with more distinct experts than the torch.mm path takes but at most
-    CHOSEN_LINEAR_ROWS rows each on average: the chosen experts' path where chosen_linear applies
-    ([E, out, in] weights: Mixtral), transformers' grouped_mm forward where it does not (GPT-OSS's
-    transposed ones); both equal to eager."""
+    """Below FEW_CHOICES with more distinct experts than the torch.mm path takes: the chosen
+    experts' path with both projections through chosen_linear, for [E, out, in] weights (Mixtral)
+    and transposed [E, in, out] ones (GPT-OSS); equal to eager."""
     if not transformers_experts._extension.has_kernel("chosen_linear", "CPU"):
         pytest.skip("extension not built")
     experts = experts_of(family)
@@ -212,11 +217,55 @@ def test_many_distinct_experts_take_chosen_linear(family, monkeypatch):
     monkeypatch.setattr(
         transformers_experts, "_takes_chosen_linear", lambda *a: takes.append(original(*a)) or takes[-1]
     )
+    kernel = spy_chosen_linear(monkeypatch)
     with torch.no_grad():
         ours = transformers_experts.experts_forward(experts, x, index, w)
         ref = eager(experts, x, index, w)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-    chosen = not experts.is_transposed
-    assert calls == ["_forward_chosen" if chosen else "_forward_transformers"]
-    # the path test, then (Mixtral) each of the two projections: all through the kernel
-    assert takes == ([True] * 3 if chosen else [False])
+    assert calls == ["_forward_chosen"]
+    # the path test, then each of the two projections: all through the kernel
+    assert takes == [True] * 3
+    assert kernel == [experts.is_transposed] * 2
+
+
+def spy_chosen_linear(monkeypatch):
+    """The `transposed` flag of every chosen_linear call."""
+    flags = []
+    op = torch.ops.moe_kernels.chosen_linear
+
+    def spy(rows, weight, spans, transposed=False):
+        flags.append(transposed)
+        return op(rows, weight, spans, transposed)
+
+    monkeypatch.setattr(torch.ops.moe_kernels, "chosen_linear", spy)
+    return flags
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_few_rows_per_expert_take_the_chosen_path(family, monkeypatch):
+    """From FEW_CHOICES up to FEW_ROWS_PER_EXPERT choices an expert on average, inference takes the
+    chosen experts' path where chosen_linear takes the weights (spans longer than
+    CHOSEN_LINEAR_ROWS through a torch.mm each), and ours past it; both equal to eager."""
+    if not transformers_experts._extension.has_kernel("chosen_linear", "CPU"):
+        pytest.skip("extension not built")
+    experts = experts_of(family)
+    E = experts.num_experts
+    monkeypatch.setattr(transformers_experts, "FEW_CHOICES", 4)  # the tiny models have a few experts
+    calls = spy_paths(monkeypatch)
+    kernel = spy_chosen_linear(monkeypatch)
+    per_expert = transformers_experts.FEW_ROWS_PER_EXPERT
+    for T, path in ((per_expert * E // 2, "_forward_chosen"), (per_expert * E, "_forward_grouped")):
+        calls.clear()
+        x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
+        idx, w = routing(T, E, 2, seed=T)
+        idx[:, 0] = 0  # expert 0 on every token: a torch.mm; the others fewer rows: the kernel
+        idx[:, 1] = torch.arange(T) % (E - 1) + 1
+        limit = T // (E - 1) + 1
+        monkeypatch.setattr(transformers_experts, "CHOSEN_LINEAR_ROWS", {torch.float32: limit})
+        assert idx[:, 1].bincount().max() <= limit < T
+        with torch.no_grad():
+            ours = transformers_experts.experts_forward(experts, x, idx, w)
+            ref = eager(experts, x, idx, w)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+        assert calls == [path]
+    assert kernel == [experts.is_transposed] * 2
