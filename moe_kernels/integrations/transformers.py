@@ -72,6 +72,13 @@ def tensor_of(module, name: str):
     return getattr(module, name) if value is None else value
 
 
+def float32_scores(router_logits):
+    """The logits these routers score: transformers scores `router_logits.float()`, so a float64
+    model's routing (and its weights' dtype) is float32 there; 16-bit logits widen exactly in the
+    op, so they pass as they are (no conversion kernel)."""
+    return router_logits.float() if router_logits.dtype == torch.float64 else router_logits
+
+
 def autocast_lowers(hidden_states) -> bool:
     """True under an autocast to a 16-bit type on hidden_states' device.
 
@@ -100,7 +107,7 @@ def autocast_on(device: str) -> bool:
 
 def _mixtral(self, hidden_states):
     router_logits = F.linear(token_rows(hidden_states, self), tensor_of(self, "weight"))
-    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    weights, experts = topk_router(float32_scores(router_logits), self.top_k, renormalize=True)
     return router_logits, weights, experts
 
 
@@ -375,7 +382,7 @@ def _minimax_m2(self, hidden_states, e_score_correction_bias):
     weight = tensor_of(self, "weight")
     router_logits = F.linear(token_rows(hidden_states, self).to(weight.dtype), weight)
     weights, experts = topk_router(
-        router_logits, self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
+        float32_scores(router_logits), self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
     )
     return router_logits, weights, experts
 
@@ -460,7 +467,11 @@ def _minimax_m3_vl(self, hidden_states):
     weight = tensor_of(self, "weight")
     router_logits = F.linear(token_rows(hidden_states, self).to(weight.dtype), weight)
     weights, experts = topk_router(
-        router_logits, self.top_k, scoring="sigmoid", bias=tensor_of(self, "e_score_correction_bias"), renormalize=True
+        float32_scores(router_logits),
+        self.top_k,
+        scoring="sigmoid",
+        bias=tensor_of(self, "e_score_correction_bias"),
+        renormalize=True,
     )
     return router_logits, weights, experts
 

@@ -1,5 +1,6 @@
 """Patched routers against transformers' own, router by router, where the arithmetic is not float32:
-a bf16 model, and a float32 model under CPU bf16 autocast. Each router is called with the hidden
+a bf16 model, a float32 model under CPU bf16 autocast, and a float64 model (where transformers
+scores some routers' logits in float32: Mixtral, MiniMax-M2, MiniMax-M3-VL, Step3p7). Each router is called with the hidden
 states it received in a forward of the model, once patched and once through its class's method.
 
 The outputs must have transformers' dtypes and shapes, pick transformers' experts on every row
@@ -20,6 +21,7 @@ from moe_kernels.integrations.transformers import apply_moe_kernels  # noqa: E40
 SETTINGS = {
     "bf16": (torch.bfloat16, contextlib.nullcontext),
     "autocast": (torch.float32, lambda: torch.autocast("cpu", torch.bfloat16)),
+    "float64": (torch.float64, contextlib.nullcontext),
 }
 
 
@@ -70,11 +72,13 @@ def untied_differences(ours, theirs, logits):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_patched_routers_match_transformers_in_16_bit(family, setting):
+def test_patched_routers_match_transformers_beyond_float32(family, setting):
     if (family, setting) == ("dbrx", "autocast"):
         pytest.skip("transformers' DBRX fails under CPU bf16 autocast unpatched (index_add_ of bf16 into float32)")
     dtype, context = SETTINGS[setting]
     model = tiny_model(family, dtype, seed=1)
+    if dtype == torch.float64:
+        model.set_experts_implementation("eager")  # transformers' grouped_mm refuses float64
     apply_moe_kernels(model, experts=False, few_tokens=False)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (2, 256), generator=torch.Generator().manual_seed(0))
