@@ -11,8 +11,11 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, nu
     """buffer [E, C, d]: buffer[experts[t, s], positions[t, s]] = x[t] for every kept choice;
     slots nobody fills are zero. x: [T, d]; experts, positions: [T, k] int64."""
     T, k = experts.shape
-    buffer = x.new_zeros(num_experts, capacity, x.shape[1])
+    # Static shapes (no boolean-mask indexing: the op's double backward differentiates this on the
+    # device without a host read): a dropped choice writes into a spare slot C, cut off after.
+    buffer = x.new_zeros(num_experts, capacity + 1, x.shape[1])
     kept = positions >= 0
     token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, k)
-    buffer[experts[kept], positions[kept]] = x[token[kept]]
-    return buffer
+    slot = torch.where(kept, positions, capacity)
+    buffer = buffer.index_put((torch.where(kept, experts, 0), slot), x[token]) if num_experts else buffer
+    return buffer[:, :capacity].contiguous()

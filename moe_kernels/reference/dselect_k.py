@@ -21,7 +21,14 @@ def selectors(s: torch.Tensor) -> torch.Tensor:
     index = torch.arange(2**m, device=s.device)
     bits = ((index[:, None] >> torch.arange(m, device=s.device)) & 1).bool()  # [2^m, m]
     factors = torch.where(bits, s[..., None, :], 1 - s[..., None, :])  # [..., 2^m, m]
-    return factors.prod(-1)
+    if m == 0:  # one expert: the empty product, 1 (prod keeps z, with no column, in the graph)
+        return factors.prod(-1)
+    # The product in order of j, by multiplications: torch's prod backward reads on the host
+    # whether a factor is zero (a sync in the op's double backward, which differentiates this).
+    out = factors[..., 0]
+    for j in range(1, m):
+        out = out * factors[..., j]
+    return out
 
 
 def dselect_k(alpha: torch.Tensor, z: torch.Tensor, num_experts: int, gamma: float, return_selectors: bool = False):

@@ -38,9 +38,13 @@ def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     """
     acc = torch.float64 if y_sorted.dtype == torch.float64 else torch.float32
     k = weights.shape[1]
+    # Static shapes (no boolean-mask indexing: the op's double backward differentiates this on the
+    # device without a host read): an ignored row adds an exact zero to token 0. Both factors are
+    # zeroed, so a NaN in an ignored row reaches neither the sum nor a gradient.
     valid = order >= 0
-    choice = order[valid]
-    rows = y_sorted[valid].to(acc) * weights.reshape(-1)[choice].to(acc).unsqueeze(1)
+    choice = order.clamp(min=0)
+    row_weights = torch.where(valid, weights.reshape(-1)[choice].to(acc), 0.0)
+    rows = torch.where(valid.unsqueeze(1), y_sorted.to(acc), 0.0) * row_weights.unsqueeze(1)
     y = torch.zeros(num_tokens, y_sorted.shape[1], dtype=acc, device=y_sorted.device)
-    y = y.index_add(0, choice // k, rows)
+    y = y.index_add(0, choice // max(k, 1), rows)
     return y.to(y_sorted.dtype)

@@ -5,11 +5,13 @@ The kernels' fused backwards have no derivative of their own: asked to build a g
 backward runs torch ops instead (the op's torch formula, or the reference differentiated:
 _autograd.through_reference). Before that, their gradients had no graph (autograd's "not
 implemented" warning) and every second derivative through them came out zero or wrong, silently.
-One case still has none, and says so: FROM_WEIGHTS.
+One case still has none, and says so: FROM_WEIGHTS. Those torch ops read nothing on the host
+(no reference they differentiate uses boolean-mask indexing or torch.prod's backward).
 """
 
 import pytest
 import torch
+from host_sync import sync_events, syncs
 
 import moe_kernels
 from moe_kernels import ops, reference
@@ -82,6 +84,25 @@ def test_second_derivative_matches_reference(backend, case):
         got = _second_derivative(f, x)
     assert got is not None, f"{case}: the {backend.id} backward built no graph"
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_second_derivative_reads_nothing_on_the_host(backend, case):
+    """The graph the backward builds, and its own backward, run without a host read (each a device
+    sync on a GPU): a gradient penalty stays capturable and free of graph breaks."""
+    f, x = CASES[case]
+    if case in FROM_WEIGHTS and backend in ("cpu", "cuda"):
+        pytest.skip("no second derivative on the kernels: raises (test_second_derivative_matches_reference)")
+    with moe_kernels.use_backend(backend):
+        x = x.clone().requires_grad_()
+        out = f(x).square().sum()
+
+        def both():
+            (grad,) = torch.autograd.grad(out, x, create_graph=True)
+            return torch.autograd.grad(grad.square().sum(), x, allow_unused=True)
+
+        _, events = sync_events(both)
+    assert not syncs(events), f"{case}: {syncs(events)}"
 
 
 def _mixed_cases():

@@ -6,22 +6,21 @@ stops the CPU until the GPU has caught up: once per op per layer, and CUDA-graph
 torch.compile(mode="reduce-overhead") fail on it. Each op's Triton path runs here, forward and
 backward where it is differentiable, on CPU tensors under the Triton interpreter (the path the GPU
 runs, launched by the same Python), inside a CPU profile of only the region from the op's entry to
-its outputs (inputs are built before). Any of SYNC_EVENTS in that profile fails the test, naming
-the op, the pass and the events. Run in the interpreter pass:
+its outputs (inputs are built before). Any host read in that profile (python_tests/support/
+host_sync.py) fails the test, naming the op, the pass and the events. Run in the interpreter
+pass:
 
     TRITON_INTERPRET=1 python -m pytest python_tests/ops/test_no_host_sync.py -m triton
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from unittest import mock
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from host_sync import sync_events, syncs
 
 import moe_kernels
 from moe_kernels import backends, ops, reference
@@ -34,20 +33,6 @@ pytestmark = [
     ),
 ]
 
-# Profiler events of a host read or of a data-dependent output shape (each one a device sync on a
-# GPU): `.item()` / `int(t)` / `float(t)` run _local_scalar_dense, `bool(t)` / `if t:` is_nonzero,
-# boolean-mask indexing nonzero; `torch.equal` returns a Python bool.
-SYNC_EVENTS = (
-    "aten::item",
-    "aten::_local_scalar_dense",
-    "aten::is_nonzero",
-    "aten::nonzero",
-    "aten::nonzero_static",
-    "aten::masked_select",
-    "aten::equal",
-    "Tensor.tolist",  # counted by sync_events
-)
-SYNC_PREFIXES = ("aten::unique", "aten::_unique")  # unique, _unique2, unique_dim, unique_consecutive
 
 T, E, K, D = 6, 4, 2, 5  # tokens, experts, choices per token, row width
 C = 2  # capacity: T * K / E = 3 choices per expert on average, so some are dropped
@@ -214,26 +199,6 @@ PARAMS = [
 ]
 
 
-def sync_events(run: Callable[[], object]) -> tuple[object, Counter]:
-    """(run()'s result, Counter of every profiler event name recorded while it ran). `.tolist()` of a
-    CPU tensor dispatches no aten op, so its calls are counted as the event "Tensor.tolist"."""
-    events = Counter()
-    tolist = torch.Tensor.tolist
-
-    def counted_tolist(self):
-        events["Tensor.tolist"] += 1
-        return tolist(self)
-
-    with mock.patch.object(torch.Tensor, "tolist", counted_tolist), profile(activities=[ProfilerActivity.CPU]) as prof:
-        result = run()
-    events.update(event.name for event in prof.events())
-    return result, events
-
-
-def _syncs(events: Counter) -> dict[str, int]:
-    return {n: c for n, c in sorted(events.items()) if n in SYNC_EVENTS or n.startswith(SYNC_PREFIXES)}
-
-
 def _outputs(result) -> list[torch.Tensor]:
     return list(result) if isinstance(result, tuple | list) else [result]
 
@@ -242,7 +207,7 @@ def test_the_profile_sees_host_reads():
     """The check is not vacuous: each kind of read this test forbids shows in the profile."""
     t = torch.tensor([0.0, 1.0, 2.0])
     for read in (lambda: int(t.max()), lambda: bool(t.any()), lambda: t[t > 0], lambda: t.tolist(), lambda: t.unique()):
-        assert _syncs(sync_events(read)[1]), read
+        assert syncs(sync_events(read)[1]), read
 
 
 def test_every_registered_op_is_covered():
@@ -265,14 +230,14 @@ def test_no_host_sync(op, variant):
         outputs, events = sync_events(case.call)
         missing = [kernel for kernel in case.kernels if kernel not in events]
         assert not missing, f"{name}: the Triton launcher(s) {missing} did not run; events: {sorted(events)}"
-        found["forward"] = _syncs(events)
+        found["forward"] = syncs(events)
         if case.wrt:
             # The backward alone: gradients of every differentiable output, built before the profile.
             diff = [o for o in _outputs(outputs) if o.requires_grad]
             grads = [torch.randn_like(o) for o in diff]
             grad_inputs, events = sync_events(lambda: torch.autograd.grad(diff, case.wrt, grads, allow_unused=True))
             assert any(g is not None for g in grad_inputs), f"{name}: the backward produced no gradient"
-            found["backward"] = _syncs(events)
+            found["backward"] = syncs(events)
     found = {phase: syncs for phase, syncs in found.items() if syncs}
     if found:
         pytest.fail(f"{name} reads values on the host (event: count): {found}", pytrace=False)
