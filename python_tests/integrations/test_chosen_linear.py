@@ -83,16 +83,30 @@ def test_matches_float64_products_in_its_order(dtype, d_in, transposed):
     assert torch.equal(out, in_order(rows, weight, SPANS, transposed))
 
 
+@pytest.mark.parametrize("flush", [False, True], ids=["", "flush_denormal"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_widens_every_16_bit_weight_exactly(dtype, transposed):
+def test_widens_every_16_bit_weight_exactly(dtype, transposed, flush):
     """Every one of the 65536 bit patterns (subnormals, infinities, NaNs) times 1 through the
-    kernel's widening comes back as itself (-0 as +0: the sums start from +0)."""
+    kernel's widening comes back as itself (-0 as +0: the sums start from +0). fp16 subnormals are
+    normal float32 numbers: also with subnormals flushed (torch.set_flush_denormal), where bf16's
+    are zero, as in torch's own arithmetic, the calling thread's alone."""
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     values = bits.view(dtype)
     weight = values.reshape(1, 1, -1) if transposed else values.reshape(1, -1, 1)
-    out = chosen_linear(torch.ones(1, 1, dtype=dtype), weight, [(0, 0, 1)], transposed)
-    torch.testing.assert_close(out.reshape(-1).float(), values.float() + 0.0, rtol=0, atol=0, equal_nan=True)
+    threads = torch.get_num_threads()
+    if flush and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        torch.set_num_threads(1)  # the flag is the calling thread's: every task runs on it
+        out = chosen_linear(torch.ones(1, 1, dtype=dtype), weight, [(0, 0, 1)], transposed)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    want = values.float() + 0.0
+    if flush and dtype == torch.bfloat16:
+        want = torch.where(want.abs() < torch.finfo(torch.float32).tiny, 0.0, want)
+    torch.testing.assert_close(out.reshape(-1).float(), want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])

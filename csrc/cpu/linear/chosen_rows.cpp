@@ -37,20 +37,31 @@ MK_ALWAYS_INLINE f32x8 load8(const uint16_t* p) {
 }
 
 // fp16 bits to float32, exactly, in integer and float operations that every variant has (the
-// baseline has no F16C): the exponent and mantissa placed in a float32 and scaled by 2^112 (exact
-// for normal and subnormal halves: a power of two), infinities and NaNs by their bits.
+// baseline has no F16C): the exponent re-biased in the bits; infinities and NaNs to exponent 255;
+// a subnormal half m 2^-24 as (2^-14 + m 2^-24) - 2^-14. Every float operand and result is normal,
+// so a CPU flushing subnormals (torch.set_flush_denormal) widens the same.
+constexpr uint32_t kHalfExponent = 0x7c00u << 13;  // a half's exponent bits, placed as a float's
+constexpr uint32_t kRebias = (127 - 15) << 23;
+constexpr uint32_t kTwoPowMinus14 = (127 - 14) << 23;
+
 MK_VECTORISE MK_ALWAYS_INLINE f32x8 load8(const f16_bits* p) {
   u16x8 h;
   std::memcpy(&h, p, sizeof h);
   const u32x8 wide = __builtin_convertvector(h, u32x8);
-  const u32x8 magnitude = (wide & 0x7fff) << 13;
-  f32x8 v;
-  std::memcpy(&v, &magnitude, sizeof v);
-  v *= 0x1p112f;
-  u32x8 bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits = magnitude >= (0x7c00u << 13) ? (magnitude | 0x7f800000u) : bits;
+  const u32x8 placed = (wide & 0x7fff) << 13;
+  const u32x8 exponent = placed & kHalfExponent;
+  u32x8 bits = placed + kRebias;
+  bits = exponent == kHalfExponent ? bits + kRebias : bits;
+  f32x8 sub, bias;
+  const u32x8 sub_bits = bits + (1u << 23), bias_bits = (u32x8){} + kTwoPowMinus14;
+  std::memcpy(&sub, &sub_bits, sizeof sub);
+  std::memcpy(&bias, &bias_bits, sizeof bias);
+  sub -= bias;
+  u32x8 sub_as_bits;
+  std::memcpy(&sub_as_bits, &sub, sizeof sub_as_bits);
+  bits = exponent == 0 ? sub_as_bits : bits;
   bits |= (wide & 0x8000) << 16;
+  f32x8 v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
@@ -58,15 +69,15 @@ MK_VECTORISE MK_ALWAYS_INLINE f32x8 load8(const f16_bits* p) {
 MK_ALWAYS_INLINE float widen(float x) { return x; }
 MK_ALWAYS_INLINE float widen(uint16_t h) { return bits_float(uint32_t(h) << 16); }
 MK_VECTORISE MK_ALWAYS_INLINE float widen(f16_bits h) {
-  const uint32_t magnitude = uint32_t(h.bits & 0x7fff) << 13;
-  const uint32_t sign = uint32_t(h.bits & 0x8000) << 16;
-  if (magnitude >= (0x7c00u << 13)) return bits_float(sign | magnitude | 0x7f800000u);
-  float v;
-  std::memcpy(&v, &magnitude, sizeof v);
-  v *= 0x1p112f;
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits_float(bits | sign);
+  const uint32_t placed = uint32_t(h.bits & 0x7fff) << 13;
+  const uint32_t exponent = placed & kHalfExponent;
+  uint32_t bits = placed + kRebias;
+  if (exponent == kHalfExponent) bits += kRebias;
+  if (exponent == 0) {
+    const float sub = bits_float(bits + (1u << 23)) - bits_float(kTwoPowMinus14);
+    std::memcpy(&bits, &sub, sizeof bits);
+  }
+  return bits_float(bits | uint32_t(h.bits & 0x8000) << 16);
 }
 
 MK_ALWAYS_INLINE void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }

@@ -3,13 +3,16 @@
 // python_tests/builds/test_isa_variants.py with MOE_KERNELS_NO_CLONES: the extension's load-time
 // dispatch runs only the clone the machine supports. Both layouts, float32 / bf16 / fp16 weights
 // (every 16-bit pattern among them: subnormals, infinities, NaNs), 1 to 9 rows (blocks of four and
-// fewer; one and two weight rows at a time), widths with and without a tail of eight. Prints the
+// fewer; one and two weight rows at a time), widths with and without a tail of eight; every fp16
+// pattern's widening, with and without subnormals flushed. Prints the
 // number of outputs checked; exits 1 at the first mismatch.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <vector>
+
+#include <xmmintrin.h>
 
 #include "linear/chosen_rows.h"
 #include "xorshift.h"
@@ -46,9 +49,38 @@ __attribute__((optimize("fp-contract=off"))) float spec(const float* x, int64_t 
 
 bool same(float a, float b) { return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, sizeof a) == 0; }
 
+// Mostly finite values near 1, so that long sums stay finite and their order shows in the bits;
+// one in a hundred any bit pattern (subnormals, infinities, NaNs).
 void fill(float* p) { *p = uniform() < 0.01f ? (uniform() < 0.5f ? INFINITY : 0.0f) : 4.0f * uniform() - 2.0f; }
-void fill(uint16_t* p) { *p = uint16_t(next()); }
-void fill(f16_bits* p) { p->bits = uint16_t(next()); }
+uint16_t near_one(int mantissa_bits, int bias) {
+  const uint32_t sign = next() & 1, exponent = bias - 4 + next() % 6, mantissa = next() & ((1u << mantissa_bits) - 1);
+  return uint16_t(sign << 15 | exponent << mantissa_bits | mantissa);
+}
+void fill(uint16_t* p) { *p = uniform() < 0.01f ? uint16_t(next()) : near_one(7, 127); }
+void fill(f16_bits* p) { p->bits = uniform() < 0.01f ? uint16_t(next()) : near_one(10, 15); }
+
+// Every fp16 pattern times 1 comes back as itself (-0 as +0), also with subnormals flushed and
+// treated as zero (MXCSR FTZ and DAZ, as torch.set_flush_denormal sets them): the widening's
+// float operations must all be on normal numbers. The count checked, or -1.
+int64_t check_every_half(bool flush) {
+  const unsigned csr = _mm_getcsr();
+  if (flush) _mm_setcsr(csr | 0x8040);
+  std::vector<f16_bits> w(65536);
+  for (uint32_t b = 0; b < 65536; ++b) w[b].bits = uint16_t(b);
+  std::vector<float> out(65536), one(1, 1.0f);
+  chosen_dot_rows_f16(one.data(), 1, 1, w.data(), 1, 65536, out.data(), 65536);
+  std::vector<float> out_t(65536);
+  chosen_axpy_rows_f16(one.data(), 1, 1, w.data(), 65536, 65536, out_t.data(), 65536);
+  _mm_setcsr(csr);
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float want = widen(w[b]) + 0.0f;
+    if (!same(out[b], want) || !same(out_t[b], want)) {
+      std::printf("fp16 %04x widens to %a / %a, want %a (flush %d)\n", b, out[b], out_t[b], want, flush);
+      return -1;
+    }
+  }
+  return 2 * 65536;
+}
 
 // Checks one layout and weight type at every shape; the count of outputs checked, or -1.
 template <typename W>
@@ -95,6 +127,7 @@ int main() {
       check(chosen_dot_rows_f32, false, "dot f32"),    check(chosen_dot_rows_bf16, false, "dot bf16"),
       check(chosen_dot_rows_f16, false, "dot f16"),    check(chosen_axpy_rows_f32, true, "axpy f32"),
       check(chosen_axpy_rows_bf16, true, "axpy bf16"), check(chosen_axpy_rows_f16, true, "axpy f16"),
+      check_every_half(false),                         check_every_half(true),
   };
   for (int64_t c : counts) {
     if (c < 0) return 1;
