@@ -72,11 +72,13 @@ def tensor_of(module, name: str):
     return getattr(module, name) if value is None else value
 
 
-def float32_scores(router_logits):
-    """The logits these routers score: transformers scores `router_logits.float()`, so a float64
-    model's routing (and its weights' dtype) is float32 there; 16-bit logits widen exactly in the
-    op, so they pass as they are (no conversion kernel)."""
-    return router_logits.float() if router_logits.dtype == torch.float64 else router_logits
+def float32_weights(weights):
+    """The weights of the routers that score `router_logits.float()` in transformers (Mixtral,
+    MiniMax-M2, the MiniMax-M3-VL code): float32 in a float64 model too. The op ranks the float64
+    logits, where transformers' float32 scores can only tie (a tie, broken to the lower index:
+    docs/routers.md); ranking float32 scores would merge keys that a float64 bias separates in
+    transformers."""
+    return weights.float() if weights.dtype == torch.float64 else weights
 
 
 def autocast_lowers(hidden_states) -> bool:
@@ -107,8 +109,8 @@ def autocast_on(device: str) -> bool:
 
 def _mixtral(self, hidden_states):
     router_logits = F.linear(token_rows(hidden_states, self), tensor_of(self, "weight"))
-    weights, experts = topk_router(float32_scores(router_logits), self.top_k, renormalize=True)
-    return router_logits, weights, experts
+    weights, experts = topk_router(router_logits, self.top_k, renormalize=True)
+    return router_logits, float32_weights(weights), experts
 
 
 def _qwen2_moe(self, hidden_states):
@@ -382,9 +384,9 @@ def _minimax_m2(self, hidden_states, e_score_correction_bias):
     weight = tensor_of(self, "weight")
     router_logits = F.linear(token_rows(hidden_states, self).to(weight.dtype), weight)
     weights, experts = topk_router(
-        float32_scores(router_logits), self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
+        router_logits, self.top_k, scoring="sigmoid", bias=e_score_correction_bias, renormalize=True
     )
-    return router_logits, weights, experts
+    return router_logits, float32_weights(weights), experts
 
 
 def _hy_v3(self, hidden_states, e_score_correction_bias):
@@ -467,13 +469,9 @@ def _minimax_m3_vl(self, hidden_states):
     weight = tensor_of(self, "weight")
     router_logits = F.linear(token_rows(hidden_states, self).to(weight.dtype), weight)
     weights, experts = topk_router(
-        float32_scores(router_logits),
-        self.top_k,
-        scoring="sigmoid",
-        bias=tensor_of(self, "e_score_correction_bias"),
-        renormalize=True,
+        router_logits, self.top_k, scoring="sigmoid", bias=tensor_of(self, "e_score_correction_bias"), renormalize=True
     )
-    return router_logits, weights, experts
+    return router_logits, float32_weights(weights), experts
 
 
 def _axk2(self, hidden_states):

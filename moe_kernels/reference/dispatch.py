@@ -12,10 +12,10 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, positions: torch.Tensor, nu
     slots nobody fills are zero. x: [T, d]; experts, positions: [T, k] int64."""
     T, k = experts.shape
     # Static shapes (no boolean-mask indexing: the op's double backward differentiates this on the
-    # device without a host read): a dropped choice writes into a spare slot C, cut off after.
-    buffer = x.new_zeros(num_experts, capacity + 1, x.shape[1])
+    # device without a host read): a dropped choice writes into a spare slot (E, C), cut off after.
+    # positions must be below capacity (the ops check it).
+    buffer = x.new_zeros(num_experts + 1, capacity + 1, x.shape[1])
     kept = positions >= 0
     token = torch.arange(T, device=x.device).unsqueeze(1).expand(T, k)
-    slot = torch.where(kept, positions, capacity)
-    buffer = buffer.index_put((torch.where(kept, experts, 0), slot), x[token]) if num_experts else buffer
-    return buffer[:, :capacity].contiguous()
+    index = (torch.where(kept, experts, num_experts), torch.where(kept, positions, capacity))
+    return buffer.index_put(index, x[token])[:num_experts, :capacity].contiguous()

@@ -1,7 +1,8 @@
 """Patched routers against transformers' own, router by router, where the arithmetic is not float32:
 a bf16 model, a float32 model under CPU bf16 autocast, and a float64 model (where transformers
-scores some routers' logits in float32: Mixtral, MiniMax-M2, MiniMax-M3-VL, Step3p7). Each router is called with the hidden
-states it received in a forward of the model, once patched and once through its class's method.
+scores some routers' logits in float32: Mixtral, MiniMax-M2, MiniMax-M3-VL, Step3p7). Each router
+is called with the hidden states it received in a forward of the model, once patched and once
+through its class's method.
 
 The outputs must have transformers' dtypes and shapes, pick transformers' experts on every row
 except where the experts in question tie on their logits (ties go to the lower index here, by
