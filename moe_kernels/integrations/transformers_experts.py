@@ -243,8 +243,8 @@ CHOSEN_SHARE = 8
 # each. chosen_linear against a torch.mm per expert, by rows per expert (8 experts of [256, 512]
 # weights, both layouts, 1 and 2 threads): float32 1.6-4.0x at 1-4 rows, 1.2-1.9x at 8, 0.9-1.4x
 # at 16; bf16 1.3-3.4x at 1-4 rows, 0.8-1.3x at 8 (torch.mm's bf16 GEMM multiplies with the CPU's
-# bf16 dot products, ours in float32); fp16 1.1-1.5x from 2 rows ([E, out, in] weights; 0.7-1.0x
-# at one row) and 3.6-18x at 1-32 rows ([E, in, out]).
+# bf16 dot products, ours in float32); fp16 [E, out, in] 0.6-0.9x at one row, 0.9-1.1x at two,
+# 1.2-1.4x from four (its exact widening without F16C), [E, in, out] 2.7-15x at 1-32 rows.
 CHOSEN_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 4, torch.float16: 32}
 
 
