@@ -12,17 +12,18 @@ also covers the interleaved layout of `is_concatenated=False`) or `up_proj` + `a
 Ours: permute (the T*k token copies sorted by expert, contiguous per expert, no padding) -> one
 grouped matmul per projection (torch._grouped_mm, on CPU a matmul per expert over its rows) ->
 unpermute with the routing weights (float32 products of the float32 router weights, summed in
-float32 and rounded once). Without gradients on CPU at a few tokens (fewer than FEW_CHOICES
-(token, expert) choices, or, with chosen_linear, up to FEW_ROWS_PER_EXPERT an expert), the ids are
-read on the host and only the chosen experts run, each on its rows through views of its weights
-(torch._grouped_mm on CPU runs a matmul per expert of all E, empty or not): an expert of at most
-CHOSEN_LINEAR_ROWS rows through the chosen_linear op (csrc/cpu/chosen_linear.cpp, both weight
-layouts), a longer one through torch.mm. Without chosen_linear, the same for at most k or
-E / CHOSEN_SHARE distinct experts, else transformers' own grouped_mm forward (at a few tokens our
-permute and unpermute calls cost more than they save). Where torch's grouped matmul
-does not take the dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes;
-CUDA before sm_80 or other than bf16), the same projections run as one batched matmul over a
-padded [E, C, d] buffer (capacity_positions with C = the largest count, dispatch, combine).
+float32 and rounded once). Without gradients on CPU at a few tokens (fewer than FEW_CHOICES (token,
+expert) choices, or, with chosen_linear, up to FEW_ROWS_PER_EXPERT an expert), the ids are read on
+the host; where at least 1 in KERNEL_SHARE choices fall in experts of at most CHOSEN_LINEAR_ROWS
+rows, only the chosen experts run, on views of their weights (torch._grouped_mm on CPU runs a matmul
+per expert of all E, empty or not): those experts through the chosen_linear op
+(csrc/cpu/chosen_linear.cpp, both weight layouts), the longer ones through one torch._grouped_mm
+over their rows (or a torch.mm each while fewer than E / LONG_SHARE). Without chosen_linear, the
+same for at most k or E / CHOSEN_SHARE distinct experts; else the grouped path below (transformers'
+own grouped_mm forward without our permute kernel). Where torch's grouped matmul does not take the
+dtype on the device (float64; fp16 / bf16 rows not a multiple of 16 bytes; CUDA before sm_80 or
+other than bf16), the same projections run as one batched matmul over a padded [E, C, d] buffer
+(capacity_positions with C = the largest count, dispatch, combine).
 
 Traced (torch.compile; fake or meta tensors) every call takes the grouped path, which reads no
 value on the host and whose shapes follow T, k and E only (one graph per forward, no break):
@@ -37,7 +38,10 @@ docs/routers.md, Experts implementation, has the measurements.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
+import typing
 
 import torch
 
@@ -227,25 +231,37 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
 # CPU inference takes _forward_few below FEW_CHOICES (token, expert) choices, or, where
 # chosen_linear takes the weights, up to FEW_ROWS_PER_EXPERT choices per expert on average: there
-# our permute / unpermute calls cost more than they save, and the chosen experts' path beats a
-# torch.mm per expert. Measured with bench/bench_decode.py's experts at hidden 512 (2 threads):
-# the chosen path against transformers' forward was 1.05-2.8x at T = 64 for the four families
-# (Mixtral 16 rows an expert, DeepSeek-V3 2), 1.4x for Qwen3-MoE at T = 128 (8 rows an expert) and
-# 1.1x at 256 (16, as the grouped path), 0.91x for Mixtral at T = 128 (32; grouped 0.94x). Without
-# chosen_linear, with at most k (one token's) or E / CHOSEN_SHARE distinct experts, only those run
-# (a torch.mm each; transformers' grouped_mm forward costs a matmul per expert of all E, most of
-# its time at one token), with more transformers' forward (docs/routers.md, "Experts at a few
-# tokens").
+# the chosen experts' path beats a matmul per expert. Measured with bench/bench_decode.py's experts
+# at hidden 512 (2 threads): the chosen path against transformers' forward was 1.05-2.8x at T = 64
+# for the four families in float32 (Mixtral 16 rows an expert, DeepSeek-V3 2), 1.4x for Qwen3-MoE
+# at T = 128 (8 rows an expert) and 1.1x at 256 (16, as the grouped path), 0.91x for Mixtral at
+# T = 128 (32; grouped 0.94x).
 FEW_CHOICES = 256
 FEW_ROWS_PER_EXPERT = 8
+# Without chosen_linear's experts (below), with at most k (one token's) or E / CHOSEN_SHARE
+# distinct experts, only those run (a torch.mm each; transformers' grouped_mm forward costs a
+# matmul per expert of all E, most of its time at one token).
 CHOSEN_SHARE = 8
-# The longest span (rows of one expert) chosen_linear takes, by dtype; longer spans take a torch.mm
-# each. chosen_linear against a torch.mm per expert, by rows per expert (8 experts of [256, 512]
-# weights, both layouts, 1 and 2 threads): float32 1.6-4.0x at 1-4 rows, 1.2-1.9x at 8, 0.9-1.4x
-# at 16; bf16 1.3-3.4x at 1-4 rows, 0.8-1.3x at 8 (torch.mm's bf16 GEMM multiplies with the CPU's
-# bf16 dot products, ours in float32); fp16 [E, out, in] 0.6-0.9x at one row, 0.9-1.1x at two,
-# 1.2-1.4x from four (its exact widening without F16C), [E, in, out] 2.7-15x at 1-32 rows.
+# The chosen experts' path where at least 1 in KERNEL_SHARE choices fall in experts that
+# chosen_linear takes (at most CHOSEN_LINEAR_ROWS rows); else our grouped path. Bench experts at
+# T = 64 (2 threads): with that share at 0.45-0.67 (Mixtral and GPT-OSS in float32, Qwen3-MoE in
+# bf16) the chosen path was 1.01-1.37x transformers' forward; at 0-0.04 (Mixtral and GPT-OSS in
+# bf16, where every expert has more than 4 rows) 0.93-0.95x (the host layout for one grouped
+# matmul: what transformers runs), the grouped path 0.96-1.02x.
+KERNEL_SHARE = 4
+# The longest span (rows of one expert) chosen_linear takes, by dtype; the longer ones take one
+# torch._grouped_mm or a torch.mm each (LONG_SHARE). chosen_linear against a torch.mm per expert, by
+# rows per expert (8 experts of [256, 512] weights, both layouts, 1 and 2 threads): float32 1.6-4.0x
+# at 1-4 rows, 1.2-1.9x at 8, 0.9-1.4x at 16; bf16 1.3-3.4x at 1-4 rows, 0.8-1.3x at 8 (torch.mm's
+# bf16 GEMM multiplies with the CPU's bf16 dot products, ours in float32); fp16 [E, out, in]
+# 0.6-0.9x at one row, 0.9-1.1x at two, 1.2-1.4x from four (its exact widening without F16C), [E,
+# in, out] 2.7-15x at 1-32 rows.
 CHOSEN_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 4, torch.float16: 32}
+# One torch._grouped_mm over the long experts' rows where at least 1 in LONG_SHARE of all E
+# experts are long. A grouped matmul against a torch.mm per expert ([256, 512] weights, 8-16
+# rows each): 0.83-0.91x the time with 8 of 8 or 64 of 128 experts long, 1.04-1.77x with 16 or 4
+# of 128 (an empty expert costs it about a microsecond), 1.03x with 2 of 8 in the Mixtral bench.
+LONG_SHARE = 2
 
 
 def _few(choices: int, E: int, first: torch.Tensor) -> bool:
@@ -258,21 +274,30 @@ def _few(choices: int, E: int, first: torch.Tensor) -> bool:
 def _forward_few(self, hidden_states, experts, top_k_weights, E):
     """CPU inference at a few tokens (_few). The ids are read on the host (two to a few thousand):
     the range check transformers' forward lacks (its histc drops ids outside [0, E): tokens lost
-    silently), then the chosen experts alone where chosen_linear takes the weights or at most k
-    (one token) or E / CHOSEN_SHARE distinct experts are chosen (_forward_chosen); else
-    transformers' own grouped_mm forward."""
+    silently), then the chosen experts alone (_forward_chosen) where at least 1 in KERNEL_SHARE
+    choices fall in experts chosen_linear takes, or at most k (one token) or E / CHOSEN_SHARE
+    distinct experts are chosen; else our grouped path (transformers' own grouped_mm forward
+    without our permute kernel, or with no ids)."""
     ids = experts.reshape(-1).tolist()
     if ids and (min(ids) < 0 or max(ids) >= E):
         raise ValueError(f"top_k_index must hold expert ids in [0, {E}), got [{min(ids)}, {max(ids)}]")
     first = self.gate_up_proj if self.has_gate else self.up_proj
     x = hidden_states.to(first.dtype)
-    # The chosen experts alone: while few are chosen (a torch.mm each beats a matmul per expert
-    # of all E), or wherever chosen_linear takes the weights (its short spans beat torch.mm, and a
-    # long span takes the torch.mm grouped_mm would run for it).
-    chosen = _takes_chosen_linear(first, x.dtype) or len(set(ids)) <= max(experts.shape[1], E // CHOSEN_SHARE)
+    kernel = _takes_chosen_linear(first, x.dtype) and _takes_chosen_linear(self.down_proj, x.dtype)
+    limit = CHOSEN_LINEAR_ROWS.get(x.dtype, 0) if kernel else 0
+    rows_of = collections.Counter(ids)
+    # The chosen experts alone: while few are chosen (a torch.mm each beats a matmul per expert of
+    # all E), or while enough choices go through chosen_linear to pay for the host layout (the
+    # other experts' rows then take one grouped matmul, or a torch.mm each).
+    short = sum(n for n in rows_of.values() if n <= limit)
+    chosen = KERNEL_SHARE * short >= len(ids) or len(rows_of) <= max(experts.shape[1], E // CHOSEN_SHARE)
+    if ids and not chosen and backends.choose_for("permute", x) != "torch":
+        # Our grouped path: its permute / unpermute kernels beat transformers' index ops by a few
+        # percent (bench experts in bf16 at T = 32-128: 0.97-1.09x against 0.93-1.04x).
+        return _forward_grouped(self, x, experts.to(torch.int64), top_k_weights, E).to(hidden_states.dtype)
     if not ids or not chosen:
         return _forward_transformers(self, hidden_states, experts, top_k_weights)
-    return _forward_chosen(self, x, experts, top_k_weights, ids).to(hidden_states.dtype)
+    return _forward_chosen(self, x, experts, top_k_weights, ids, rows_of, limit).to(hidden_states.dtype)
 
 
 def _forward_transformers(self, x, experts, top_k_weights):
@@ -289,46 +314,78 @@ def _transformers_grouped_mm():
     return grouped_mm_experts_forward
 
 
-def _forward_chosen(self, x, experts, top_k_weights, ids: list[int]):
+def _forward_chosen(self, x, experts, top_k_weights, ids: list[int], rows_of: collections.Counter, limit: int):
     """The grouped path with its layout made on the host from the ids read there (`ids`: the [T k]
-    choices c = t k + s, in range), and a matmul per chosen expert only, on views of its weights:
-    torch._grouped_mm on CPU (transformers' grouped_mm forward, and ours) runs one per expert of
-    all E, empty or not, and at a few tokens that is most of its time. The activation, bias and
+    choices c = t k + s, in range; `rows_of`: their count by expert; experts of at most `limit`
+    rows through chosen_linear), the chosen experts only, on views of their weights:
+    torch._grouped_mm on CPU (transformers' grouped_mm forward, and ours) runs a matmul per expert
+    of all E, empty or not, and at a few tokens that is most of its time. The activation, bias and
     weighting run once on all rows; each choice's float32 product with its float32 weight goes back
     to its own row, and the sum over k is in float32, rounded once, as on the other paths."""
     T, k = experts.shape
-    order = sorted(range(len(ids)), key=ids.__getitem__)  # stable: by expert, then by choice
-    spans, start = [], 0  # (expert, first row, end row) of each chosen expert, in sorted rows
+    E = self.num_experts
+    # The long experts' rows first, then the short ones', each by expert, then by choice (stable).
+    key = [e if rows_of[e] > limit else e + E for e in ids]
+    order = sorted(range(len(ids)), key=key.__getitem__)
+    short, long, start = [], [], 0  # (expert, first row, end row) of each chosen expert, sorted rows
     for end in range(1, len(order) + 1):
         if end == len(order) or ids[order[end]] != ids[order[start]]:
-            spans.append((ids[order[start]], start, end))
+            e = ids[order[start]]
+            (long if rows_of[e] > limit else short).append((e, start, end))
             start = end
+    long_ends = None
+    if LONG_SHARE * len(long) >= E:  # one grouped matmul over the long block
+        ends = [0] * E
+        for e, _, end in long:
+            ends[e] = end
+        long_ends = torch.tensor(list(itertools.accumulate(ends, max)), dtype=torch.int32)
+    n_long = long[-1][2] if long else 0
+    layout = _ChosenLayout(torch.tensor(short, dtype=torch.int64) if short else None, long, n_long, long_ends)
     order_t = torch.tensor(order)
     rows = x.index_select(0, order_t // k)
     expert_of_row = torch.tensor([ids[c] for c in order]) if self.has_bias else None
-    linear = functools.partial(_chosen_linear, spans=spans, expert_of_row=expert_of_row, transposed=self.is_transposed)
+    linear = functools.partial(
+        _chosen_linear, layout=layout, expert_of_row=expert_of_row, transposed=self.is_transposed
+    )
     out = _projections(self, rows, linear)
     weights = _sum_weights(top_k_weights, out).reshape(-1)
     products = out.to(weights.dtype) * weights.index_select(0, order_t).unsqueeze(1)
     return torch.empty_like(products).index_copy_(0, order_t, products).view(T, k, -1).sum(1)
 
 
-def _chosen_linear(rows, weight, bias, *, spans, expert_of_row, transposed):
-    """rows [S, in] sorted by expert -> [S, out]: each span's rows through its expert's weight
-    ([E, out, in], or [E, in, out] if transposed; a view, no copy) (+ bias [E, out]). Spans of at
-    most CHOSEN_LINEAR_ROWS rows go through chosen_linear where it applies
-    (csrc/cpu/chosen_linear.cpp: each weight row read once, contiguous, on torch's threads), the
-    others through a torch.mm each."""
-    limit = CHOSEN_LINEAR_ROWS.get(rows.dtype, 0)
-    short = [span for span in spans if span[2] - span[1] <= limit]
-    if short and _takes_chosen_linear(weight, rows.dtype):
-        # The short spans here (the other rows zero), then the long ones written over them.
-        out = torch.ops.moe_kernels.chosen_linear(rows, weight, torch.tensor(short, dtype=torch.int64), transposed)
-        spans = [span for span in spans if span[2] - span[1] > limit]
+class _ChosenLayout(typing.NamedTuple):
+    """The chosen experts' rows as _forward_chosen sorts them: `long` experts' rows first, then the
+    `short` ones' ([S, 3] int64 spans for chosen_linear, or None), `n_long` rows in the first block;
+    `long_ends` [E] int32, the end of each expert's rows in it where one grouped matmul takes it
+    (None: a torch.mm per long expert)."""
+
+    short: torch.Tensor | None
+    long: list
+    n_long: int
+    long_ends: torch.Tensor | None
+
+
+def _chosen_linear(rows, weight, bias, *, layout, expert_of_row, transposed):
+    """rows [S, in] in the layout's order -> [S, out]: each expert's rows through its weight ([E,
+    out, in], or [E, in, out] if transposed; a view, no copy) (+ bias [E, out]). The short experts
+    (at most CHOSEN_LINEAR_ROWS rows) through chosen_linear (csrc/cpu/chosen_linear.cpp: each
+    weight element read once per four rows, on torch's threads); the long ones through one
+    torch._grouped_mm or a torch.mm each."""
+    if layout.short is not None:  # the long rows zero, then written over
+        out = torch.ops.moe_kernels.chosen_linear(rows, weight, layout.short, transposed)
     else:
         out = rows.new_empty(rows.shape[0], weight.shape[2] if transposed else weight.shape[1])
-    for e, a, b in spans:
-        torch.mm(rows[a:b], weight[e] if transposed else weight[e].t(), out=out[a:b])
+    if layout.long_ends is not None:
+        long_rows = torch._grouped_mm(
+            rows[: layout.n_long], weight if transposed else weight.transpose(1, 2), offs=layout.long_ends
+        )
+        if layout.short is None:
+            out = long_rows
+        else:
+            out[: layout.n_long] = long_rows
+    else:
+        for e, a, b in layout.long:
+            torch.mm(rows[a:b], weight[e] if transposed else weight[e].t(), out=out[a:b])
     if bias is not None:
         out += bias.index_select(0, expert_of_row)
     return out

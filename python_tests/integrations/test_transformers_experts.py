@@ -169,12 +169,18 @@ def test_chosen_experts_path_matches_eager(family, index, dtype, monkeypatch):
     torch.testing.assert_close(ours, ref, **tol)
 
 
-def test_few_choices_path_by_distinct_experts(monkeypatch):
+@pytest.mark.parametrize("permute_kernel", [True, False], ids=["permute_kernel", "torch_permute"])
+def test_few_choices_path_by_distinct_experts(permute_kernel, monkeypatch):
     """Below FEW_CHOICES without chosen_linear: the chosen experts alone while at most
-    max(k, E / CHOSEN_SHARE) distinct ones are chosen, transformers' grouped_mm forward from one
-    more; an out-of-range id is an error on both (transformers' histc would drop it), and an empty
-    batch gives an empty result."""
+    max(k, E / CHOSEN_SHARE) distinct ones are chosen; from one more our grouped path where the
+    permute kernel runs, else transformers' grouped_mm forward; an out-of-range id is an error on
+    all (transformers' histc would drop it), and an empty batch gives an empty result."""
     monkeypatch.setattr(transformers_experts, "_takes_chosen_linear", lambda *a: False)
+    kernel = transformers_experts.backends.choose_for("permute", torch.empty(1)) != "torch"
+    if permute_kernel and not kernel:
+        pytest.skip("no permute kernel (extension not built)")
+    if not permute_kernel:
+        monkeypatch.setenv("MOE_KERNELS_BACKEND", "torch")
     experts = experts_of("mixtral")
     E = experts.num_experts
     limit = max(2, E // transformers_experts.CHOSEN_SHARE)  # k = 2
@@ -185,7 +191,8 @@ def test_few_choices_path_by_distinct_experts(monkeypatch):
     assert few.unique().numel() <= limit < many.unique().numel()
     w = torch.full((4, 2), 0.5)
     with torch.no_grad():
-        for index, path in ((few, "_forward_chosen"), (many, "_forward_transformers")):
+        fallback = "_forward_grouped" if permute_kernel else "_forward_transformers"
+        for index, path in ((few, "_forward_chosen"), (many, fallback)):
             calls.clear()
             torch.testing.assert_close(
                 transformers_experts.experts_forward(experts, x, index, w), eager(experts, x, index, w)
@@ -223,8 +230,8 @@ def test_many_distinct_experts_take_chosen_linear(family, monkeypatch):
         ref = eager(experts, x, index, w)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
     assert calls == ["_forward_chosen"]
-    # the path test, then each of the two projections: all through the kernel
-    assert takes == [True] * 3
+    # the path test of each weight, then each of the two projections through the kernel
+    assert takes == [True] * 2
     assert kernel == [experts.is_transposed] * 2
 
 
@@ -269,3 +276,49 @@ def test_few_rows_per_expert_take_the_chosen_path(family, monkeypatch):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
         assert calls == [path]
     assert kernel == [experts.is_transposed] * 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("long_share", ["half", "all"])
+def test_chosen_path_groups_its_long_experts(family, long_share, monkeypatch):
+    """With at least E / LONG_SHARE experts past CHOSEN_LINEAR_ROWS, the chosen experts' path takes their
+    rows (sorted first) through one torch._grouped_mm and the short experts' through chosen_linear;
+    with fewer than 1 in KERNEL_SHARE choices left to chosen_linear (all long here), our grouped
+    path. Both equal to eager."""
+    if not transformers_experts._extension.has_kernel("chosen_linear", "CPU"):
+        pytest.skip("extension not built")
+    experts = experts_of(family)
+    E = experts.num_experts
+    T = 4 * E
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(5))
+    idx, w = routing(T, E, 2, seed=5)
+    counts = idx.reshape(-1).bincount(minlength=E)
+    assert (counts > 0).all()
+
+    def split(limit):  # (experts past the limit, share of the choices within it)
+        return int((counts > limit).sum()), float(counts[counts <= limit].sum() / counts.sum())
+
+    if long_share == "half":  # the largest limit that leaves enough long experts for the grouped matmul
+        limit = max(n for n in counts.tolist() if transformers_experts.LONG_SHARE * split(n)[0] >= E)
+        long, short_share = split(limit)
+        assert 0 < long < E and short_share * transformers_experts.KERNEL_SHARE >= 1
+    else:
+        limit = 0
+        long, short_share = split(limit)
+        assert long == E and short_share == 0
+    monkeypatch.setattr(transformers_experts, "CHOSEN_LINEAR_ROWS", {torch.float32: limit})
+    calls = spy_paths(monkeypatch)
+    kernel = spy_chosen_linear(monkeypatch)
+    grouped = []
+    original = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: grouped.append(a[0].shape[0]) or original(*a, **kw))
+    with torch.no_grad():
+        ours = transformers_experts.experts_forward(experts, x, idx, w)
+        ref = eager(experts, x, idx, w)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    if long_share == "half":
+        assert calls == ["_forward_chosen"]
+        assert grouped == [int(counts[counts > limit].sum())] * 2  # the long block's rows, each projection
+        assert kernel == [experts.is_transposed] * 2
+    else:
+        assert calls == ["_forward_grouped"] and kernel == []
