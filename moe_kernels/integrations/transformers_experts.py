@@ -231,11 +231,12 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
 
 # CPU inference takes _forward_few below FEW_CHOICES (token, expert) choices, or, where
 # chosen_linear takes the weights, up to FEW_ROWS_PER_EXPERT choices per expert on average: there
-# the chosen experts' path beats a matmul per expert. Measured with bench/bench_decode.py's experts
+# the chosen experts' path beats a matmul per expert. Measured on bench/bench_decode.py's experts
 # at hidden 512 (2 threads): the chosen path against transformers' forward was 1.05-2.8x at T = 64
 # for the four families in float32 (Mixtral 16 rows an expert, DeepSeek-V3 2), 1.4x for Qwen3-MoE
 # at T = 128 (8 rows an expert) and 1.1x at 256 (16, as the grouped path), 0.91x for Mixtral at
-# T = 128 (32; grouped 0.94x).
+# T = 128 (32; grouped 0.94x). The bench times T = 1, 8 and 64 in float32; the figures at T = 128-256
+# and in bf16 here and below are one-off interleaved loops over its models' experts modules.
 FEW_CHOICES = 256
 FEW_ROWS_PER_EXPERT = 8
 # Without chosen_linear's experts (below), with at most k (one token's) or E / CHOSEN_SHARE

@@ -15,20 +15,15 @@
 #include <xmmintrin.h>
 
 #include "linear/chosen_rows.h"
+#include "moe_kernels/common.h"  // bits_float
 #include "xorshift.h"
 
 using namespace moe_kernels;
 
 namespace {
 
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 float widen(float x) { return x; }
-float widen(uint16_t h) { return from_bits(uint32_t(h) << 16); }
+float widen(uint16_t h) { return bits_float(uint32_t(h) << 16); }
 float widen(f16_bits h) { return static_cast<float>(*reinterpret_cast<const _Float16*>(&h.bits)); }
 
 // The specification: each product and sum rounded on its own (no contraction into an FMA).
