@@ -38,6 +38,28 @@ def from_float32(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
+# Smallest int32: below every value_key, used to retire selected or padding elements.
+NO_KEY = tl.constexpr(-2147483648)
+
+
+@triton.jit
+def value_key(x):
+    """int32 keys ordering float32 values as every backend ranks them, without the index: NaN
+    above +inf, -0.0 equal to +0.0, every key above NO_KEY. value_of(value_key(x)) is x (-0.0
+    back as +0.0, any NaN as one NaN)."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 folds -0 into +0
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(x != x, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def value_of(key):
+    """The float32 a value_key was built from; NO_KEY gives 0.0, as take_best's value of an
+    empty row."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return tl.where(key == NO_KEY, 0.0, bits.to(tl.float32, bitcast=True))
+
+
 @triton.jit
 def rank_pair(x, cols):
     """int64 keys ordering (value, index) as every backend does: larger value, then lower index.
@@ -45,10 +67,47 @@ def rank_pair(x, cols):
     x: float32 tensor; cols: int32 tensor broadcastable to x (the expert/token index).
     NaN ranks above +inf; -0.0 ties with +0.0. Mirrors csrc/include/moe_kernels/common.h.
     """
-    bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 folds -0 into +0
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(x != x, 0x7FFFFFFF, key)
-    return (key.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))
+    return (value_key(x).to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))
+
+
+@triton.jit
+def take_best_key(vk, cols, BIG: tl.constexpr):
+    """One selection round over int32 value keys [BLOCK_R, BLOCK_W] (value_key, NO_KEY where
+    retired): (the best key, its index, the keys with it retired). The largest key, then the
+    lowest index holding it: the order of rank_pair in two 32-bit row reductions where a 64-bit
+    one costs about twice as many instructions and shuffles. BIG: above every index."""
+    best = tl.max(vk, axis=1)
+    idx = tl.min(tl.where(vk == best[:, None], cols[None, :], BIG), axis=1)
+    return best, idx, tl.where(cols[None, :] == idx[:, None], NO_KEY, vk)
+
+
+# 16-bit logits ranked by themselves fit the value and the index in one int32 key (packed_key):
+# one 32-bit row reduction a round. Needs index < 2^16 (E <= 2048 here).
+@triton.jit
+def packed_key(raw, x, cols):
+    """int32 keys ordering (value, index) of float16 / bfloat16 values `raw` (x: their float32
+    widening) exactly as rank_pair orders x (each format's order is its float32 value's): the
+    16-bit value_key in the upper half, 65535 - index in the lower. Every key is above NO_KEY."""
+    bits = raw.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
+    bits = tl.where(bits == -32768, 0, bits)  # -0 -> +0
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFF)
+    key = tl.where(x != x, 0x7FFF, key)
+    return (key << 16) | (65535 - cols)
+
+
+@triton.jit
+def packed_index(key):
+    """The index in a packed_key, int32."""
+    return 65535 - (key & 65535)
+
+
+@triton.jit
+def packed_value(key, dtype: tl.constexpr):
+    """The float32 value in a packed_key of `dtype` (float16 / bfloat16) values: exactly the
+    widened value (-0.0 as +0.0, any NaN as one NaN)."""
+    half = key >> 16  # arithmetic: the signed 16-bit value key
+    bits = tl.where(half >= 0, half, half ^ 0x7FFF)
+    return to_float32(bits.to(tl.int16).to(dtype, bitcast=True))
 
 
 @triton.jit

@@ -8,14 +8,20 @@ import triton.language as tl
 
 from moe_kernels import reference
 from moe_kernels.triton.common import (
+    NO_KEY,
     NO_PAIR,
     on_tensor_device,
+    packed_index,
+    packed_key,
+    packed_value,
     rank_pair,
     row_tile_config,
     sigmoid_accurate,
-    take_best,
+    take_best_key,
     take_best_ranked,
     to_float32,
+    value_key,
+    value_of,
 )
 
 MAX_EXPERTS = 2048
@@ -31,15 +37,32 @@ def supports(num_experts: int, num_groups: int) -> bool:
 
 
 @triton.jit
-def logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """This program's [BLOCK_T, BLOCK_E] tile of the [T, E] logits (any strides), as float32 with
-    padding -inf: (rows, cols, rows in range, entries in range, x)."""
+def logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's [BLOCK_T, BLOCK_E] tile of the [T, E] logits (any strides) in their own
+    dtype, padding -inf: (rows, cols, rows in range, entries in range, the tile)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
     valid = row_ok[:, None] & (cols[None, :] < E)
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e
-    return rows, cols, row_ok, valid, to_float32(tl.load(ptrs, mask=valid, other=float("-inf")))
+    return rows, cols, row_ok, valid, tl.load(ptrs, mask=valid, other=float("-inf"))
+
+
+@triton.jit
+def logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """logits_raw_tile with the tile as float32: (rows, cols, rows in range, entries in range, x)."""
+    rows, cols, row_ok, valid, raw = logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
+    return rows, cols, row_ok, valid, to_float32(raw)
+
+
+@triton.jit
+def softmax_terms(x, valid, vmax):
+    """(exp(x - max) over a [BLOCK_T, BLOCK_E] float32 tile, 0 off `valid` and on all -inf rows;
+    their row sums; whether each row is all -inf) from the row max `vmax` [BLOCK_T] (NaN where
+    the row holds one)."""
+    masked_row = vmax == float("-inf")
+    terms = tl.where(valid & ~masked_row[:, None], tl.exp(x - vmax[:, None]), 0.0)
+    return terms, tl.sum(terms, axis=1), masked_row
 
 
 @triton.jit
@@ -49,10 +72,8 @@ def softmax_parts(x, valid, cols):
     row sum of exp(x - max), whether the row is all -inf). The max is taken by rank (NaN first,
     so a NaN row is all NaN as torch's); an all -inf row gets scores 0, as the reference's
     router_scores. A single score is softmax_score(x_e, max, sum, masked), bit for bit the tile's."""
-    _b, _i, vmax, _p = take_best_ranked(tl.where(valid, rank_pair(x, cols), NO_PAIR), cols)
-    masked_row = vmax == float("-inf")
-    terms = tl.where(valid & ~masked_row[:, None], tl.exp(x - vmax[:, None]), 0.0)
-    denom = tl.sum(terms, axis=1)
+    vmax = value_of(tl.max(tl.where(valid, value_key(x), NO_KEY), axis=1))
+    terms, denom, masked_row = softmax_terms(x, valid, vmax)
     return tl.where(masked_row[:, None], 0.0, terms / denom[:, None]), vmax, denom, masked_row
 
 
@@ -60,6 +81,72 @@ def softmax_parts(x, valid, cols):
 def softmax_score(x, vmax, denom, masked_row):
     """One score per row from its logit x [BLOCK_T] and softmax_parts's row values."""
     return tl.where(masked_row, 0.0, tl.exp(x - vmax) / denom)
+
+
+@triton.jit
+def pick_logit(keys, cols, PACKED: tl.constexpr, dtype: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One round where the keys rank the logits themselves: (the index, the logit, the keys with
+    it retired). PACKED: packed_key of 16-bit logits (one row reduction); else value_key."""
+    if PACKED:
+        best = tl.max(keys, axis=1)
+        return packed_index(best), packed_value(best, dtype), tl.where(keys == best[:, None], NO_KEY, keys)
+    else:
+        best, idx, rest = take_best_key(keys, cols, BLOCK_E)
+        return idx, value_of(best), rest
+
+
+@triton.jit
+def group_limit_reshaped(
+    keys, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NUM_GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, GROUP_MAX: tl.constexpr,
+):  # fmt: skip
+    """The group limit on value keys [BLOCK_T, BLOCK_E] where E == BLOCK_E (so the groups are
+    whole power-of-two slices): each group's score from its own slice of a [BLOCK_T, NUM_GROUPS,
+    width] view (its largest key, and the next: the same key if it is held twice), the
+    TOPK_GROUPS best groups by rank (ties to the lower group); the others' keys become NO_KEY."""
+    WIDTH: tl.constexpr = BLOCK_E // NUM_GROUPS
+    keys3 = tl.reshape(keys, (BLOCK_T, NUM_GROUPS, WIDTH))
+    first = tl.max(keys3, axis=2)
+    gscores = value_of(first)
+    if not GROUP_MAX:
+        held = tl.sum((keys3 == first[:, :, None]).to(tl.int32), axis=2)
+        below = tl.max(tl.where(keys3 < first[:, :, None], keys3, NO_KEY), axis=2)
+        gscores = gscores + value_of(tl.where(held > 1, first, below))
+    gcols = tl.arange(0, NUM_GROUPS)
+    gkeys = value_key(gscores)
+    eligible = gkeys < NO_KEY  # all False
+    for _ in tl.static_range(TOPK_GROUPS):
+        _best, chosen, gkeys = take_best_key(gkeys, gcols, NUM_GROUPS)
+        eligible = eligible | (gcols[None, :] == chosen[:, None])
+    keys3 = tl.where(eligible[:, :, None], keys3, NO_KEY)
+    return tl.reshape(keys3, (BLOCK_T, BLOCK_E))
+
+
+@triton.jit
+def group_limit_loop(
+    key, keys, valid, rows, cols, E, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    GROUP_MAX: tl.constexpr, BLOCK_G: tl.constexpr,
+):  # fmt: skip
+    """group_limit_reshaped for any E: each group's score by a row reduction over its masked
+    row, group after group; float32 choice values `key`, their value keys `keys`."""
+    pairs = tl.where(valid, rank_pair(key, cols), NO_PAIR)
+    group = cols // (E // NUM_GROUPS)
+    gcols = tl.arange(0, BLOCK_G)
+    gscores = tl.full((rows.shape[0], BLOCK_G), float("-inf"), tl.float32)
+    for g in tl.static_range(NUM_GROUPS):
+        in_group = (group == g)[None, :]
+        _b, _i, first, rest = take_best_ranked(tl.where(in_group, pairs, NO_PAIR), cols)
+        score = first
+        if not GROUP_MAX:
+            _b, _i, second, _r = take_best_ranked(rest, cols)
+            score = first + second
+        gscores = tl.where(gcols[None, :] == g, score[:, None], gscores)
+    gkeys = tl.where(gcols[None, :] < NUM_GROUPS, value_key(gscores), NO_KEY)
+    eligible = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False
+    for _ in tl.static_range(TOPK_GROUPS):
+        _best, chosen, gkeys = take_best_key(gkeys, gcols, BLOCK_G)
+        eligible = eligible | (group[None, :] == chosen[:, None])
+    return tl.where(eligible, keys, NO_KEY)
 
 
 @triton.jit
@@ -79,74 +166,75 @@ def topk_router_kernel(
     NUM_GROUPS: tl.constexpr,  # contiguous groups of E / NUM_GROUPS experts
     TOPK_GROUPS: tl.constexpr,  # eligible groups (== NUM_GROUPS: no group limit)
     GROUP_MAX: tl.constexpr,  # a group's score: its max (True) or its top-2 sum (False)
+    GROUPS_RESHAPED: tl.constexpr,  # E == BLOCK_E: the group limit on a [rows, groups, width] view
     RENORMALIZE: tl.constexpr,  # divide the selected scores by their sum
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_E: tl.constexpr,  # next power of two >= E
     BLOCK_G: tl.constexpr,  # next power of two >= NUM_GROUPS
     BLOCK_K: tl.constexpr,  # next power of two >= K
 ):
-    rows, cols, row_ok, valid, x = logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
-
-    # Phase 1: scores.
-    if SIGMOID:
-        scores = tl.where(valid, sigmoid_accurate(x), 0.0)
-    else:
-        scores, vmax, denom, masked_row = softmax_parts(x, valid, cols)
-
-    # Phase 2: the selection key. No bias and no group limit: the logits themselves (exact).
+    rows, cols, row_ok, valid, raw = logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
+    x = to_float32(raw)
     GROUPED: tl.constexpr = TOPK_GROUPS < NUM_GROUPS
-    if HAS_BIAS or GROUPED:
-        key = scores
-        if HAS_BIAS:
-            key = key + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
-    else:
-        key = x
-    pairs = tl.where(valid, rank_pair(key, cols), NO_PAIR)
-
-    # Phase 3: the group limit. Each group's score from its own largest keys, then the TOPK_GROUPS
-    # best groups by rank (ties to the lower group); the other groups' experts are retired.
-    if GROUPED:
-        group = cols // (E // NUM_GROUPS)
-        gcols = tl.arange(0, BLOCK_G)
-        gscores = tl.full((BLOCK_T, BLOCK_G), float("-inf"), tl.float32)
-        for g in tl.static_range(NUM_GROUPS):
-            in_group = (group == g)[None, :]
-            _b, _i, first, rest = take_best_ranked(tl.where(in_group, pairs, NO_PAIR), cols)
-            score = first
-            if not GROUP_MAX:
-                _b, _i, second, _r = take_best_ranked(rest, cols)
-                score = first + second
-            gscores = tl.where(gcols[None, :] == g, score[:, None], gscores)
-        gpairs = tl.where(gcols[None, :] < NUM_GROUPS, rank_pair(gscores, gcols), NO_PAIR)
-        eligible = (rows[:, None] < 0) & (cols[None, :] < 0)  # all False
-        for _ in tl.static_range(TOPK_GROUPS):
-            _b, chosen, _v, gpairs = take_best_ranked(gpairs, gcols)
-            eligible = eligible | (group[None, :] == chosen[:, None])
-        pairs = tl.where(eligible, pairs, NO_PAIR)
-
-    # Phase 4: the k selections, once, into a [BLOCK_T, BLOCK_K] tile of picks; then the
-    # renormalisation and one store of each tile. Where the pairs rank the logits themselves (no
-    # bias, no groups), a pick's score follows from its logit, decoded from the pair: one row
-    # reduction per pick.
+    # No bias and no group limit: the logits themselves rank the experts (exact), each pick's
+    # score follows from its logit, decoded from its key.
     RANKS_LOGITS: tl.constexpr = not (HAS_BIAS or GROUPED)
+    dtype: tl.constexpr = logits_ptr.dtype.element_ty
+    PACKED: tl.constexpr = RANKS_LOGITS and dtype.primitive_bitwidth == 16
+
+    # The selection rounds record each pick into a [BLOCK_T, BLOCK_K] tile; the weights are
+    # renormalised and stored once.
     kcols = tl.arange(0, BLOCK_K)
     picked_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
     picked_e = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
     total = tl.zeros((BLOCK_T,), tl.float32)
-    pair = pairs
-    for s in range(0, K):
-        if RANKS_LOGITS:
-            _b, idx, logit, pair = take_best_ranked(pair, cols)
+    if RANKS_LOGITS:
+        if PACKED:
+            keys = tl.where(valid, packed_key(raw, x, cols), NO_KEY)
+        else:
+            keys = tl.where(valid, value_key(x), NO_KEY)
+        # The first pick is the row's max (NaN first): the softmax's shift.
+        idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
+        if SIGMOID:
+            w = sigmoid_accurate(logit)
+        else:
+            vmax = logit
+            _terms, denom, masked_row = softmax_terms(x, valid, vmax)
+            w = softmax_score(logit, vmax, denom, masked_row)
+        picked_w = tl.where(kcols[None, :] == 0, w[:, None], picked_w)
+        picked_e = tl.where(kcols[None, :] == 0, idx[:, None], picked_e)
+        total += w
+        for s in range(1, K):
+            idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
             if SIGMOID:
                 w = sigmoid_accurate(logit)
             else:
                 w = softmax_score(logit, vmax, denom, masked_row)
+            here = kcols[None, :] == s
+            picked_w = tl.where(here, w[:, None], picked_w)
+            picked_e = tl.where(here, idx[:, None], picked_e)
+            total += w
+    else:
+        if SIGMOID:
+            scores = tl.where(valid, sigmoid_accurate(x), 0.0)
         else:
-            _b, idx, w, pair = take_best(pair, scores, cols)
-        here = kcols[None, :] == s
-        picked_w = tl.where(here, w[:, None], picked_w)
-        picked_e = tl.where(here, idx[:, None], picked_e)
-        total += w
+            scores, _vmax, _denom, _masked = softmax_parts(x, valid, cols)
+        key = scores
+        if HAS_BIAS:
+            key = key + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+        keys = tl.where(valid, value_key(key), NO_KEY)
+        if GROUPED:
+            if GROUPS_RESHAPED:
+                keys = group_limit_reshaped(keys, BLOCK_T, BLOCK_E, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX)
+            else:
+                keys = group_limit_loop(key, keys, valid, rows, cols, E, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, BLOCK_G)
+        for s in range(0, K):
+            _best, idx, keys = take_best_key(keys, cols, BLOCK_E)
+            w = tl.sum(tl.where(cols[None, :] == idx[:, None], scores, 0.0), axis=1)
+            here = kcols[None, :] == s
+            picked_w = tl.where(here, w[:, None], picked_w)
+            picked_e = tl.where(here, idx[:, None], picked_e)
+            total += w
     if not RENORMALIZE:
         total = tl.full((BLOCK_T,), 1.0, tl.float32)
     # w / total rounded once (IEEE), then the scaling: the reference's order. `/` in Triton is
@@ -220,6 +308,7 @@ def topk_router(
             NUM_GROUPS=num_groups,
             TOPK_GROUPS=topk_groups,
             GROUP_MAX=group_scoring == "max",
+            GROUPS_RESHAPED=E == block_e,
             RENORMALIZE=renormalize,
             BLOCK_T=block_t,
             BLOCK_E=block_e,
@@ -238,7 +327,7 @@ def _(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormal
 
 # For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): the Mixtral-style softmax
 # router, the DeepSeek-V3 grouped sigmoid router at E = 256, a biased bf16 router, the widest row.
-def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True):
+def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True, reshaped=True):
     _, block_t, block_e, num_warps = launch_config(1 << 20, num_experts)
     signature = {
         "logits_ptr": f"*{dt}",
@@ -258,6 +347,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "NUM_GROUPS": groups,
         "TOPK_GROUPS": topk_groups if groups > 1 else 1,
         "GROUP_MAX": group_max,
+        "GROUPS_RESHAPED": reshaped,
         "RENORMALIZE": renormalize,
         "BLOCK_T": block_t,
         "BLOCK_E": block_e,
@@ -270,7 +360,10 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
 
 AOT_KERNELS = [
     _aot("fp32", 64, sigmoid=False, bias=False),
+    _aot("bf16", 128, sigmoid=False, bias=False),
+    _aot("bf16", 160, sigmoid=False, bias=False, groups=8, topk_groups=3, group_max=True, reshaped=False),
     _aot("fp32", 256, sigmoid=True, bias=True, groups=8, topk_groups=4),
     _aot("bf16", 128, sigmoid=False, bias=True, groups=8, topk_groups=3, group_max=True, renormalize=False),
     _aot("fp16", MAX_EXPERTS, sigmoid=True, bias=True),
+    _aot("fp16", MAX_EXPERTS, sigmoid=False, bias=False),
 ]

@@ -11,13 +11,59 @@ if backends.triton_importable():
     import triton
     import triton.language as tl
 
-    from moe_kernels.triton.common import from_float32
+    from moe_kernels.triton.common import (
+        from_float32,
+        packed_index,
+        packed_key,
+        packed_value,
+        rank_pair,
+        take_best_key,
+        take_best_ranked,
+        to_float32,
+        value_key,
+        value_of,
+    )
 
     @triton.jit
     def convert_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < N, other=0.0)
         tl.store(y_ptr + i, from_float32(x, y_ptr.dtype.element_ty), mask=i < N)
+
+    @triton.jit
+    def keys_kernel(
+        raw_ptr, cols_ptr, packed_ptr, pair_ptr, index_ptr, value_ptr, vkey_ptr, vvalue_ptr, N, BLOCK: tl.constexpr
+    ):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < N
+        raw = tl.load(raw_ptr + i, mask=ok, other=0.0)
+        cols = tl.load(cols_ptr + i, mask=ok, other=0)
+        x = to_float32(raw)
+        tl.store(pair_ptr + i, rank_pair(x, cols), mask=ok)
+        tl.store(vkey_ptr + i, value_key(x), mask=ok)
+        tl.store(vvalue_ptr + i, value_of(value_key(x)), mask=ok)
+        if raw_ptr.dtype.element_ty != tl.float32:
+            key = packed_key(raw, x, cols)
+            tl.store(packed_ptr + i, key, mask=ok)
+            tl.store(index_ptr + i, packed_index(key), mask=ok)
+            tl.store(value_ptr + i, packed_value(key, raw_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def rounds_kernel(x_ptr, pair_idx_ptr, key_idx_ptr, key_best_ptr, W, ROUNDS: tl.constexpr, BLOCK_W: tl.constexpr):
+        """ROUNDS selections over each row of a [rows, W] float32 tile, by rank pairs and by
+        take_best_key: the indices each picks and the value keys the latter decodes."""
+        r = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_W)
+        ok = cols < W
+        x = tl.load(x_ptr + r * W + cols, mask=ok, other=0.0)[None, :]
+        pairs = tl.where(ok[None, :], rank_pair(x, cols[None, :]), -9223372036854775808)
+        keys = tl.where(ok[None, :], value_key(x), -2147483648)
+        for s in tl.static_range(ROUNDS):
+            _b, idx, _v, pairs = take_best_ranked(pairs, cols)
+            best, kidx, keys = take_best_key(keys, cols, BLOCK_W)
+            tl.store(pair_idx_ptr + r * ROUNDS + s + tl.arange(0, 1), idx)
+            tl.store(key_idx_ptr + r * ROUNDS + s + tl.arange(0, 1), kidx)
+            tl.store(key_best_ptr + r * ROUNDS + s + tl.arange(0, 1), best)
 
 
 def _bf16_edge_values() -> torch.Tensor:
@@ -53,3 +99,78 @@ def test_from_float32_rounds_as_torch(backend, dtype):
     ints = torch.int32 if dtype == torch.float32 else torch.int16
     same = (y.view(ints) == want.view(ints)) | (y.isnan() & want.isnan())
     assert same.all(), (x[~same][:8], y[~same][:8], want[~same][:8])
+
+
+def _every_pattern(dtype) -> torch.Tensor:
+    """Every 16-bit pattern of `dtype` (float16 / bfloat16): NaNs of both signs, +-0, +-inf,
+    the subnormals."""
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_value_and_packed_keys_order_as_rank_pair(backend, dtype):
+    """value_key is rank_pair's upper half and decodes back to the value; packed_key (16-bit
+    logits, the router's one-reduction rounds) orders every pattern of its format, at every
+    index, as rank_pair orders the widened value, and decodes back to the index and the value
+    (-0 as +0, NaN as NaN)."""
+    if "triton" not in backend:
+        pytest.skip("a Triton helper")
+    if dtype == torch.float32:
+        raw = torch.cat([_bf16_edge_values(), torch.randn(4096, generator=torch.Generator().manual_seed(1))])
+    else:
+        raw = _every_pattern(dtype)
+    n = raw.numel()
+    # Indices over the kernel's range (E <= 2048), ties of equal values at neighbouring indices.
+    cols = torch.randint(0, 2048, (n,), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    raw, cols = raw.to(backend.device), cols.to(backend.device)
+    out = {
+        name: torch.empty(n, dtype=dt, device=backend.device)
+        for name, dt in [
+            ("packed", torch.int32), ("pair", torch.int64), ("index", torch.int32), ("value", torch.float32),
+            ("vkey", torch.int32), ("vvalue", torch.float32),
+        ]
+    }  # fmt: skip
+    block = 1024
+    keys_kernel[(triton.cdiv(n, block),)](raw, cols, *out.values(), n, BLOCK=block)
+    out = {k: v.cpu() for k, v in out.items()}
+    raw, cols = raw.cpu(), cols.cpu()
+    x = raw.float()
+    assert torch.equal(out["vkey"].long(), out["pair"] >> 32)
+    folded = torch.where(x == 0, 0.0, x)  # -0 back as +0
+    decoded = out["vvalue"]
+    assert torch.equal(decoded.isnan(), x.isnan())
+    assert torch.equal(decoded[~x.isnan()].view(torch.int32), folded[~x.isnan()].view(torch.int32))
+    if dtype == torch.float32:
+        return
+    packed, pair = out["packed"].long(), out["pair"]
+    order = torch.sort(pair, stable=True).indices  # ascending rank
+    p, q = packed[order], pair[order]
+    assert bool((p[1:] >= p[:-1]).all()), "packed keys out of rank order"
+    assert torch.equal(p[1:] == p[:-1], q[1:] == q[:-1]), "packed keys tie unlike rank pairs"
+    assert bool((packed > -(2**31)).all()), "a packed key at NO_KEY"
+    assert torch.equal(out["index"], cols)
+    value = out["value"]
+    assert torch.equal(value.isnan(), x.isnan())
+    assert torch.equal(value[~x.isnan()].view(torch.int32), folded[~x.isnan()].view(torch.int32))
+
+
+@pytest.mark.parametrize("width", [5, 32, 100])
+def test_take_best_key_rounds_pick_as_rank_pairs(backend, width):
+    """take_best_key's two 32-bit reductions pick, round after round, what take_best_ranked's
+    64-bit rank pairs pick: on rows of ties (few values), NaN, +-inf and -0."""
+    if "triton" not in backend:
+        pytest.skip("a Triton helper")
+    g = torch.Generator().manual_seed(width)
+    rows, rounds = 64, min(width, 8)
+    x = torch.randint(-2, 3, (rows, width), generator=g).float()
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    hit = torch.rand(rows, width, generator=g) < 0.3
+    x[hit] = special[torch.randint(0, 5, (int(hit.sum()),), generator=g)]
+    x = x.to(backend.device)
+    picks = [torch.empty(rows * rounds, dtype=torch.int32, device=backend.device) for _ in range(3)]
+    rounds_kernel[(rows,)](x, *picks, width, ROUNDS=rounds, BLOCK_W=triton.next_power_of_2(width))
+    by_pair, by_key, best = (p.cpu().view(rows, rounds) for p in picks)
+    assert torch.equal(by_key, by_pair)
+    xs = x.cpu()
+    picked = xs.gather(1, by_key.long())
+    assert torch.equal(best == 2147483647, picked.isnan()), "a NaN pick's key is not the largest"
