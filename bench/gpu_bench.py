@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from common import time_gpu  # noqa: E402
 import moe_kernels  # noqa: E402
 from moe_kernels import backends, reference  # noqa: E402
 from moe_kernels import ops as K  # noqa: E402
+from moe_kernels.bench import timing  # noqa: E402
 
 # Where the cases' tensors live: "cuda", or "cpu" for --smoke (each case called once, untimed).
 DEV = "cuda"
@@ -343,6 +345,52 @@ def grid(quick: bool, smoke: bool = False) -> list[Case]:
     return cases + gate_math(65536, 64, 2)
 
 
+# balanced_assignment's shapes (issue 33: the CUDA solver against the CPU solver on the same machine).
+ASSIGNMENT_SHAPES = ((8192, 64), (16384, 128))
+
+
+def assignment_rows(quick: bool, smoke: bool = False) -> list[dict]:
+    """balanced_assignment's CUDA solver (exact, opt-in) against the C++ CPU solver on the same
+    randn scores, on this machine's cores: `ms` the CUDA solve (eager calls between two events: the
+    solve reads its done flag on the host, so no graph), `vs_torch` the CPU solver's median time
+    over it; `method` says whether the objectives agree (each is exactly optimal, so equal values
+    up to float64 rounding of the sum). No bytes model: gbps and copy_gbps stay empty. --smoke
+    runs the rows' code with the CPU solver in the CUDA solver's place, on a small shape."""
+    shapes = ((256, 8),) if smoke else ASSIGNMENT_SHAPES[:1] if quick else ASSIGNMENT_SHAPES
+    cpu = "cpu" if backends._available("balanced_assignment", "cpu", "cpu") else "torch"
+    out = []
+    for n, k in shapes:
+        scores = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+        with moe_kernels.use_backend(cpu):
+            _, cpu_value, _ = K.balanced_assignment(scores, return_distances=True)
+            cpu_s = statistics.median(timing.timeit(lambda: K.balanced_assignment(scores), reps=5, min_time=0.5))
+        on_device = scores.to(DEV)
+        with moe_kernels.use_backend("cuda" if DEV == "cuda" else cpu):
+            _, value, _ = K.balanced_assignment(on_device, return_distances=True)
+            if DEV == "cuda":
+                seconds, method = time_gpu(lambda: K.balanced_assignment(on_device))
+            else:
+                seconds, method = cpu_s, "host"
+        gap = abs(float(value) - float(cpu_value))
+        agree = gap <= 1e-9 * max(1.0, abs(float(cpu_value)))
+        row = {
+            "op": "balanced_assignment",
+            "config": f"n={n} k={k} float32 (vs: the CPU solver, {os.cpu_count()} cores)",
+            "backend": "cuda",
+            "ms": f"{seconds * 1e3:.4f}",
+            "gbps": "",
+            "copy_gbps": "",
+            "vs_torch": f"{cpu_s / seconds:.2f}",
+            "vs_compile": "",
+            "method": f"{method}; objective {'equal' if agree else f'differs by {gap:.3g}'}",
+        }
+        print(
+            f"  balanced_assignment n={n} k={k} cuda {row['ms']} ms, x{row['vs_torch']} the CPU solver, {row['method']}"
+        )
+        out.append(row)
+    return out
+
+
 def gpu_backends(op: str) -> list[str]:
     """The backends with a kernel of `op` for CUDA tensors in this process, opt-in ones included."""
     return [b for b in ("triton", "cuda") if backends._available(op, b, "cuda")]
@@ -436,10 +484,10 @@ def markdown(rows: list[dict], device: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        frac = float(r["gbps"]) / float(r["copy_gbps"])
+        frac = f"{float(r['gbps']) / float(r['copy_gbps']):.0%}" if r["gbps"] else "-"
         lines.append(
-            f"| {r['op']} | {r['config']} | {r['backend']} | {r['ms']} | {r['gbps']} | {r['copy_gbps']} | "
-            f"{frac:.0%} | {r['vs_torch']} | {r['vs_compile'] or '-'} | {r['method']} |"
+            f"| {r['op']} | {r['config']} | {r['backend']} | {r['ms']} | {r['gbps'] or '-'} | "
+            f"{r['copy_gbps'] or '-'} | {frac} | {r['vs_torch']} | {r['vs_compile'] or '-'} | {r['method']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -456,7 +504,9 @@ def smoke() -> int:
         args = case.make()
         case.ours(*args)
         case.torch_seq(*args)
-    print(f"gpu_bench --smoke: {len(cases)} cases ran once on CPU tensors")
+    rows = assignment_rows(False, smoke=True)
+    markdown(rows, "smoke")
+    print(f"gpu_bench --smoke: {len(cases)} cases and {len(rows)} assignment row ran on CPU tensors")
     return 0
 
 
@@ -535,6 +585,13 @@ def main(argv=None) -> int:
         rows += case_rows
         by_case.append((case, case_rows))
         torch.cuda.empty_cache()
+        save()
+    if not args.ops or "balanced_assignment" in args.ops:
+        try:
+            rows += assignment_rows(args.quick)
+        except Exception as exc:
+            failed += 1
+            print(f"  balanced_assignment: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         save()
     # torch.compile baselines second (each compiles for seconds): every case has its row first.
     for case, case_rows in by_case:

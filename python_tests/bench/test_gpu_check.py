@@ -142,7 +142,8 @@ def test_bench_smoke():
         [sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--smoke"], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "cases ran once on CPU tensors" in run.stdout
+    assert "cases and 1 assignment row ran on CPU tensors" in run.stdout
+    assert "balanced_assignment n=256 k=8 cuda" in run.stdout and "objective equal" in run.stdout
 
 
 def test_device_slug():
