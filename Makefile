@@ -115,7 +115,7 @@ bench: $(EXT)
 	$(if $(filter 1,$(CUDA)),MOE_KERNELS_BENCH_DEVICE=cuda) $(PY) bench/run_all.py
 
 # On a GPU machine, offline: build in place against the installed torch (CUDA kernels for the GPU
-# found), the GPU cases of the suite in parallel groups, the GPU benchmarks' quick grid; logs and
+# found), the GPU cases of the suite in parallel groups, the GPU benchmarks' goals grid; logs and
 # report.md into GPU_OUT as it goes (bench/gpu_check.py). Uses the Python given as PY (default
 # python3), creates no venv and installs nothing.
 GPU_OUT ?= gpu-check-out

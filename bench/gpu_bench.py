@@ -17,7 +17,7 @@ and not its launch;
 a function that cannot be captured (the torch sequences with boolean-mask indexing sync with the
 host) is timed as `calls` eager calls between the two events instead, and the row says "loop".
 
-    python3 bench/gpu_bench.py --out DIR [--quick] [--backend triton|cuda] [--ops topk_router ...]
+    python3 bench/gpu_bench.py --out DIR [--grid quick|goals|full] [--backend triton|cuda] [--ops topk_router ...]
 """
 
 from __future__ import annotations
@@ -311,8 +311,13 @@ def gate_math(T: int, E: int, k: int) -> list[Case]:
     ]
 
 
-def grid(quick: bool, smoke: bool = False) -> list[Case]:
-    """The quick grid (make gpu-check), the full one (issue 33's shapes), or --smoke's tiny one."""
+GRIDS = ("quick", "goals", "full")
+
+
+def grid(kind: str, smoke: bool = False) -> list[Case]:
+    """The cases of a grid: "quick" (a few shapes per op at sizes that run from L2), "goals" (one
+    shape per row of issue 33's goals, at the sizes the goals name: make gpu-check's default),
+    "full" (issue 33's shapes, slow), or --smoke's tiny one."""
     if smoke:
         return (
             routers(64, torch.bfloat16, ("fwd", "fwd+bwd"))
@@ -321,7 +326,7 @@ def grid(quick: bool, smoke: bool = False) -> list[Case]:
             + batchwise(64, 8)
             + gate_math(32, 8, 2)
         )
-    if quick:
+    if kind == "quick":
         return (
             routers(65536, torch.bfloat16, ("fwd", "fwd+bwd"))
             + maps(65536, 256, 8)
@@ -329,6 +334,18 @@ def grid(quick: bool, smoke: bool = False) -> list[Case]:
             + batchwise(65536, 64)
             + gate_math(16384, 64, 2)
         )
+    if kind == "goals":
+        return (
+            routers(262144, torch.bfloat16, ("fwd", "fwd+bwd"))
+            + routers(262144, torch.float32, ("fwd",))
+            + maps(1048576, 8, 8)
+            + maps(1048576, 256, 8)
+            + rows(16384, 7168, 64, 8, ("fwd", "fwd+bwd"))
+            + rows(65536, 2048, 64, 2, ("fwd", "fwd+bwd"))
+            + batchwise(1048576, 256)
+        )
+    if kind != "full":
+        raise ValueError(f"grid: kind must be one of {GRIDS}, got {kind!r}")
     cases: list[Case] = []
     for T in (16384, 262144, 1048576):
         for dtype in (torch.bfloat16, torch.float32):
@@ -349,14 +366,14 @@ def grid(quick: bool, smoke: bool = False) -> list[Case]:
 ASSIGNMENT_SHAPES = ((8192, 64), (16384, 128))
 
 
-def assignment_rows(quick: bool, smoke: bool = False) -> list[dict]:
+def assignment_rows(kind: str, smoke: bool = False) -> list[dict]:
     """balanced_assignment's CUDA solver (exact, opt-in) against the C++ CPU solver on the same
     randn scores, on this machine's cores: `ms` the CUDA solve (eager calls between two events: the
     solve reads its done flag on the host, so no graph), `vs_torch` the CPU solver's median time
     over it; `method` says whether the objectives agree (each is exactly optimal, so equal values
     up to float64 rounding of the sum). No bytes model: gbps and copy_gbps stay empty. --smoke
     runs the rows' code with the CPU solver in the CUDA solver's place, on a small shape."""
-    shapes = ((256, 8),) if smoke else ASSIGNMENT_SHAPES[:1] if quick else ASSIGNMENT_SHAPES
+    shapes = ((256, 8),) if smoke else ASSIGNMENT_SHAPES[:1] if kind == "quick" else ASSIGNMENT_SHAPES
     cpu = "cpu" if backends._available("balanced_assignment", "cpu", "cpu") else "torch"
     out = []
     for n, k in shapes:
@@ -498,19 +515,19 @@ def smoke() -> int:
     (python_tests/bench/test_gpu_check.py)."""
     global DEV
     DEV = "cpu"
-    cases = grid(False, smoke=True)
+    cases = grid("full", smoke=True)
     for case in cases:
         gpu_backends(case.kernel_op or case.op)  # a registered op's name, or the GPU run fails here
         args = case.make()
         case.ours(*args)
         case.torch_seq(*args)
-    rows = assignment_rows(False, smoke=True)
+    rows = assignment_rows("full", smoke=True)
     markdown(rows, "smoke")
     print(f"gpu_bench --smoke: {len(cases)} cases and {len(rows)} assignment row ran on CPU tensors")
     return 0
 
 
-def warm_compile(quick: bool, ops: list[str] | None) -> int:
+def warm_compile(kind: str, ops: list[str] | None) -> int:
     """torch.compile of each case's torch sequence, called once, in the order the compile pass
     takes them: torch's on-disk caches then hold the compiled graphs for that pass (make
     gpu-check runs this beside its tests). Untimed; a case torch.compile cannot take is skipped."""
@@ -518,7 +535,7 @@ def warm_compile(quick: bool, ops: list[str] | None) -> int:
         print("gpu_bench --warm-compile: no CUDA device: nothing to compile")
         return 0
     start = time.monotonic()
-    for case in (c for c in grid(quick) if not ops or c.op in ops):
+    for case in (c for c in grid(kind) if not ops or c.op in ops):
         began = time.monotonic()
         try:
             args = case.make()
@@ -536,7 +553,8 @@ def warm_compile(quick: bool, ops: list[str] | None) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    parser.add_argument("--quick", action="store_true", help="a few shapes per op (make gpu-check)")
+    parser.add_argument("--grid", choices=GRIDS, default="full", help="which shapes (grid()); default full")
+    parser.add_argument("--quick", action="store_true", help="--grid quick")
     parser.add_argument("--backend", action="append", choices=("triton", "cuda"), help="time only this backend")
     parser.add_argument("--ops", nargs="*", help="only these ops")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
@@ -548,10 +566,11 @@ def main(argv=None) -> int:
         "--warm-compile", action="store_true", help="compile each case's torch sequence once, into torch's caches"
     )
     args = parser.parse_args(argv)
+    kind = "quick" if args.quick else args.grid
     if args.smoke:
         return smoke()
     if args.warm_compile:
-        return warm_compile(args.quick, args.ops)
+        return warm_compile(kind, args.ops)
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (torch.cuda.is_available() is False): nothing to time")
         return 0
@@ -574,7 +593,7 @@ def main(argv=None) -> int:
             writer.writerows(rows)
         (out / "bench.md").write_text(markdown(rows, f"{name}, torch {torch.__version__}, {os.cpu_count()} cores"))
 
-    cases = [c for c in grid(args.quick) if not args.ops or c.op in args.ops]
+    cases = [c for c in grid(kind) if not args.ops or c.op in args.ops]
     for case in cases:
         try:
             case_rows = run_case(case, args.backend, copies)
@@ -588,7 +607,7 @@ def main(argv=None) -> int:
         save()
     if not args.ops or "balanced_assignment" in args.ops:
         try:
-            rows += assignment_rows(args.quick)
+            rows += assignment_rows(kind)
         except Exception as exc:
             failed += 1
             print(f"  balanced_assignment: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

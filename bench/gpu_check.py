@@ -9,7 +9,8 @@ nothing:
   3. runs the GPU cases of the suite (`pytest -m gpu`: every `cuda:cuda` / `cuda:triton` case and
      the GPU-only tests) in a few parallel groups of test files, each under its own time limit,
      and meanwhile compiles the benchmarks' torch baselines into torch's caches;
-  4. runs the GPU benchmarks in their quick grid (bench/gpu_bench.py).
+  4. runs the GPU benchmarks (bench/gpu_bench.py), by default their "goals" grid: one shape per
+     row of issue 33's goals, at the sizes the goals name (`--grid quick|goals|full`).
 Each step writes its log into the output folder (GPU_OUT, `--out`) as it goes, and the report
 (report.md there) is rewritten after every step, so a run cut off at any point leaves everything
 up to there. Without a GPU it still builds and runs the test step, whose GPU cases are skipped
@@ -355,12 +356,12 @@ def bench_env() -> dict:
     return env
 
 
-def start_compile_warmup(run: Run, *, full: bool) -> subprocess.Popen:
+def start_compile_warmup(run: Run, *, grid: str) -> subprocess.Popen:
     """torch.compile of every benchmark case's torch sequence, in the background while the tests
     run: it fills torch's on-disk compile caches (FX graph, AOT autograd, Triton), so that the
     benchmark step's compile pass, which compiles the same graphs, finds them there (~20 s a case
     compiled cold on the H200). Nothing of it is timed."""
-    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--warm-compile"] + ([] if full else ["--quick"])
+    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--warm-compile", "--grid", grid]
     log = (run.out / "compile-warmup.log").open("w")
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
@@ -379,41 +380,48 @@ def stop_compile_warmup(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def benchmarks(run: Run, *, timeout: float, full: bool) -> bool:
+def benchmarks(run: Run, *, timeout: float, grid: str) -> bool:
     env = bench_env()
-    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--out", str(run.out)]
-    # quick: the compile pass gets what the eager pass leaves; compiles start until 45 s before the
-    # limit (the budget counts from gpu_bench's start, after its imports; each compile takes
-    # seconds). On the H200 the eager pass took 127 s: two thirds of a 190 s limit left none.
-    cmd += [] if full else ["--quick", "--compile-budget", str(int(max(timeout - 45, timeout / 2)))]
+    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--out", str(run.out), "--grid", grid]
+    # The compile pass gets what the eager pass leaves; compiles start until 45 s before the limit
+    # (the budget counts from gpu_bench's start, after its imports; each compile takes seconds).
+    # On the H200 the quick grid's eager pass took 127 s: two thirds of a 190 s limit left none.
+    cmd += ["--compile-budget", str(int(max(timeout - 45, timeout / 2)))]
     rc, seconds = run_logged(cmd, run.out / "bench.log", env=env, timeout=timeout)
     status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed (rc {rc})")
-    run.step("benchmarks", status, seconds, "quick grid" if not full else "full grid")
+    run.step("benchmarks", status, seconds, f"{grid} grid")
     return rc == 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("GPU_OUT") or str(ROOT / "gpu-check-out"))
     parser.add_argument("--groups", type=int, default=int(os.environ.get("GPU_CHECK_GROUPS", 8)))
     parser.add_argument("--fuzz-examples", type=int, default=100, help="generated cases per fuzz test (CI: 500)")
     # Defaults sized on an H100 with 16 cores (bench/results/gpu-nvidia-h100-80gb-hbm3.md): build
-    # 47 s, check 30 s, the balanced test groups ~110 s (one unit alone takes 110 s), the benchmarks'
-    # eager pass ~100 s, then torch.compile baselines of ~20 s a case until the limit: under 10
-    # minutes in all.
-    parser.add_argument("--build-timeout", type=float, default=180)
-    parser.add_argument("--test-timeout", type=float, default=200, help="seconds for each test group")
-    parser.add_argument("--bench-timeout", type=float, default=300)
+    # 47 s, check 30 s, the balanced test groups ~110 s (one unit alone takes 110 s), the quick
+    # grid's eager pass ~100 s, then torch.compile baselines of ~20 s a case until the limit. The
+    # limits add up to 530 s: one device command (at most 10 minutes) of a session's 15 minutes of
+    # device time, the machine's start included.
+    parser.add_argument("--build-timeout", type=float, default=100)
+    parser.add_argument("--check-timeout", type=float, default=60)
+    parser.add_argument("--test-timeout", type=float, default=170, help="seconds for each test group")
+    parser.add_argument("--bench-timeout", type=float, default=200)
     parser.add_argument("--skip-build", action="store_true", help="use the extension already built")
     parser.add_argument("--skip-check", action="store_true", help="leave out python -m moe_kernels.check")
     parser.add_argument(
         "--record-seconds", nargs="+", metavar="OUT", help="merge these runs' test seconds into gpu_test_seconds.json"
     )
     parser.add_argument("--no-bench", action="store_true")
-    parser.add_argument("--full-bench", action="store_true", help="the benchmarks' full grid (slow)")
+    parser.add_argument("--grid", default="goals", choices=("quick", "goals", "full"), help="the benchmarks' grid")
+    parser.add_argument("--full-bench", action="store_true", help="--grid full")
     parser.add_argument("--marker", default="gpu", help="pytest -m expression for the test step")
     parser.add_argument("--files", nargs="*", help="test files (default: every python_tests/**/test_*.py)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.record_seconds:
         found = record_seconds([Path(p) for p in args.record_seconds])
         print(f"{len(found)} units' seconds -> {SECONDS}")
@@ -430,9 +438,10 @@ def main(argv=None) -> int:
             return 1
     files = [ROOT / f for f in args.files] if args.files else None
     if not args.skip_check:
-        ok = quick_check(run, timeout=120) and ok
+        ok = quick_check(run, timeout=args.check_timeout) and ok
     bench = not args.no_bench and run.info.get("gpu")
-    warmup = start_compile_warmup(run, full=args.full_bench) if bench else None
+    grid = "full" if args.full_bench else args.grid
+    warmup = start_compile_warmup(run, grid=grid) if bench else None
     try:
         ok = (
             tests(
@@ -451,7 +460,7 @@ def main(argv=None) -> int:
     if not bench:
         run.step("benchmarks", "skipped", 0, "--no-bench" if args.no_bench else "no GPU")
     else:
-        ok = benchmarks(run, timeout=args.bench_timeout, full=args.full_bench) and ok
+        ok = benchmarks(run, timeout=args.bench_timeout, grid=grid) and ok
     slug = device_slug(run.info.get("name", "cpu"))
     print(f"report: {run.out / 'report.md'} (device {slug})")
     return 0 if ok else 1

@@ -194,11 +194,35 @@ def test_warm_compile_compiles_each_case_once(monkeypatch, capsys):
         gpu_bench.Case("smooth_step", "b", 8, lambda: (torch.ones(4),), broken, broken),
         gpu_bench.Case("dselect_k", "c", 8, lambda: (torch.ones(3),), seq, seq),
     ]
-    monkeypatch.setattr(gpu_bench, "grid", lambda quick: cases)
+    monkeypatch.setattr(gpu_bench, "grid", lambda kind: cases)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None: fn)
-    assert gpu_bench.warm_compile(True, ["smooth_step"]) == 0
+    assert gpu_bench.warm_compile("quick", ["smooth_step"]) == 0
     out = capsys.readouterr().out
     assert calls == [torch.Size([4])]
     assert "compiled smooth_step a" in out and "smooth_step b: RuntimeError: cannot" in out and " c " not in out
+
+
+def test_grids_name_their_cases():
+    """Each grid builds its cases (no tensors until a case's make); the goals grid holds one case
+    of every op issue 33 sets a goal for, at the goals' sizes."""
+    gpu_bench = load("gpu_bench")
+    for kind in gpu_bench.GRIDS:
+        assert gpu_bench.grid(kind)
+    goals = gpu_bench.grid("goals")
+    ops = {c.op for c in goals}
+    assert {"topk_router", "capacity_positions", "dispatch", "combine", "permute", "unpermute", "batchwise_mask"} <= ops
+    assert any("T=262144" in c.config and c.op == "topk_router" for c in goals)
+    assert any("T=1048576" in c.config and c.op == "batchwise_mask" for c in goals)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        gpu_bench.grid("fast")
+
+
+def test_default_limits_fit_one_device_command():
+    """gpu-check's default step limits add up to under one device command's 10 minutes, with a
+    minute to spare for the start-up and the report (docs/reliability.md, The GPU run)."""
+    seen = vars(load("gpu_check").parse_args([]))
+    total = seen["build_timeout"] + seen["check_timeout"] + seen["test_timeout"] + seen["bench_timeout"]
+    assert total <= 540, total
+    assert seen["grid"] == "goals"
