@@ -37,11 +37,15 @@ def supports(num_experts: int, num_groups: int) -> bool:
 
 
 @triton.jit
-def logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def logits_raw_tile(
+    logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr
+):
     """This program's [BLOCK_T, BLOCK_E] tile of the [T, E] logits (any strides) in their own
-    dtype, padding -inf: (rows, cols, rows in range, entries in range, the tile)."""
+    dtype, padding -inf: (rows, cols, rows in range, entries in range, the tile). ROW_VECTOR: the
+    contiguous entries a thread loads at once (row_vector), which sets how many threads share a
+    row, and so how the row reductions run."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
+    cols = tl.max_contiguous(tl.arange(0, BLOCK_E), ROW_VECTOR)
     row_ok = rows < T
     valid = row_ok[:, None] & (cols[None, :] < E)
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :].to(tl.int64) * stride_e
@@ -49,9 +53,11 @@ def logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr,
 
 
 @triton.jit
-def logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def logits_tile(
+    logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr
+):
     """logits_raw_tile with the tile as float32: (rows, cols, rows in range, entries in range, x)."""
-    rows, cols, row_ok, valid, raw = logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
+    rows, cols, row_ok, valid, raw = logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR)
     return rows, cols, row_ok, valid, to_float32(raw)
 
 
@@ -172,8 +178,9 @@ def topk_router_kernel(
     BLOCK_E: tl.constexpr,  # next power of two >= E
     BLOCK_G: tl.constexpr,  # next power of two >= NUM_GROUPS
     BLOCK_K: tl.constexpr,  # next power of two >= K
+    ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
 ):
-    rows, cols, row_ok, valid, raw = logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
+    rows, cols, row_ok, valid, raw = logits_raw_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR)
     x = to_float32(raw)
     GROUPED: tl.constexpr = TOPK_GROUPS < NUM_GROUPS
     # No bias and no group limit: the logits themselves rank the experts (exact), each pick's
@@ -253,6 +260,23 @@ def launch_config(num_tokens: int, num_experts: int):
     return row_tile_config(num_tokens, num_experts, _TILE, _PER_THREAD)
 
 
+def row_vector(block_e: int, itemsize: int) -> int:
+    """ROW_VECTOR, the contiguous logits a thread loads at once, for rows of block_e entries of
+    itemsize bytes; it decides how many threads share a row. A row of at most 16 bytes: one
+    thread (its reductions in registers). 16-bit rows of up to 128 entries: 4 a thread, so a row
+    of 128 spans a warp (the 32-bit warp reductions are one REDUX) where 16-byte loads gave 16
+    threads 8 entries each and a row reduction four shuffles; sm_90 SASS of the forward per row
+    (bench/triton_sass.py): E = 128 273 instructions against 352, E = 64 142 against 170. Else
+    16 bytes (wider 16-bit rows: one warp a row up to 256; smaller vectors split E = 256 across
+    warps, through shared memory)."""
+    full = 16 // itemsize
+    if block_e * itemsize <= 16:
+        return min(full, block_e)
+    if itemsize == 2 and block_e <= 128:
+        return 4
+    return full
+
+
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
 @on_tensor_device
 def topk_router(
@@ -314,6 +338,7 @@ def topk_router(
             BLOCK_E=block_e,
             BLOCK_G=triton.next_power_of_2(num_groups),
             BLOCK_K=triton.next_power_of_2(k),
+            ROW_VECTOR=row_vector(block_e, logits.element_size()),
             num_warps=num_warps,
         )
     return weights, experts
@@ -353,6 +378,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "BLOCK_E": block_e,
         "BLOCK_G": triton.next_power_of_2(groups),
         "BLOCK_K": 8,
+        "ROW_VECTOR": row_vector(block_e, 4 if dt == "fp32" else 2),
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_kernel, signature, constexprs, {"num_warps": num_warps}

@@ -13,7 +13,15 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.common import from_float32, on_tensor_device, row_tile_config, sigmoid_accurate, to_float32
-from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, logits_tile, softmax_parts, softmax_score
+from moe_kernels.triton.topk_router import (
+    _PER_THREAD,
+    _TILE,
+    MAX_EXPERTS,
+    logits_tile,
+    row_vector,
+    softmax_parts,
+    softmax_score,
+)
 
 
 @triton.jit
@@ -53,8 +61,9 @@ def topk_router_backward_kernel(
     RENORMALIZE: tl.constexpr,  # the forward divided the selected scores by their sum
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_E: tl.constexpr,  # next power of two >= E
+    ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
 ):
-    rows, cols, row_ok, valid, x = logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E)
+    rows, cols, row_ok, valid, x = logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR)
     if SIGMOID:
         scores = tl.where(valid, sigmoid_accurate(x), 0.0)
         vmax = tl.zeros((BLOCK_T,), tl.float32)  # the softmax's row values: unused by sigmoid
@@ -144,6 +153,7 @@ def topk_router_backward(
             RENORMALIZE=renormalize,
             BLOCK_T=block_t,
             BLOCK_E=block_e,
+            ROW_VECTOR=row_vector(block_e, logits.element_size()),
             num_warps=num_warps,
         )
     return grad
@@ -172,7 +182,13 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True):
         "K": "i32",
         "scaling": "fp32",
     }
-    constexprs = {"SIGMOID": sigmoid, "RENORMALIZE": renormalize, "BLOCK_T": block_t, "BLOCK_E": block_e}
+    constexprs = {
+        "SIGMOID": sigmoid,
+        "RENORMALIZE": renormalize,
+        "BLOCK_T": block_t,
+        "BLOCK_E": block_e,
+        "ROW_VECTOR": row_vector(block_e, 4 if dt == "fp32" else 2),
+    }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}
 

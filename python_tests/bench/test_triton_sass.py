@@ -1,0 +1,57 @@
+"""bench/triton_sass.py: the router kernels' static SASS counts, compiled ahead of time as a GPU
+launch specialises them (no GPU needed; the disassembler Triton ships)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_kernels import backends
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    backends.triton_interpreting() or not backends.triton_importable(),
+    reason="compiles ahead of time: needs triton without TRITON_INTERPRET",
+)
+
+
+def test_counts_the_router_kernels():
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "triton_sass.py"), "--cases", "mixtral", "qwen3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [
+        line.split("|")[1:-1]
+        for line in run.stdout.splitlines()
+        if line.startswith("| forward") or line.startswith("| backward")
+    ]
+    assert len(rows) == 4
+    for kernel, case, per_program, warps, block_t, per_row, *_ in rows:
+        assert int(per_program) > 50, (kernel, case, per_program)  # a real kernel body, not an empty listing
+        assert abs(float(per_row) - int(per_program) * int(warps) / int(block_t)) < 1
+
+
+def test_hot_path_stops_at_the_last_exit():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import triton_sass
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    listing = "\n".join(
+        [
+            "Function:topk_router_kernel",
+            "--:-:0:-:1\tMOV R1, c[0x0][0x28];",
+            "--:-:-:Y:4\t@!P0 EXIT;",
+            ".L_x_0:",
+            "--:-:-:-:1\tSHFL.BFLY PT, R0, R1, 0x1, 0x1f;",
+            "--:-:-:Y:5\tEXIT;",
+            "--:-:-:Y:0\tFFMA R2, R3, R4, R5;",
+        ]
+    )
+    counts = triton_sass.hot_path(listing)
+    assert counts == {"MOV": 1, "EXIT": 2, "SHFL": 1}
