@@ -81,6 +81,20 @@ def take_best_key(vk, cols, BIG: tl.constexpr):
     return best, idx, tl.where(cols[None, :] == idx[:, None], NO_KEY, vk)
 
 
+@triton.jit
+def _bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit
+def value_at(x, cols, idx):
+    """x[r, idx[r]] of each row of a [BLOCK_R, BLOCK_W] float32 tile, its bits exactly: the bits
+    of the one entry at idx or-reduced with zeros, an integer reduction (one REDUX where a row
+    spans a warp) where a masked float sum took a shuffle and an add a step."""
+    bits = tl.where(cols[None, :] == idx[:, None], x.to(tl.int32, bitcast=True), 0)
+    return tl.reduce(bits, 1, _bitwise_or).to(tl.float32, bitcast=True)
+
+
 # 16-bit logits ranked by themselves fit the value and the index in one int32 key (packed_key):
 # one 32-bit row reduction a round. Needs index < 2^16 (E <= 2048 here).
 @triton.jit
@@ -179,7 +193,8 @@ def sigmoid_accurate(x):
     the denormals; exactly 0 below SIGMOID_LAST_NONZERO as torch's (where exp_accurate alone kept
     denormals down to x = -104, which rank differently from torch's zeros)."""
     e = exp_accurate(-tl.abs(x))
-    y = tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    # The numerator chosen before one division: the same quotient as choosing between two.
+    y = tl.where(x >= 0, 1.0, e) / (1.0 + e)
     return tl.where(x < SIGMOID_LAST_NONZERO, 0.0, y)
 
 

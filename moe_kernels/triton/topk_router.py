@@ -20,6 +20,7 @@ from moe_kernels.triton.common import (
     take_best_key,
     take_best_ranked,
     to_float32,
+    value_at,
     value_key,
     value_of,
 )
@@ -237,7 +238,7 @@ def topk_router_kernel(
                 keys = group_limit_loop(key, keys, valid, rows, cols, E, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, BLOCK_G)
         for s in range(0, K):
             _best, idx, keys = take_best_key(keys, cols, BLOCK_E)
-            w = tl.sum(tl.where(cols[None, :] == idx[:, None], scores, 0.0), axis=1)
+            w = value_at(scores, cols, idx)
             here = kcols[None, :] == s
             picked_w = tl.where(here, w[:, None], picked_w)
             picked_e = tl.where(here, idx[:, None], picked_e)
