@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
-from moe_kernels.triton import topk_router, topk_router_backward
+from moe_kernels.triton import capacity_positions, topk_router, topk_router_backward
 from moe_kernels.triton.common import row_tile_config
 
 # name: (logits dtype, E, k, topk_router keyword options) as bench/gpu_bench.py's router cases.
@@ -105,6 +105,27 @@ def backward(dt: str, E: int, k: int, opts: dict):
     return topk_router_backward.topk_router_backward_kernel, signature, constexprs, aligned, num_warps, block_t
 
 
+def maps(E: int):
+    """capacity_positions' two O(T k) kernels in the default fill order, as ranks() launches them
+    for E experts: [(name, kernel, signature, constexprs, aligned, num_warps, choices a program)]."""
+    out = []
+    for kernel in (capacity_positions.block_counts_kernel, capacity_positions.block_positions_kernel):
+        kernel, signature, constexprs, options = capacity_positions._aot_blocks(kernel, capacity_positions.S_MAJOR, E)
+        signature = {n: v for n, v in signature.items() if v != "constexpr"}
+        out.append(
+            (
+                kernel.fn.__name__,
+                kernel,
+                signature,
+                constexprs,
+                (0, 1, 2, 3),
+                options["num_warps"],
+                constexprs["BLOCK_N"],
+            )
+        )
+    return out
+
+
 def sass(kernel, signature, constexprs, aligned, num_warps) -> str:
     """The SASS listing (triton.tools.disasm's form) of `kernel` compiled for sm_90."""
     signature = dict(signature)
@@ -133,6 +154,7 @@ def hot_path(listing: str) -> collections.Counter:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", choices=sorted(ROUTERS), help="router shapes (default: all)")
+    parser.add_argument("--maps", nargs="*", type=int, default=[8, 256], help="capacity_positions at these E")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90, hot-path SASS instructions (k unrolled)\n")
     print("| kernel | case | per program | warps | rows | per row | SHFL | REDUX | BAR | MUFU |")
@@ -146,6 +168,15 @@ def main(argv=None) -> int:
                 f"| {label} | {name} | {total} | {num_warps} | {block_t} | {total * num_warps / block_t:.0f} | "
                 f"{counts['SHFL']} | {counts['REDUX']} | {counts['BAR']} | {counts['MUFU']} |",
                 flush=True,
+            )
+    if args.maps:
+        print("\n| kernel | E | per program | warps | choices | per choice |")
+        print("|---|---|---|---|---|---|")
+    for E in args.maps:
+        for name, kernel, signature, constexprs, aligned, num_warps, choices in maps(E):
+            total = sum(hot_path(sass(kernel, signature, constexprs, aligned, num_warps)).values())
+            print(
+                f"| {name} | {E} | {total} | {num_warps} | {choices} | {total * num_warps / choices:.1f} |", flush=True
             )
     return 0
 

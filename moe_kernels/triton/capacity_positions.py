@@ -1,9 +1,10 @@
 """capacity_positions in Triton, in O(T k): the fill order cut into blocks of BLOCK_N choices;
-each block's per-expert counts (a histogram), their exclusive sum over the blocks (torch's cumsum,
-on the device), then each choice's rank = its expert's count in the blocks before it plus the
-choices of its expert before it in its block (compared a chunk at a time). No atomics and no host
-sync; every choice's position is written once. Past MAX_BINS experts, the older kernel: one
-program per expert scans the whole fill order (O(E T k))."""
+each block's per-expert counts (a histogram), their sum over the blocks before it (torch's
+cumsum, on the device), then each choice's rank = its expert's count in the blocks before it plus
+its place among its expert's choices in its block (compared a chunk at a time, or from a sort of
+the block, block_plan). No atomics and no host sync; every choice's position is written once.
+Past MAX_BINS experts, the older kernel: one program per expert scans the whole fill order
+(O(E T k))."""
 
 import torch
 import triton
@@ -12,14 +13,27 @@ import triton.language as tl
 from moe_kernels.triton.common import on_tensor_device
 
 # tl.histogram's GPU lowering needs its input to cover the program's threads at least once
-# (BLOCK_N >= 32 * _WARPS) and every value inside [0, bins): keep both when changing these.
-_BLOCK_N = 256  # choices per program of the O(T k) kernels
+# (BLOCK_N >= 32 * warps) and every value inside [0, bins): block_plan keeps both.
 _CHUNK = 32  # the block's earlier choices compared at a time ([BLOCK_N, CHUNK] int32 per step)
-_WARPS = 8
-# Histogram bins per program: E + 1 rounded up to a power of two. The per-block counts are
-# [T k / 256, E] int32, so at E in the thousands they outweigh the ids (at E = 4095 about 16 bytes
-# per choice) but are still read once, where the per-expert scan reads the ids E times.
+# From this many experts a block's choices are ranked by sorting (expert, place) keys.
+SORTED_FROM = 64
+# Histogram bins per program: E + 1 rounded up to a power of two. Past it, the per-expert scan.
 MAX_BINS = 4096
+
+
+def block_plan(num_experts: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, num_warps, SORTED) of the O(T k) kernels for E experts. The per-block counts are
+    [T k / BLOCK_N, E] int32, written, summed down the blocks and read: BLOCK_N of at least 4 E
+    keeps them to about a byte a choice each way. Below SORTED_FROM experts a choice is compared
+    with its block's earlier ones, a chunk at a time: blocks of 64 or 128 (sm_90 SASS of the
+    default fill order, bench/triton_sass.py's way of counting: 18 warp instructions a choice at
+    64, 25 at 128, 40 at 256). From it, blocks of 1024 ranked by a sort of their (expert, place)
+    keys: 16-17 a choice (the interpreter runs the sort ~50x slower than the comparisons, so only
+    the wide routers take it)."""
+    if num_experts >= SORTED_FROM:
+        return 1024, 8, True
+    block = min(128, max(64, triton.next_power_of_2(4 * num_experts)))
+    return block, block // 32, False
 
 
 # The fill orders the kernels compute or read (ORDER): capacity_positions' default (every token's
@@ -29,20 +43,51 @@ S_MAJOR, GIVEN, FLAT = 0, 1, 2
 
 
 @triton.jit
-def _fill_slot(i, order_ptr, T, K, ORDER: tl.constexpr):
-    """The flat index t * K + s of the i-th choice to fill in the ORDER fill order."""
+def _fill_slots(first, local, ok, order_ptr, T, K, ORDER: tl.constexpr):
+    """The flat indices t * K + s (int64) of the choices first + local of the ORDER fill order:
+    first the program's first choice (an int64 scalar), local int32 offsets, ok the ones < N."""
     if ORDER == 1:
-        return tl.load(order_ptr + i)
+        return tl.load(order_ptr + first + local, mask=ok, other=0)
     if ORDER == 2:
-        return i
-    return (i % T) * K + i // T
+        return first + local
+    # S_MAJOR: choice i is token i % T's choice i // T. One int64 division a program, then int32
+    # ones (t0 + local < T + BLOCK_N) where each entry's own int64 division and modulo were tens
+    # of instructions.
+    s0 = first // T
+    t0 = (first - s0 * T).to(tl.int32)
+    q = (t0 + local) // T
+    t = t0 + local - q * T
+    return t.to(tl.int64) * K + (s0 + q)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _block_bins_at(experts_ptr, order_ptr, first, start, N, T, K, E, ORDER: tl.constexpr, WIDTH: tl.constexpr):
+    """WIDTH choices of the fill order from first + start: (first, their offsets from first
+    (int32), which are < N, each one's bin: its expert, or the spare bin E for empty choices,
+    ids outside [0, E) (dropped on the device, docs/reliability.md) and padding)."""
+    local = start + tl.arange(0, WIDTH)
+    ok = first + local < N
+    ex = tl.load(experts_ptr + _fill_slots(first, local, ok, order_ptr, T, K, ORDER), mask=ok, other=-1)
+    return first, local, ok, tl.where(ok & (ex >= 0) & (ex < E), ex, E).to(tl.int32)
+
+
+@triton.jit
+def _block_bins(experts_ptr, order_ptr, N, T, K, E, ORDER: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_block_bins_at over this program's block of BLOCK_N choices."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_N
+    return _block_bins_at(experts_ptr, order_ptr, first, 0, N, T, K, E, ORDER, BLOCK_N)
 
 
 @triton.jit
 def block_counts_kernel(
     experts_ptr,  # [T, K] int64 contiguous, -1 = empty
     order_ptr,  # [N] int64 fill order (read if ORDER is GIVEN)
-    counts_ptr,  # [num_blocks, E] int32: each block's choices per expert
+    counts_ptr,  # [num_blocks + 1, E] int32: row b + 1 gets block b's choices per expert
     N,  # T * K
     T,
     K,
@@ -51,15 +96,10 @@ def block_counts_kernel(
     BLOCK_N: tl.constexpr,
     BINS: tl.constexpr,  # power of two > E
 ):
-    b = tl.program_id(0)
-    i = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = i < N
-    ex = tl.load(experts_ptr + _fill_slot(tl.where(ok, i, 0), order_ptr, T, K, ORDER), mask=ok, other=-1)
-    # Empty choices, ids outside [0, E) (dropped on the device, docs/reliability.md) and padding
-    # go to the spare bin E.
-    bins = tl.where(ok & (ex >= 0) & (ex < E), ex, E).to(tl.int32)
+    _first, _local, _ok, bins = _block_bins(experts_ptr, order_ptr, N, T, K, E, ORDER, BLOCK_N)
     e = tl.arange(0, BINS)
-    tl.store(counts_ptr + b.to(tl.int64) * E + e, tl.histogram(bins, BINS), mask=e < E)
+    row = tl.program_id(0).to(tl.int64) + 1
+    tl.store(counts_ptr + row * E + e, tl.histogram(bins, BINS), mask=e < E)
 
 
 @triton.jit
@@ -75,30 +115,41 @@ def block_positions_kernel(
     C,  # capacity
     ORDER: tl.constexpr,  # S_MAJOR, GIVEN or FLAT
     BLOCK_N: tl.constexpr,
+    SORTED: tl.constexpr,  # rank by sorting the block (block_plan), else by comparisons
+    LOG_BLOCK_N: tl.constexpr,  # log2(BLOCK_N)
     CHUNK: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    first = b.to(tl.int64) * BLOCK_N
-    local = tl.arange(0, BLOCK_N)
-    ok = first + local < N
-    slot = _fill_slot(tl.where(ok, first + local, 0), order_ptr, T, K, ORDER)
-    ex = tl.load(experts_ptr + slot, mask=ok, other=-1)
-    real = ok & (ex >= 0) & (ex < E)
-    # Choices of the same expert earlier in this block, compared as int32 (E < 2^31; an id outside
-    # [0, E) is -2 here and -1 in the chunks, so it matches nothing).
-    mine = tl.where(real, ex, -2).to(tl.int32)
-    earlier = tl.zeros((BLOCK_N,), tl.int32)
-    for c in tl.static_range(0, BLOCK_N, CHUNK):
-        other = c + tl.arange(0, CHUNK)
-        other_ok = first + other < N
-        other_slot = _fill_slot(tl.where(other_ok, first + other, 0), order_ptr, T, K, ORDER)
-        other_ex = tl.load(experts_ptr + other_slot, mask=other_ok, other=-1)
-        other_ex = tl.where((other_ex >= 0) & (other_ex < E), other_ex, -1).to(tl.int32)
-        same = (mine[:, None] == other_ex[None, :]) & (other[None, :] < local[:, None])
-        earlier += tl.sum(same.to(tl.int32), axis=1)
-    base = tl.load(before_ptr + b.to(tl.int64) * E + tl.where(real, ex, 0), mask=real, other=0)
-    rank = (base + earlier).to(tl.int64)
-    tl.store(positions_ptr + slot, tl.where(real & (rank < C), rank, -1), mask=ok)
+    first, local, ok, bins = _block_bins(experts_ptr, order_ptr, N, T, K, E, ORDER, BLOCK_N)
+    if SORTED:
+        # The block's (bin, place) keys sorted: each expert's choices together, in fill order. A
+        # choice's place among its expert's choices in the block is its sorted position (`local`
+        # here) less the position where its expert's run starts (a running max of the starts).
+        ranked = tl.sort((bins << LOG_BLOCK_N) | local)
+        expert = ranked >> LOG_BLOCK_N
+        place = ranked & (BLOCK_N - 1)
+        previous = tl.gather(expert, tl.maximum(local - 1, 0), 0)
+        starts = tl.where((local == 0) | (expert != previous), local, 0)
+        in_block = local - tl.associative_scan(starts, 0, _maximum)
+        place_ok = first + place < N
+        slot = _fill_slots(first, place, place_ok, order_ptr, T, K, ORDER)
+    else:
+        # The choices of the same expert earlier in the block, a chunk at a time (the spare bin E
+        # of empty, dropped and padding choices matches nothing: -1 here, -2 in the chunks).
+        expert = bins
+        mine = tl.where(bins < E, bins, -1)
+        in_block = tl.zeros((BLOCK_N,), tl.int32)
+        for c in tl.static_range(0, BLOCK_N, CHUNK):
+            _f, other, _o, other_bins = _block_bins_at(experts_ptr, order_ptr, first, c, N, T, K, E, ORDER, CHUNK)
+            other_bins = tl.where(other_bins < E, other_bins, -2)
+            same = (mine[:, None] == other_bins[None, :]) & (other[None, :] < local[:, None])
+            in_block += tl.sum(same.to(tl.int32), axis=1)
+        place_ok = ok
+        slot = _fill_slots(first, local, ok, order_ptr, T, K, ORDER)
+    real = expert < E
+    row = tl.program_id(0).to(tl.int64) * E
+    before = tl.load(before_ptr + row + tl.where(real, expert, 0), mask=real, other=0)
+    rank = (before + in_block).to(tl.int64)
+    tl.store(positions_ptr + slot, tl.where(real & (rank < C), rank, -1), mask=place_ok)
 
 
 _BLOCK = 1024  # choices per scan step
@@ -169,22 +220,25 @@ def ranks(
             order = fill_order(experts, None) if mode == S_MAJOR else torch.arange(N, device=experts.device)
         capacity_positions_kernel[(num_experts,)](experts, order, positions, counts, N, capacity, BLOCK=_BLOCK)
         return positions, counts
-    blocks = triton.cdiv(N, _BLOCK_N)
-    per_block = torch.empty((blocks, num_experts), dtype=torch.int32, device=experts.device)
+    block, warps, sorted_ = block_plan(num_experts)
+    blocks = triton.cdiv(N, block)
+    # Row b + 1 holds block b's counts and row 0 zeros, so the running sum down the rows is, at
+    # row b, each expert's choices in the blocks before block b, and at the last row its total.
+    table = torch.empty((blocks + 1, num_experts), dtype=torch.int32, device=experts.device)
+    table[0] = 0
     order_arg = experts if order is None else order  # unread unless GIVEN
     block_counts_kernel[(blocks,)](
-        experts, order_arg, per_block, N, T, k, num_experts,
-        ORDER=mode, BLOCK_N=_BLOCK_N, BINS=bins, num_warps=_WARPS,
+        experts, order_arg, table, N, T, k, num_experts,
+        ORDER=mode, BLOCK_N=block, BINS=bins, num_warps=warps,
     )  # fmt: skip
-    # Each expert's choices in the blocks before each block: an exclusive sum down the blocks.
-    running = per_block.cumsum(0, dtype=torch.int32)
-    before = running - per_block
+    table = table.cumsum(0, dtype=torch.int32)
     positions = torch.empty_like(experts)
     block_positions_kernel[(blocks,)](
-        experts, order_arg, before, positions, N, T, k, num_experts, capacity,
-        ORDER=mode, BLOCK_N=_BLOCK_N, CHUNK=_CHUNK, num_warps=_WARPS,
+        experts, order_arg, table, positions, N, T, k, num_experts, capacity,
+        ORDER=mode, BLOCK_N=block, SORTED=sorted_, LOG_BLOCK_N=block.bit_length() - 1, CHUNK=_CHUNK,
+        num_warps=warps,
     )  # fmt: skip
-    return positions, running[-1].to(torch.int64)
+    return positions, table[-1].to(torch.int64)
 
 
 @capacity_positions.register_fake
@@ -193,18 +247,26 @@ def _(experts, num_experts, capacity, priority=None):
 
 
 def _aot_blocks(kernel, order: int, num_experts: int):
+    block, warps, sorted_ = block_plan(num_experts)
+    bins = triton.next_power_of_2(num_experts + 1)
     signature = {"experts_ptr": "*i64", "order_ptr": "*i64"}
     if kernel is block_counts_kernel:
         signature["counts_ptr"] = "*i32"
-        constexprs = {"ORDER": order, "BLOCK_N": _BLOCK_N, "BINS": triton.next_power_of_2(num_experts + 1)}
+        constexprs = {"ORDER": order, "BLOCK_N": block, "BINS": bins}
     else:
         signature.update(before_ptr="*i32", positions_ptr="*i64")
-        constexprs = {"ORDER": order, "BLOCK_N": _BLOCK_N, "CHUNK": _CHUNK}
+        constexprs = {
+            "ORDER": order,
+            "BLOCK_N": block,
+            "SORTED": sorted_,
+            "LOG_BLOCK_N": block.bit_length() - 1,
+            "CHUNK": _CHUNK,
+        }
     signature.update(N="i32", T="i32", K="i32", E="i32")
     if kernel is block_positions_kernel:
         signature["C"] = "i32"
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return kernel, signature, constexprs, {"num_warps": _WARPS}
+    return kernel, signature, constexprs, {"num_warps": warps}
 
 
 AOT_KERNELS = [
@@ -224,7 +286,10 @@ AOT_KERNELS = [
     ),
     _aot_blocks(block_counts_kernel, S_MAJOR, 256),
     _aot_blocks(block_counts_kernel, GIVEN, MAX_BINS - 1),
+    _aot_blocks(block_counts_kernel, S_MAJOR, 8),
     _aot_blocks(block_positions_kernel, S_MAJOR, 256),
     _aot_blocks(block_positions_kernel, GIVEN, 8),
     _aot_blocks(block_positions_kernel, FLAT, 64),
+    _aot_blocks(block_positions_kernel, S_MAJOR, 16),
+    _aot_blocks(block_positions_kernel, GIVEN, MAX_BINS - 1),
 ]

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_counts_the_router_kernels():
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "triton_sass.py"), "--cases", "mixtral", "qwen3"],
+        [sys.executable, str(ROOT / "bench" / "triton_sass.py"), "--cases", "mixtral", "qwen3", "--maps", "8"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -34,6 +34,9 @@ def test_counts_the_router_kernels():
     for kernel, case, per_program, warps, block_t, per_row, *_ in rows:
         assert int(per_program) > 50, (kernel, case, per_program)  # a real kernel body, not an empty listing
         assert abs(float(per_row) - int(per_program) * int(warps) / int(block_t)) < 1
+    maps = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| block_")]
+    assert [m[0].strip() for m in maps] == ["block_counts_kernel", "block_positions_kernel"]
+    assert all(int(m[2]) > 50 for m in maps)
 
 
 def test_hot_path_stops_at_the_last_exit():

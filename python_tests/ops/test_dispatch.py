@@ -122,18 +122,20 @@ def test_positions_large_parallel_path(backend):
         assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
 
 
-@pytest.mark.parametrize("max_bins", [None, 4])
-def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, max_bins):
-    """The Triton kernels' paths: the O(T k) blocks (a block's choices against each other, the
-    counts of the blocks before it) over many blocks, with a ragged last block, and the per-expert
-    scan past MAX_BINS experts (made small here); ids past E dropped on both."""
+@pytest.mark.parametrize("E, max_bins", [(5, None), (5, 4), (70, None)], ids=["compared", "scan", "sorted"])
+def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, E, max_bins):
+    """The Triton kernels' paths: the O(T k) blocks (a block's choices against each other at
+    E = 5, a sort of the block at E = 70; the counts of the blocks before it) over many blocks,
+    with a ragged last block, and the per-expert scan past MAX_BINS experts (made small here);
+    ids past E dropped on each."""
     if backend != "triton":
         pytest.skip("the Triton kernels' own paths")
     from moe_kernels.triton import capacity_positions as kernels
 
     if max_bins is not None:
         monkeypatch.setattr(kernels, "MAX_BINS", max_bins)
-    T, E, k = 700, 5, 3  # 2100 choices: 9 blocks of 256, the last one ragged
+    T, k = 700, 3  # 2100 choices: 33 blocks of 64 at E = 5, 3 of 1024 at E = 70, the last ragged
+    assert kernels.block_plan(E)[2] == (E >= kernels.SORTED_FROM)
     experts = routing_choices("empties", T, E, k, seed=7).to(backend.device)
     for p in (None, priorities("ties", T, k).to(backend.device)):
         for C in (0, 1, capacity_for(T, E, k, 1.0), T * k):
