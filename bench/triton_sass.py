@@ -68,8 +68,10 @@ def forward(dt: str, E: int, k: int, opts: dict):
         "BLOCK_G": triton.next_power_of_2(groups),
         "BLOCK_K": triton.next_power_of_2(k),
         "ROW_VECTOR": topk_router.row_vector(block_e, 4 if dt == "fp32" else 2),
+        "ALIGNED_ROWS": True,  # dense rows: stride_t = E, a multiple of ROW_VECTOR at these E
     }
-    aligned = (0, 1, 2, 3, 4, 5, 6)  # the pointers, T, E, stride_t
+    # The pointers and T; E and the row stride (E, dense rows) where a launch sees them divisible by 16.
+    aligned = (0, 1, 2, 3, 4) + ((5, 6) if E % 16 == 0 else ())
     return topk_router.topk_router_kernel, signature, constexprs, aligned, num_warps, block_t
 
 
@@ -100,8 +102,9 @@ def backward(dt: str, E: int, k: int, opts: dict):
         "BLOCK_T": block_t,
         "BLOCK_E": block_e,
         "ROW_VECTOR": topk_router.row_vector(block_e, 4 if dt == "fp32" else 2),
+        "ALIGNED_ROWS": True,
     }
-    aligned = (0, 1, 2, 3, 4, 5, 6)
+    aligned = (0, 1, 2, 3, 4) + ((5, 6) if E % 16 == 0 else ())
     return topk_router_backward.topk_router_backward_kernel, signature, constexprs, aligned, num_warps, block_t
 
 

@@ -62,8 +62,11 @@ def topk_router_backward_kernel(
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_E: tl.constexpr,  # next power of two >= E
     ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
+    ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
 ):
-    rows, cols, row_ok, valid, x = logits_tile(logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR)
+    rows, cols, row_ok, valid, x = logits_tile(
+        logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
+    )
     if SIGMOID:
         scores = tl.where(valid, sigmoid_accurate(x), 0.0)
         vmax = tl.zeros((BLOCK_T,), tl.float32)  # the softmax's row values: unused by sigmoid
@@ -111,7 +114,10 @@ def topk_router_backward_kernel(
         grad = tl.where(x != x, x, spread * scores * (1.0 - scores))
     else:
         grad = scores * (spread - shift[:, None])
-    out = grad_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]
+    out_start = rows[:, None].to(tl.int64) * E
+    if ALIGNED_ROWS:  # the gradient's rows start a vector too (as logits_raw_tile's)
+        out_start = rows[:, None].to(tl.int64) * (E // ROW_VECTOR) * ROW_VECTOR
+    out = grad_ptr + out_start + cols[None, :]
     tl.store(out, from_float32(grad, grad_ptr.dtype.element_ty), mask=valid)
 
 
@@ -136,6 +142,7 @@ def topk_router_backward(
     grad = torch.empty((T, E), dtype=logits.dtype, device=logits.device)
     if T > 0 and E > 0:
         grid, block_t, block_e, num_warps = row_tile_config(T, E, _TILE, _PER_THREAD)
+        vector = row_vector(block_e, logits.element_size())
         topk_router_backward_kernel[grid](
             grad_weights,
             logits,
@@ -153,7 +160,8 @@ def topk_router_backward(
             RENORMALIZE=renormalize,
             BLOCK_T=block_t,
             BLOCK_E=block_e,
-            ROW_VECTOR=row_vector(block_e, logits.element_size()),
+            ROW_VECTOR=vector,
+            ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
             num_warps=num_warps,
         )
     return grad
@@ -188,6 +196,7 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True):
         "BLOCK_T": block_t,
         "BLOCK_E": block_e,
         "ROW_VECTOR": row_vector(block_e, 4 if dt == "fp32" else 2),
+        "ALIGNED_ROWS": True,
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}

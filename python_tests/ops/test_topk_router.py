@@ -475,6 +475,57 @@ def test_triton_opcheck(backend):
                 )
 
 
+@pytest.mark.parametrize(
+    "shape, view, dtype, aligned",
+    [
+        ((4, 60), None, torch.bfloat16, True),  # rows of 60: 4 a thread, 60 % 4 == 0
+        ((4, 8), None, torch.bfloat16, True),  # Mixtral: one thread's 8, stride 8
+        ((4, 6), None, torch.bfloat16, False),  # 6 is no multiple of the 6 -> 8 a thread
+        ((4, 12), 8, torch.bfloat16, False),  # 8 of a row of 12: stride 12
+        ((4, 16), 8, torch.bfloat16, True),  # 8 of a row of 16: stride 16
+        ((4, 128), None, torch.float32, True),
+        ((4, 130), 128, torch.float32, False),  # stride 130 is no multiple of 4
+    ],
+)
+def test_triton_launches_say_rows_are_aligned_only_when_they_are(backend, monkeypatch, shape, view, dtype, aligned):
+    """ALIGNED_ROWS lets the compiler read each row in whole vectors (a GPU-only effect, which
+    the interpreter cannot check): the launchers must set it only where the row stride and E are
+    multiples of ROW_VECTOR, or a GPU would read across row ends."""
+    if backend != "triton":
+        pytest.skip("the Triton launchers")
+    from moe_kernels.triton import topk_router as forward_module
+    from moe_kernels.triton import topk_router_backward as backward_module
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen[self.name] = kwargs
+
+            return launch
+
+    monkeypatch.setattr(forward_module, "topk_router_kernel", Recorder("forward"))
+    monkeypatch.setattr(backward_module, "topk_router_backward_kernel", Recorder("backward"))
+    logits = torch.randn(*shape, dtype=dtype, device=backend.device)
+    if view is not None:
+        logits = logits[:, :view]
+    E = logits.shape[1]
+    forward_module.topk_router(logits, 2, "softmax", None, 1, 1, "top2_sum", True, 1.0)
+    experts = torch.zeros(shape[0], 2, dtype=torch.int64, device=backend.device)
+    backward_module.topk_router_backward(
+        torch.ones(shape[0], 2, device=backend.device), logits, experts, "softmax", True, 1.0
+    )
+    for name in ("forward", "backward"):
+        vector = seen[name]["ROW_VECTOR"]
+        assert seen[name]["ALIGNED_ROWS"] == aligned, (name, vector)
+        if aligned:
+            assert logits.stride(0) % vector == 0 and E % vector == 0
+
+
 def test_triton_backward_drops_out_of_range_experts(backend):
     """A raw call of the Triton backward with ids outside [0, E) touches no column for them (the
     device cannot raise; docs/reliability.md): the same gradient as with those ids at -1, an id
