@@ -155,7 +155,9 @@ def write_mask_kernel(
     pos = above_before + tl.minimum(ties_before, remaining) + tl.cumsum(kept, axis=0) - kept
     tl.store(mask_ptr + t.to(tl.int64)[:, None] * E + e[None, :], keep, mask=valid)
     out = tokens_ptr + e.to(tl.int64)[None, :] * M + pos
-    tl.store(out, t.to(tl.int64)[:, None] + tl.zeros(pos.shape, tl.int64), mask=keep)
+    # Every column keeps exactly M tokens (above + min(ties, remaining)), so pos < M holds; the
+    # mask says so anyway, so a disagreement between the passes could not write past a column.
+    tl.store(out, t.to(tl.int64)[:, None] + tl.zeros(pos.shape, tl.int64), mask=keep & (pos < M))
 
 
 @torch.library.custom_op("moe_kernels_triton::batchwise_mask", mutates_args=())
