@@ -25,7 +25,6 @@ from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
 from moe_kernels.triton import capacity_positions, topk_router, topk_router_backward
-from moe_kernels.triton.common import row_tile_config
 
 # name: (logits dtype, E, k, topk_router keyword options) as bench/gpu_bench.py's router cases.
 ROUTERS = {
@@ -38,74 +37,40 @@ ROUTERS = {
 _ALIGNED = [["tt.divisibility", 16]]
 
 
+def _as_launched(entry, E: int, k: int, unit_strides: tuple[str, ...]):
+    """An AOT_KERNELS entry (kernel, signature, constexprs, options) respecialised as a launch on
+    dense rows sees it: the unit strides and k compile-time constants, the other strides i32, the
+    pointers and T 16-byte aligned, E and the row stride (E) too where E is divisible by 16.
+    Returns (kernel, signature, constexprs, aligned argument indices, num_warps)."""
+    kernel, signature, constexprs, options = entry
+    signature, constexprs = dict(signature), dict(constexprs)
+    for name, kind in signature.items():
+        if name.startswith("stride") and kind == "i64":
+            signature[name] = "i32"
+    constexprs.update(dict.fromkeys(unit_strides, 1), K=k, BLOCK_K=triton.next_power_of_2(k))
+    constexprs = {n: v for n, v in constexprs.items() if n in signature}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    names = list(signature)
+    aligned = [i for i, n in enumerate(names) if n.endswith("_ptr") or n == "T"]
+    if E % 16 == 0:
+        aligned += [names.index("E"), names.index("stride_t")]
+    return kernel, signature, constexprs, tuple(aligned), options["num_warps"]
+
+
 def forward(dt: str, E: int, k: int, opts: dict):
-    _, block_t, block_e, num_warps = topk_router.launch_config(1 << 20, E)
     groups = opts.get("groups", 1)
-    signature = {
-        "logits_ptr": f"*{dt}",
-        "bias_ptr": "*fp32",
-        "weights_ptr": "*fp32",
-        "experts_ptr": "*i64",
-        "T": "i32",
-        "E": "i32",
-        "stride_t": "i32",
-        "stride_e": "constexpr",
-        "K": "constexpr",
-        "scaling": "fp32",
-    }
-    constexprs = {
-        "stride_e": 1,
-        "K": k,
-        "SIGMOID": opts.get("sigmoid", False),
-        "HAS_BIAS": opts.get("bias", False),
-        "NUM_GROUPS": groups,
-        "TOPK_GROUPS": opts.get("topk_groups", groups),
-        "GROUP_MAX": False,
-        "GROUPS_RESHAPED": E == block_e,
-        "RENORMALIZE": True,
-        "BLOCK_T": block_t,
-        "BLOCK_E": block_e,
-        "BLOCK_G": triton.next_power_of_2(groups),
-        "BLOCK_K": triton.next_power_of_2(k),
-        "ROW_VECTOR": topk_router.row_vector(block_e, 4 if dt == "fp32" else 2),
-        "ALIGNED_ROWS": True,  # dense rows: stride_t = E, a multiple of ROW_VECTOR at these E
-    }
-    # The pointers and T; E and the row stride (E, dense rows) where a launch sees them divisible by 16.
-    aligned = (0, 1, 2, 3, 4) + ((5, 6) if E % 16 == 0 else ())
-    return topk_router.topk_router_kernel, signature, constexprs, aligned, num_warps, block_t
+    entry = topk_router._aot(
+        dt, E, sigmoid=opts.get("sigmoid", False), bias=opts.get("bias", False), groups=groups,
+        topk_groups=opts.get("topk_groups", groups), reshaped=E == triton.next_power_of_2(E),
+    )  # fmt: skip
+    kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e",))
+    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"]
 
 
 def backward(dt: str, E: int, k: int, opts: dict):
-    _, block_t, block_e, num_warps = row_tile_config(
-        1 << 20, E, topk_router_backward._TILE, topk_router_backward._PER_THREAD
-    )
-    signature = {
-        "grad_weights_ptr": "*fp32",
-        "logits_ptr": f"*{dt}",
-        "experts_ptr": "*i64",
-        "grad_ptr": f"*{dt}",
-        "T": "i32",
-        "E": "i32",
-        "stride_t": "i32",
-        "stride_e": "constexpr",
-        "stride_gt": "i32",
-        "stride_gk": "constexpr",
-        "K": "constexpr",
-        "scaling": "fp32",
-    }
-    constexprs = {
-        "stride_e": 1,
-        "stride_gk": 1,
-        "K": k,
-        "SIGMOID": opts.get("sigmoid", False),
-        "RENORMALIZE": True,
-        "BLOCK_T": block_t,
-        "BLOCK_E": block_e,
-        "ROW_VECTOR": topk_router.row_vector(block_e, 4 if dt == "fp32" else 2),
-        "ALIGNED_ROWS": True,
-    }
-    aligned = (0, 1, 2, 3, 4) + ((5, 6) if E % 16 == 0 else ())
-    return topk_router_backward.topk_router_backward_kernel, signature, constexprs, aligned, num_warps, block_t
+    entry = topk_router_backward._aot(dt, E, sigmoid=opts.get("sigmoid", False))
+    kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e", "stride_gk"))
+    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"]
 
 
 def maps(E: int):
