@@ -61,7 +61,7 @@ def forward(dt: str, E: int, k: int, opts: dict):
     groups = opts.get("groups", 1)
     entry = topk_router._aot(
         dt, E, sigmoid=opts.get("sigmoid", False), bias=opts.get("bias", False), groups=groups,
-        topk_groups=opts.get("topk_groups", groups), reshaped=E == triton.next_power_of_2(E),
+        topk_groups=opts.get("topk_groups", groups),
     )  # fmt: skip
     kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e",))
     return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"]
@@ -104,7 +104,10 @@ def sass(kernel, signature, constexprs, aligned, num_warps) -> str:
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": num_warps},
     )
-    return get_sass(compiled.asm["cubin"])
+    listing = get_sass(compiled.asm["cubin"])
+    if not listing:
+        raise RuntimeError(f"no SASS listing for {kernel.fn.__name__}: is Triton's cuobjdump there?")
+    return listing
 
 
 def hot_path(listing: str) -> collections.Counter:
@@ -112,7 +115,7 @@ def hot_path(listing: str) -> collections.Counter:
     is `control<TAB>[@P] OPCODE operands;` (labels and the function's name have no tab)."""
     ops = []
     for line in listing.splitlines():
-        m = re.match(r"[^\t\s]+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        m = re.match(r"\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             ops.append(m.group(1))
     last = max((i for i, op in enumerate(ops) if op == "EXIT"), default=len(ops) - 1)

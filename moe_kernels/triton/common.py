@@ -54,8 +54,7 @@ def value_key(x):
 
 @triton.jit
 def value_of(key):
-    """The float32 a value_key was built from; NO_KEY gives 0.0, as take_best's value of an
-    empty row."""
+    """The float32 a value_key was built from; NO_KEY (an empty row) gives 0.0."""
     bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
     return tl.where(key == NO_KEY, 0.0, bits.to(tl.float32, bitcast=True))
 
@@ -96,7 +95,7 @@ def value_at(x, cols, idx):
 
 
 # 16-bit logits ranked by themselves fit the value and the index in one int32 key (packed_key):
-# one 32-bit row reduction a round. Needs index < 2^16 (E <= 2048 here).
+# one 32-bit row reduction a round. Needs index < 2^16 (topk_router.MAX_EXPERTS asserts it).
 @triton.jit
 def packed_key(raw, x, cols):
     """int32 keys ordering (value, index) of float16 / bfloat16 values `raw` (x: their float32
@@ -133,7 +132,7 @@ def pair_index(pair):
 @triton.jit
 def pair_value(pair):
     """The float32 a rank pair was built from (rank_pair inverted, exactly; -0.0 comes back as
-    +0.0 and any NaN as one NaN); NO_PAIR gives 0.0, as take_best's value of an empty row."""
+    +0.0 and any NaN as one NaN); NO_PAIR (an empty row) gives 0.0."""
     key = (pair >> 32).to(tl.int32)
     bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
     return tl.where(pair == NO_PAIR, 0.0, bits.to(tl.float32, bitcast=True))
@@ -141,22 +140,11 @@ def pair_value(pair):
 
 @triton.jit
 def take_best_ranked(pair, cols):
-    """take_best where the pairs rank x itself: the value is decoded from the best pair, so a
-    round costs one row reduction (the max), not two (the max, then a masked sum for the value)."""
+    """The largest remaining rank pair of every row of a [BLOCK_R, BLOCK_W] tile: (the pair, its
+    index, the value it ranks, decoded from it, the pairs with it retired to NO_PAIR)."""
     best = tl.max(pair, axis=1)
     idx = pair_index(best)
     return best, idx, pair_value(best), tl.where(cols[None, :] == idx[:, None], NO_PAIR, pair)
-
-
-@triton.jit
-def take_best(pair, x, cols):
-    """The largest remaining rank pair of every row of a [BLOCK_R, BLOCK_W] tile:
-    (the pair, its index, its value in x, the pairs with it retired to NO_PAIR)."""
-    best = tl.max(pair, axis=1)
-    idx = pair_index(best)
-    hit = cols[None, :] == idx[:, None]
-    value = tl.sum(tl.where(hit, x, 0.0), axis=1)
-    return best, idx, value, tl.where(hit, NO_PAIR, pair)
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from moe_kernels.triton.common import (
 )
 
 MAX_EXPERTS = 2048
+assert MAX_EXPERTS <= 65536, "packed_key holds an expert index in 16 bits"
 MAX_GROUPS = 64
 _TILE = 1024  # values per program when E is small
 _PER_THREAD = 8
@@ -283,7 +284,7 @@ def row_vector(block_e: int, itemsize: int) -> int:
     thread (its reductions in registers). 16-bit rows of up to 128 entries: 4 a thread, so a row
     of 128 spans a warp (the 32-bit warp reductions are one REDUX) where 16-byte loads gave 16
     threads 8 entries each and a row reduction four shuffles; sm_90 SASS of the forward per row
-    (bench/triton_sass.py): E = 128 273 instructions against 352, E = 64 142 against 170. Else
+    (bench/triton_sass.py, k = 8): E = 128 273 instructions against 352, E = 64 142 against 170. Else
     16 bytes (wider 16-bit rows: one warp a row up to 256; smaller vectors split E = 256 across
     warps, through shared memory)."""
     full = 16 // itemsize
@@ -371,7 +372,7 @@ def _(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormal
 
 # For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): the Mixtral-style softmax
 # router, the DeepSeek-V3 grouped sigmoid router at E = 256, a biased bf16 router, the widest row.
-def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True, reshaped=True):
+def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True):
     _, block_t, block_e, num_warps = launch_config(1 << 20, num_experts)
     signature = {
         "logits_ptr": f"*{dt}",
@@ -391,7 +392,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "NUM_GROUPS": groups,
         "TOPK_GROUPS": topk_groups if groups > 1 else 1,
         "GROUP_MAX": group_max,
-        "GROUPS_RESHAPED": reshaped,
+        "GROUPS_RESHAPED": num_experts == block_e,  # as the launcher decides
         "RENORMALIZE": renormalize,
         "BLOCK_T": block_t,
         "BLOCK_E": block_e,
@@ -407,7 +408,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
 AOT_KERNELS = [
     _aot("fp32", 64, sigmoid=False, bias=False),
     _aot("bf16", 128, sigmoid=False, bias=False),
-    _aot("bf16", 160, sigmoid=False, bias=False, groups=8, topk_groups=3, group_max=True, reshaped=False),
+    _aot("bf16", 160, sigmoid=False, bias=False, groups=8, topk_groups=3, group_max=True),
     _aot("fp32", 256, sigmoid=True, bias=True, groups=8, topk_groups=4),
     _aot("bf16", 128, sigmoid=False, bias=True, groups=8, topk_groups=3, group_max=True, renormalize=False),
     _aot("fp16", MAX_EXPERTS, sigmoid=True, bias=True),
