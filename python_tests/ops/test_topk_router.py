@@ -489,8 +489,9 @@ def test_triton_opcheck(backend):
 )
 def test_triton_launches_say_rows_are_aligned_only_when_they_are(backend, monkeypatch, shape, view, dtype, aligned):
     """ALIGNED_ROWS lets the compiler read each row in whole vectors (a GPU-only effect, which
-    the interpreter cannot check): the launchers must set it only where the row stride and E are
-    multiples of ROW_VECTOR, or a GPU would read across row ends."""
+    the interpreter cannot check): the launchers must set it exactly where the row stride and E
+    are multiples of their ROW_VECTOR, or a GPU would read across row ends (the table: the
+    forward's)."""
     if backend != "triton":
         pytest.skip("the Triton launchers")
     from moe_kernels.triton import topk_router as forward_module
@@ -519,11 +520,10 @@ def test_triton_launches_say_rows_are_aligned_only_when_they_are(backend, monkey
     backward_module.topk_router_backward(
         torch.ones(shape[0], 2, device=backend.device), logits, experts, "softmax", True, 1.0
     )
-    for name in ("forward", "backward"):
+    assert seen["forward"]["ALIGNED_ROWS"] == aligned
+    for name in ("forward", "backward"):  # each with its own load vector
         vector = seen[name]["ROW_VECTOR"]
-        assert seen[name]["ALIGNED_ROWS"] == aligned, (name, vector)
-        if aligned:
-            assert logits.stride(0) % vector == 0 and E % vector == 0
+        assert seen[name]["ALIGNED_ROWS"] == (logits.stride(0) % vector == 0 and E % vector == 0), (name, vector)
 
 
 def test_triton_backward_drops_out_of_range_experts(backend):
