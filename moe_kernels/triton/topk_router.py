@@ -284,7 +284,7 @@ def row_vector(block_e: int, itemsize: int) -> int:
     thread (its reductions in registers). 16-bit rows of up to 128 entries: 4 a thread, so a row
     of 128 spans a warp (the 32-bit warp reductions are one REDUX) where 16-byte loads gave 16
     threads 8 entries each and a row reduction four shuffles; sm_90 SASS of the forward per row
-    (bench/triton_sass.py, k = 8): E = 128 273 instructions against 352, E = 64 142 against 170. Else
+    (bench/triton_sass.py, qwen3): E = 128 273 instructions against 352. Else
     16 bytes (wider 16-bit rows: one warp a row up to 256; smaller vectors split E = 256 across
     warps, through shared memory)."""
     full = 16 // itemsize
