@@ -196,6 +196,18 @@ def test_sampled_threshold_select(dtype, m):
         assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (dtype, m, x.stride())
 
 
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_sampled_select_columns(backend, m):
+    """T = 8192 with m << T: the Triton kernel's sampled select (moe_kernels/triton/batchwise_sampled.py),
+    the C++ kernel's (column_filter.h), with the columns each hands back to its whole-column select."""
+    scores = sampled_threshold_scores(8192, 23, seed=m)
+    for x in (scores, scores.bfloat16().t().contiguous().t()):  # row-major float32, strided bfloat16
+        mask, tokens = run(backend, x, m)
+        ref_mask, ref_tokens = reference.batchwise_mask(x, m)
+        check_layout(mask, tokens, m)
+        assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (m, x.dtype)
+
+
 @contextlib.contextmanager
 def torch_threads(threads):
     """torch's intra-op threads set for the block, restored after."""
@@ -330,3 +342,99 @@ def test_threshold_mask_reproduces_batchwise_mask_at_its_threshold():
 def test_threshold_mask_bad_arguments(scores, thresholds, error):
     with pytest.raises(error, match="thresholds|scores"):
         threshold_mask(scores, thresholds)
+
+
+def test_sampled_plan():
+    """The sampled select's sizes, from the shapes alone: the issue-33 goal shape (T = 2^20, E =
+    256, k = 2) takes it with lists of about 3m; small T, and m a large part of T, do not."""
+    from moe_kernels.triton import batchwise_sampled as sampled
+
+    p = sampled.plan(1 << 20, 8192)
+    assert (p.sample_rows, p.step, p.rank) == (4096, 256, 51)
+    assert p.capacity == 2 * 51 * 256 + 256 and 3 * 8192 < p.capacity < 4 * 8192
+    assert sampled.plan(sampled.SAMPLED_FROM - 1, 8) is None and sampled.plan(1 << 20, 0) is None
+    assert sampled.plan(8192, 2000) is None  # lo would keep more than a quarter of a column
+    for T in (4096, 5000, 1 << 16, 1 << 20):
+        for m in (1, 7, T // 256, T // 64, T // 16):
+            p = sampled.plan(T, m)
+            if p is not None:
+                assert p.sample_rows * p.step <= T and p.rank <= p.sample_rows and m <= p.capacity <= T
+
+
+def _planted_columns(T, E, seed):
+    """[T, E] random scores with, in the second expert group (16 a group), a column whose sampled
+    rows hold its largest scores (fewer than m candidates) and, in the third, a constant column
+    (more candidates than a list holds); the first group is left random."""
+    from moe_kernels.triton import batchwise_sampled as sampled
+
+    scores = torch.randn(T, E, generator=torch.Generator().manual_seed(seed))
+    step = T // min(sampled.SAMPLE_ROWS, T // 16)
+    scores[::step, 20] += 10.0
+    scores[:, 40] = 0.25
+    return scores
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampled_select_redoes_only_flagged_groups(kernel_backend, dtype, monkeypatch):
+    """The Triton sampled select flags exactly the expert groups with a column it cannot select
+    (short of m candidates; past the capacity) and the radix path behind it selects those groups
+    again: smaller sizes than the real threshold (SAMPLED_FROM lowered), every float dtype, a
+    ragged last group, and a strided input; 2 programs a group for the radix path, so that each
+    loops over several tiles."""
+    if kernel_backend != "triton":
+        pytest.skip("the Triton kernel's sampled select")
+    from moe_kernels.triton import batchwise_mask as radix
+    from moe_kernels.triton import batchwise_sampled as sampled
+
+    monkeypatch.setattr(sampled, "SAMPLED_FROM", 512)
+    monkeypatch.setattr(radix, "_REDO_PROGRAMS", 2)
+    T, E, m = 1024, 45, 8
+    scores = _planted_columns(T, E, seed=7).to(dtype)
+    p = sampled.plan(T, m)
+    assert p is not None
+    mask = torch.zeros(T, E, dtype=torch.bool)
+    tokens = torch.empty(E, m, dtype=torch.int64)
+    redo = sampled.sampled_select(scores, m, p, mask, tokens, group=16)
+    assert redo.tolist() == [0, 1, 1]
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+    assert torch.equal(tokens[:16], ref_tokens[:16]) and torch.equal(mask[:, :16], ref_mask[:, :16])
+    for x in (scores, scores.t().contiguous().t()):
+        got_mask, got_tokens = run("triton", x, m)
+        check_layout(got_mask, got_tokens, m)
+        assert torch.equal(got_tokens, ref_tokens) and torch.equal(got_mask, ref_mask), x.stride()
+
+
+def test_sampled_select_ties_and_nonfinite(kernel_backend, monkeypatch):
+    """Candidates ranked as every backend ranks: NaN above +inf, -0 == +0, equal scores to the lower
+    token (the packed value's low half); words of every bit and a short last word; on columns the
+    sampled path selects itself."""
+    if kernel_backend != "triton":
+        pytest.skip("the Triton kernel's sampled select")
+    from moe_kernels.triton import batchwise_sampled as sampled
+
+    monkeypatch.setattr(sampled, "SAMPLED_FROM", 512)
+    T, E, m = 2051, 6, 12  # a last word of 3 tokens
+    g = torch.Generator().manual_seed(4)
+    scores = (torch.randn(T, E, generator=g) * 4).round() / 4  # ties at every threshold
+    scores[torch.rand(T, E, generator=g) < 0.003] = float("nan")
+    scores[torch.rand(T, E, generator=g) < 0.003] = float("inf")
+    # Column 4: 5 positive scores, then its m-th among 30 zeros of both signs, the rest negative.
+    scores[:, 4] = -1.0 - torch.rand(T, generator=g)
+    rows = torch.randperm(T, generator=g)
+    scores[rows[:30], 4] = torch.tensor([-0.0, 0.0]).repeat(15)
+    scores[rows[30:35], 4] = 1.0
+    scores[torch.rand(T, generator=g) < 0.5, 5] = float("-inf")
+    # Column 3: its best are 40 consecutive tokens (every bit of a word, the sign bit among them)
+    # and the last one (in the last, short word).
+    scores[:, 3] = torch.rand(T, generator=g)
+    scores[60:100, 3] = 2.0 + torch.rand(40, generator=g)
+    scores[T - 1, 3] = 5.0
+    p = sampled.plan(T, m)
+    mask = torch.zeros(T, E, dtype=torch.bool)
+    tokens = torch.empty(E, m, dtype=torch.int64)
+    redo = sampled.sampled_select(scores, m, p, mask, tokens, group=16)
+    assert redo.tolist() == [0], "every column here has between m and capacity candidates"
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
+    got_mask, got_tokens = run("triton", scores, m)
+    assert torch.equal(got_tokens, ref_tokens) and torch.equal(got_mask, ref_mask)

@@ -147,6 +147,14 @@ def _batchwise_mask():
     return Case(lambda: ops.batchwise_mask(scores, 3, return_indices=True), ("moe_kernels_triton::batchwise_mask",))
 
 
+def _batchwise_mask_sampled():
+    """Past SAMPLED_FROM tokens with m small: the sampled select (torch.topk, sort, index_fill) and
+    the radix path behind it, flagged on the device for the constant column's group."""
+    scores = torch.randn(4096, 20, generator=torch.Generator().manual_seed(13))
+    scores[:, 17] = 1.0
+    return Case(lambda: ops.batchwise_mask(scores, 16, return_indices=True), ("moe_kernels_triton::batchwise_mask",))
+
+
 def _smooth_step():
     t = _leaf(3, 7)
     return Case(lambda: ops.smooth_step(t, 0.5), ("moe_kernels_triton::smooth_step",), (t,))
@@ -177,7 +185,7 @@ CASES: dict[str, dict[str, Callable[[], Case]]] = {
     "combine": {"": _combine},
     "permute": {"": _permute},
     "unpermute": {"": _unpermute},
-    "batchwise_mask": {"": _batchwise_mask},
+    "batchwise_mask": {"radix": _batchwise_mask, "sampled": _batchwise_mask_sampled},
     "smooth_step": {"": _smooth_step},
     "dselect_k": {"static": lambda: _dselect_k(True), "batched": lambda: _dselect_k(False)},
     # Not registered (it has no kernel of its own): on the Triton backend it composes the reference

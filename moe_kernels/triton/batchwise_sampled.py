@@ -1,0 +1,273 @@
+"""The sampled-threshold select of batchwise_mask in Triton: the CPU's column filter
+(csrc/cpu/select/column_filter.h) on a GPU, for m a small fraction of T (expert choice,
+m = kT/E). It reads the scores once where the radix select reads them 10 times:
+  1. a strided sample of S rows gives each column a lower bound lo, the sample's rank-th largest
+     order key, which about twice the column's m best scores reach (torch.topk of the [E, S] keys);
+  2. one coalesced pass over the scores sets a bit per token and column where the score reaches lo,
+     in words of 32 tokens, and counts each word's bits (chosen_words_kernel);
+  3. the words' running counts (torch's cumsum), then each column's i-th candidate in token order
+     is found from them (a binary search, then the bit in its word), its score read and written
+     to slot i of the column's list, packed with its token (gather_candidates_kernel): work a
+     candidate, not a score, and deterministic lists (no atomics);
+  4. each column's m best candidates (torch.topk of the packed values, all distinct: the order
+     key over 2^31 - 1 - token, so equal scores go to the lower token), their tokens sorted, and
+     the mask set at them (torch ops on the device).
+A column with at least m candidates has its m best among them (its m-th largest key is >= lo), so
+the select is exact wherever a column has between m and `capacity` candidates. The expert groups
+with a column outside that (a sample that caught too many of its largest scores: about 1 column
+in 3000 on random scores; many ties) are flagged on the device and selected again by the radix
+path, which is launched every time and returns at once for the others: nothing is read back."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_kernels.triton.common import on_tensor_device, to_float32, value_key, value_of
+
+# Below SAMPLED_FROM tokens a column is cheap to select whole (the radix path). SAMPLE_ROWS: the
+# sample is read once and its top-rank taken by torch.topk, small next to the pass over the
+# scores on a GPU, where more rows put lo nearer its target quantile than the CPU's 512 do.
+SAMPLED_FROM = 4096
+SAMPLE_ROWS = 4096
+_BLOCK_T = 256  # the sample's tiles: 256 rows x 16 experts
+_GROUP = 16
+_NUM_WARPS = 8
+# The chosen words: a lane holds 16 bytes of a row (8 bf16/fp16 or 4 float32 columns) and a warp
+# 32 consecutive rows, so each column's word of 32 rows is one warp reduction (REDUX), no
+# shuffles: about 0.5 warp instructions a score (bench/triton_sass.py), where 16 columns a
+# program, two lanes a row, took twice as many.
+_WORD_BYTES = 16
+_WORDS_BLOCK_T = 512
+_WORDS_NUM_WARPS = 4
+_BLOCK_C = 256  # candidate slots a program
+# The packed value of an empty slot: below every candidate (whose low half is >= 2^31 - T > 0).
+_EMPTY = tl.constexpr(-(2**63))
+
+
+class Plan(NamedTuple):
+    sample_rows: int  # S
+    step: int  # rows between sampled rows
+    rank: int  # lo is the sample's rank-th largest key
+    capacity: int  # slots of each column's candidate list
+
+
+def plan(T: int, m: int) -> Plan | None:
+    """The sampled select's sizes for T tokens and m a column, from the shapes alone (so a graph
+    captures one path), or None where the radix path selects every column: T below
+    SAMPLED_FROM, or lo would keep more than a quarter of a column."""
+    if T < SAMPLED_FROM or m < 1:
+        return None
+    S = min(SAMPLE_ROWS, T // 16)
+    # lo is above the column's m-th largest only if the sample holds >= rank scores above it, a
+    # Binomial(S, m / T) count (mean `expected`, sd <= sqrt(expected)): 3 sd above the mean (+2
+    # for small means), as on the CPU.
+    expected = m * S / T
+    rank = math.ceil(expected + 3.0 * math.sqrt(expected) + 2.0)
+    if rank * 4 > S:
+        return None
+    expected_candidates = -(-rank * T // S)
+    return Plan(S, T // S, rank, min(T, 2 * expected_candidates + 256))
+
+
+@triton.jit
+def sample_keys_kernel(
+    scores_ptr,  # [T, E] fp32/fp16/bf16: the sampled rows are `stride_s` apart
+    keys_ptr,  # [E, S] int32 out: value_key of the sampled scores
+    S,
+    E,
+    stride_s,  # the scores' row stride times the step between sampled rows
+    stride_e,
+    BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    e = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    valid = (s < S)[:, None] & (e < E)[None, :]
+    x = tl.load(scores_ptr + s.to(tl.int64)[:, None] * stride_s + e.to(tl.int64)[None, :] * stride_e, mask=valid)
+    tl.store(keys_ptr + e.to(tl.int64)[None, :] * S + s[:, None], value_key(to_float32(x)), mask=valid)
+
+
+@triton.jit
+def _popcount(x):
+    """Set bits of each int32 (a SWAR count: portable to the interpreter)."""
+    v = x.to(tl.uint32, bitcast=True)
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    return ((v * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _halve(word, bit, rank, HALF: tl.constexpr):
+    """One step of finding the rank-th set bit of `word` (uint32) in the window [bit, bit + 2 HALF):
+    into its upper half, past the lower half's set bits, where the rank is beyond them."""
+    below = _popcount(((word >> bit.to(tl.uint32)) & ((1 << HALF) - 1)).to(tl.int32, bitcast=True))
+    up = rank >= below
+    return tl.where(up, bit + HALF, bit), tl.where(up, rank - below, rank)
+
+
+@triton.jit
+def chosen_words_kernel(
+    scores_ptr,  # [T, E] fp32/fp16/bf16, any strides
+    lo_ptr,  # [E] int32: each column's lower bound (a value_key)
+    words_ptr,  # [E, W] int32 out: bit j of word w is token 32 w + j's key >= lo
+    counts_ptr,  # [E, W] int8 out: the set bits of each word
+    T,
+    E,
+    W,
+    stride_t,
+    stride_e,
+    BLOCK_T: tl.constexpr,  # a multiple of 32
+    GROUP: tl.constexpr,
+):
+    """The pass over the scores: a few instructions an entry (a compare and a bit), where writing
+    the candidates themselves from here cost tens an entry, every entry paying for the few
+    candidates (Triton's lanes run the same instructions). A 1-D grid, the expert groups of a
+    tile of tokens adjacent: GROUP columns are 16 bytes of a row, so neighbouring programs share
+    the rows' 32-byte sectors while they are in the cache."""
+    groups = tl.cdiv(E, GROUP)
+    tile = tl.program_id(0) // groups
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = (tl.program_id(0) % groups) * GROUP + tl.arange(0, GROUP)
+    valid = (t < T)[:, None] & (e < E)[None, :]
+    x = to_float32(
+        tl.load(scores_ptr + t.to(tl.int64)[:, None] * stride_t + e.to(tl.int64)[None, :] * stride_e, mask=valid)
+    )
+    # key >= lo compared as floats: lo's float ranks NaN alone above every float (x >= NaN is
+    # false, so NaN is tested apart) and -0 as +0, as value_key does.
+    lo = value_of(tl.load(lo_ptr + e, mask=e < E, other=0))
+    chosen = valid & ((x >= lo[None, :]) | (x != x))
+    bits = tl.where(chosen, (1 << (tl.arange(0, BLOCK_T) % 32))[:, None], 0)
+    # Distinct bits: their sum is their or (bit 31 wraps to the sign, as it should).
+    words = tl.sum(tl.reshape(bits, [BLOCK_T // 32, 32, GROUP]), axis=1)  # [BLOCK_T / 32, GROUP]
+    w = tile * (BLOCK_T // 32) + tl.arange(0, BLOCK_T // 32)
+    out = e.to(tl.int64)[None, :] * W + w[:, None]
+    ok = (w < W)[:, None] & (e < E)[None, :]
+    tl.store(words_ptr + out, words, mask=ok)
+    tl.store(counts_ptr + out, _popcount(words).to(tl.int8), mask=ok)
+
+
+@triton.jit
+def gather_candidates_kernel(
+    scores_ptr,  # [T, E] fp32/fp16/bf16, any strides
+    words_ptr,  # [E, W] int32: the chosen bits
+    prefix_ptr,  # [E, W] int32: the set bits of each column's words up to and including each
+    lists_ptr,  # [E, C] int64 out: slot i the column's i-th candidate in token order, packed
+    T,
+    E,
+    W,
+    stride_t,
+    stride_e,
+    C,
+    STEPS,  # ceil(log2(W + 1)): binary search steps
+    BLOCK_C: tl.constexpr,
+):
+    """Grid (blocks of slots, E): a program a block of slots of one column. Slot i < min(count, C)
+    finds the word holding the column's i-th set bit (a binary search of the running counts) and
+    the bit in it, reads that token's score and writes value_key << 32 | (2^31 - 1 - token):
+    distinct values, larger in the ranking order (equal scores: the lower token larger). Slots
+    past the candidates get _EMPTY, below every candidate. Work a candidate, not an entry."""
+    e = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row = e.to(tl.int64) * W
+    lists = lists_ptr + e.to(tl.int64) * C + i
+    n = tl.minimum(tl.load(prefix_ptr + row + W - 1), C)
+    if tl.program_id(0) * BLOCK_C >= n:  # about half the blocks: the lists hold 2x the expected
+        tl.store(lists, _EMPTY, mask=i < C)
+        return
+    active = i < n
+    # The first word whose running count passes i.
+    first = tl.zeros([BLOCK_C], tl.int32)
+    last = tl.zeros([BLOCK_C], tl.int32) + W
+    for _ in range(STEPS):
+        mid = (first + last) // 2
+        below = tl.load(prefix_ptr + row + mid, mask=active & (mid < W), other=2147483647) <= i
+        first = tl.where(below, mid + 1, first)
+        last = tl.where(below, last, mid)
+    word = tl.load(words_ptr + row + first, mask=active, other=0).to(tl.uint32, bitcast=True)
+    rank = i - tl.load(prefix_ptr + row + first - 1, mask=active & (first > 0), other=0)  # in the word
+    # The rank-th set bit of the word: halve the window [bit, bit + 2 HALF) five times, moving up
+    # past the lower half's set bits where the rank is beyond them.
+    bit, rank = _halve(word, tl.zeros([BLOCK_C], tl.int32), rank, 16)
+    bit, rank = _halve(word, bit, rank, 8)
+    bit, rank = _halve(word, bit, rank, 4)
+    bit, rank = _halve(word, bit, rank, 2)
+    bit, _ = _halve(word, bit, rank, 1)
+    t = first * 32 + bit
+    x = tl.load(scores_ptr + t.to(tl.int64) * stride_t + e.to(tl.int64) * stride_e, mask=active)
+    packed = (value_key(to_float32(x)).to(tl.int64) << 32) | (2147483647 - t).to(tl.int64)
+    tl.store(lists, tl.where(active, packed, _EMPTY), mask=i < C)
+
+
+@on_tensor_device
+def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, tokens: torch.Tensor, group: int):
+    """Selects every column of scores [T, E] into `mask` [T, E] bool (zeroed) and `tokens` [E, m]
+    int64 as `p` plans. Returns `redo` [ceil(E / group)] int32: nonzero for the expert groups (of
+    `group` columns) with a column the candidates cannot select (fewer than m, or more than the
+    capacity): their columns here are wrong, the caller selects them again."""
+    T, E = scores.shape
+    device = scores.device
+    keys_ES = torch.empty((E, p.sample_rows), dtype=torch.int32, device=device)
+    sample_keys_kernel[(triton.cdiv(p.sample_rows, _BLOCK_T), triton.cdiv(E, _GROUP))](
+        scores, keys_ES, p.sample_rows, E, scores.stride(0) * p.step, scores.stride(1),
+        BLOCK_S=_BLOCK_T, GROUP=_GROUP, num_warps=_NUM_WARPS,
+    )  # fmt: skip
+    lo_E = torch.topk(keys_ES, p.rank, dim=1).values[:, p.rank - 1].contiguous()
+    W = triton.cdiv(T, 32)
+    words_EW = torch.empty((E, W), dtype=torch.int32, device=device)
+    counts_EW = torch.empty((E, W), dtype=torch.int8, device=device)
+    columns = _WORD_BYTES // scores.element_size()  # a program's expert group
+    chosen_words_kernel[(triton.cdiv(T, _WORDS_BLOCK_T) * triton.cdiv(E, columns),)](
+        scores, lo_E, words_EW, counts_EW, T, E, W, scores.stride(0), scores.stride(1),
+        BLOCK_T=_WORDS_BLOCK_T, GROUP=columns, num_warps=_WORDS_NUM_WARPS,
+    )  # fmt: skip
+    prefix_EW = counts_EW.cumsum(1, dtype=torch.int32)
+    lists_EC = torch.empty((E, p.capacity), dtype=torch.int64, device=device)
+    gather_candidates_kernel[(triton.cdiv(p.capacity, _BLOCK_C), E)](
+        scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,
+        W.bit_length(), BLOCK_C=_BLOCK_C, num_warps=4,
+    )  # fmt: skip
+    count_E = prefix_EW[:, W - 1]
+    best_Em = torch.topk(lists_EC, m, dim=1, sorted=False).values
+    # An empty slot (a column short of m) decodes past T: clamped, as its group is redone anyway.
+    chosen_Em = (2147483647 - (best_Em & 2147483647)).clamp_(max=T - 1)
+    tokens.copy_(torch.sort(chosen_Em, dim=1).values)
+    experts = torch.arange(E, device=device)[:, None]
+    mask.view(-1).index_fill_(0, (tokens * E + experts).view(-1), True)
+    ok = torch.ones(triton.cdiv(E, group) * group, dtype=torch.bool, device=device)
+    ok[:E] = (count_E >= m) & (count_E <= p.capacity)
+    return (~ok.view(-1, group).all(dim=1)).to(torch.int32)
+
+
+def _aot(kernel, dt):
+    if kernel is sample_keys_kernel:
+        signature = {"scores_ptr": f"*{dt}", "keys_ptr": "*i32", "S": "i32", "E": "i32", "stride_s": "i64"}
+        signature["stride_e"] = "i64"
+        constexprs = {"BLOCK_S": _BLOCK_T, "GROUP": _GROUP}
+    elif kernel is chosen_words_kernel:
+        signature = {"scores_ptr": f"*{dt}", "lo_ptr": "*i32", "words_ptr": "*i32", "counts_ptr": "*i8"}
+        signature.update({"T": "i32", "E": "i32", "W": "i32", "stride_t": "i64", "stride_e": "i64"})
+        constexprs = {"BLOCK_T": _WORDS_BLOCK_T, "GROUP": _WORD_BYTES // (4 if dt == "fp32" else 2)}
+    else:
+        signature = {"scores_ptr": f"*{dt}", "words_ptr": "*i32", "prefix_ptr": "*i32", "lists_ptr": "*i64"}
+        signature.update({"T": "i32", "E": "i32", "W": "i32", "stride_t": "i64", "stride_e": "i64", "C": "i32"})
+        signature["STEPS"] = "i32"
+        constexprs = {"BLOCK_C": _BLOCK_C}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    warps = {sample_keys_kernel: _NUM_WARPS, chosen_words_kernel: _WORDS_NUM_WARPS}.get(kernel, 4)
+    return kernel, signature, constexprs, {"num_warps": warps}
+
+
+AOT_KERNELS = [
+    _aot(sample_keys_kernel, "bf16"),
+    _aot(chosen_words_kernel, "bf16"),
+    _aot(chosen_words_kernel, "fp32"),
+    _aot(chosen_words_kernel, "fp16"),
+    _aot(gather_candidates_kernel, "bf16"),
+    _aot(gather_candidates_kernel, "fp16"),
+]
