@@ -1,4 +1,5 @@
-"""Static instruction counts of the router's Triton kernels for sm_90, without a GPU: each kernel
+"""Static instruction counts of Triton kernels for sm_90 (the router's, the routing maps',
+batchwise_mask's), without a GPU: each kernel
 compiled ahead of time as a GPU launch specialises it (16-byte aligned pointers, sizes divisible
 by 16, the unit stride a compile-time 1), k fixed so the selection rounds unroll, then the SASS
 of its hot path (up to the last EXIT: the out-of-line slow paths of the IEEE division after it
@@ -9,7 +10,10 @@ instruction: `per row` is the hot path times num_warps over BLOCK_T, the warp in
 costs. An instruction count is not a time (latency, memory, the MUFU and shuffle rates): it
 compares kernel versions here, and the GPU benchmarks (bench/gpu_bench.py) time them.
 
-    python bench/triton_sass.py [--cases qwen3 ...]
+    python bench/triton_sass.py [--cases qwen3 ...] [--maps 8 256] [--batchwise bf16 fp32]
+
+batchwise_mask: warp instructions a score (a list slot for gather_candidates_kernel, its binary
+search's loop counted once), each program's tile as launched.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
-from moe_kernels.triton import capacity_positions, topk_router, topk_router_backward
+from moe_kernels.triton import batchwise_mask, batchwise_sampled, capacity_positions, topk_router, topk_router_backward
 
 # name: (logits dtype, E, k, topk_router keyword options) as bench/gpu_bench.py's router cases.
 ROUTERS = {
@@ -94,6 +98,30 @@ def maps(E: int):
     return out
 
 
+def batchwise(dt: str):
+    """batchwise_mask's Triton kernels on `dt` scores as a launch on row-major [T, E] scores with E
+    divisible by 16 specialises them (the unit stride_e a constant; pointers, sizes and the row
+    stride aligned): [(name, kernel, signature, constexprs, aligned, num_warps, unit, per
+    program)], `per program` the scores (list slots for the gather) one program covers."""
+    out = []
+    entries = [e for e in batchwise_sampled.AOT_KERNELS + batchwise_mask.AOT_KERNELS if e[1]["scores_ptr"] == f"*{dt}"]
+    for kernel, signature, constexprs, options in entries:
+        name = kernel.fn.__name__
+        if name == "sample_keys_kernel":
+            continue
+        signature = {n: ("i32" if n.startswith("stride") else v) for n, v in signature.items() if v != "constexpr"}
+        del signature["stride_e"]
+        constexprs = dict(constexprs, stride_e=1)
+        names = list(signature)
+        aligned = tuple(i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("T", "E", "W", "stride_t", "C"))
+        if name == "gather_candidates_kernel":
+            unit, per_program = "slot", constexprs["BLOCK_C"]
+        else:
+            unit, per_program = "score", constexprs["BLOCK_T"] * constexprs["GROUP"]
+        out.append((name, kernel, signature, constexprs, aligned, options["num_warps"], unit, per_program))
+    return out
+
+
 def sass(kernel, signature, constexprs, aligned, num_warps) -> str:
     """The SASS listing (triton.tools.disasm's form) of `kernel` compiled for sm_90."""
     signature = dict(signature)
@@ -126,6 +154,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", choices=sorted(ROUTERS), help="router shapes (default: all)")
     parser.add_argument("--maps", nargs="*", type=int, default=[8, 256], help="capacity_positions at these E")
+    parser.add_argument(
+        "--batchwise", nargs="*", choices=["bf16", "fp16", "fp32"], default=["bf16", "fp32"],
+        help="batchwise_mask's kernels on these score dtypes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, sm_90, hot-path SASS instructions (k unrolled)\n")
     print("| kernel | case | per program | warps | rows | per row | SHFL | REDUX | BAR | MUFU |")
@@ -149,6 +181,14 @@ def main(argv=None) -> int:
             print(
                 f"| {name} | {E} | {total} | {num_warps} | {choices} | {total * num_warps / choices:.1f} |", flush=True
             )
+    if args.batchwise:
+        print("\n| kernel | scores | per program | warps | per | per unit |")
+        print("|---|---|---|---|---|---|")
+    for dt in args.batchwise:
+        for name, kernel, signature, constexprs, aligned, num_warps, unit, per_program in batchwise(dt):
+            total = sum(hot_path(sass(kernel, signature, constexprs, aligned, num_warps)).values())
+            per_unit = total * num_warps / per_program
+            print(f"| {name} | {dt} | {total} | {num_warps} | {unit} | {per_unit:.2f} |", flush=True)
     return 0
 
 

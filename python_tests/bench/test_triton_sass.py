@@ -1,5 +1,6 @@
-"""bench/triton_sass.py: the router kernels' static SASS counts, compiled ahead of time as a GPU
-launch specialises them (no GPU needed; the disassembler Triton ships)."""
+"""bench/triton_sass.py: the router, routing-map and batchwise_mask kernels' static SASS counts,
+compiled ahead of time as a GPU launch specialises them (no GPU needed; the disassembler Triton
+ships)."""
 
 import subprocess
 import sys
@@ -17,10 +18,13 @@ compiles = pytest.mark.skipif(
 )
 
 
+ARGS = ["--cases", "mixtral", "qwen3", "--maps", "8", "--batchwise", "bf16"]
+
+
 @compiles
 def test_counts_the_router_kernels():
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "triton_sass.py"), "--cases", "mixtral", "qwen3", "--maps", "8"],
+        [sys.executable, str(ROOT / "bench" / "triton_sass.py"), *ARGS],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -39,6 +43,11 @@ def test_counts_the_router_kernels():
     maps = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| block_")]
     assert [m[0].strip() for m in maps] == ["block_counts_kernel", "block_positions_kernel"]
     assert all(int(m[2]) > 50 for m in maps)
+    rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ")]
+    batchwise = {row[0].strip(): row for row in rows if len(row) == 6}
+    for kernel in ("chosen_words_kernel", "gather_candidates_kernel", "digit_histogram_kernel", "write_mask_kernel"):
+        name, dtype, per_program, warps, unit, per_unit = batchwise[kernel]
+        assert dtype.strip() == "bf16" and int(per_program) > 50 and float(per_unit) > 0, batchwise[kernel]
 
 
 @pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
