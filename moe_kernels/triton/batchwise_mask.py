@@ -7,7 +7,8 @@ on the device, and every group otherwise, go through the radix path here:
   1. a radix select of each column's m-th largest 32-bit order key, 4 bits per pass, MSB first:
      each pass histograms the digit of the keys still matching the column's prefix (a register
      histogram per program, added into [E, 16] counters with integer atomics: order-independent,
-     so deterministic), then one program per expert picks the digit holding its m-th key;
+     so deterministic); every program derives the digits chosen so far from those counters
+     (_selected);
   2. each tile's count of keys above that key and of its ties, per expert;
   3. their exclusive sums down the tiles (torch's cumsum, on the device), then each tile keeps
      the keys above and the first `remaining` ties in token order (tl.cumsum ranks them), writes
@@ -52,6 +53,13 @@ def _tile_keys(scores_ptr, tile, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr
     valid = (t < T)[:, None] & (e < E)[None, :]
     ptrs = scores_ptr + t.to(tl.int64)[:, None] * stride_t + e.to(tl.int64)[None, :] * stride_e
     return t, e, valid, value_key(to_float32(tl.load(ptrs, mask=valid, other=0.0)))
+
+
+@triton.jit
+def _tiles(T, BLOCK_T: tl.constexpr):
+    """Tiles of BLOCK_T tokens over T >= 1 tokens. Not tl.cdiv: its T + BLOCK_T - 1 wraps in int32
+    for T within BLOCK_T of 2^31, and the tile loops would then run zero times."""
+    return (T - 1) // BLOCK_T + 1
 
 
 @triton.jit
@@ -108,7 +116,7 @@ def digit_histogram_kernel(
     prefix, _ = _selected(hist_ptr, e, E, M, PASS, RADIX_BITS, GROUP)
     prefix = prefix.to(tl.uint32)[None, :]
     counts = tl.zeros([GROUP * BINS], tl.int32)
-    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+    for tile in range(tl.program_id(0), _tiles(T, BLOCK_T), tl.num_programs(0)):
         t, e, valid, key = _tile_keys(scores_ptr, tile, T, E, stride_t, stride_e, BLOCK_T, GROUP)
         key = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # the unsigned order, 32-bit shifts
         if PASS == 0:  # no digits chosen yet (and a shift by 32 is undefined)
@@ -149,7 +157,7 @@ def tile_counts_kernel(
     e = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     threshold, _ = _selected(hist_ptr, e, E, M, PASSES, RADIX_BITS, GROUP)
     threshold = _signed(threshold)[None, :]
-    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+    for tile in range(tl.program_id(0), _tiles(T, BLOCK_T), tl.num_programs(0)):
         t, e, valid, key = _tile_keys(scores_ptr, tile, T, E, stride_t, stride_e, BLOCK_T, GROUP)
         out = tl.cast(tile, tl.int64) * E + e
         tl.store(above_ptr + out, tl.sum((valid & (key > threshold)).to(tl.int32), axis=0), mask=e < E)
@@ -184,7 +192,7 @@ def write_mask_kernel(
     # ties are kept, the first ones in token order.
     threshold = _signed(threshold)[None, :]
     remaining = remaining.to(tl.int32)[None, :]
-    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+    for tile in range(tl.program_id(0), _tiles(T, BLOCK_T), tl.num_programs(0)):
         t, e, valid, key = _tile_keys(scores_ptr, tile, T, E, stride_t, stride_e, BLOCK_T, GROUP)
         before = tl.cast(tile, tl.int64) * E + e
         ties_before = tl.load(ties_before_ptr + before, mask=col_ok, other=0)[None, :]
@@ -220,7 +228,8 @@ def radix_select(scores, m, mask, tokens, redo, programs=None):
     tiles = triton.cdiv(T, _WRITE_BLOCK_T)
     grid = (min(tiles, programs or T), groups)
     opts.update(PASSES=passes, BLOCK_T=_WRITE_BLOCK_T)
-    # Only the redone groups' columns are written, and only theirs read.
+    # Only the redone groups' columns are written; the cumsums run over the others' too, and
+    # nothing reads their result there.
     above = torch.empty((tiles, E), dtype=torch.int32, device=device)
     ties = torch.empty((tiles, E), dtype=torch.int32, device=device)
     tile_counts_kernel[grid](scores, redo, hist, above, ties, *args, **opts)
@@ -240,7 +249,8 @@ def batchwise_mask(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Te
         empty = torch.empty((E, m), dtype=torch.int64, device=device)
         return torch.zeros((T, E), dtype=torch.bool, device=device), empty
     tokens = torch.empty((E, m), dtype=torch.int64, device=device)
-    plan = batchwise_sampled.plan(T, m)
+    # The sampled select's candidate gather has the experts on grid axis 1 (at most 65535).
+    plan = batchwise_sampled.plan(T, m) if E <= 65535 else None
     if plan is None:
         mask = torch.empty((T, E), dtype=torch.bool, device=device)
         redo = torch.ones(triton.cdiv(E, _GROUP), dtype=torch.int32, device=device)

@@ -363,14 +363,17 @@ def test_sampled_plan():
 
 def _planted_columns(T, E, seed):
     """[T, E] random scores with, in the second expert group (16 a group), a column whose sampled
-    rows hold its largest scores (fewer than m candidates) and, in the third, a constant column
-    (more candidates than a list holds); the first group is left random."""
+    rows hold its largest scores (fewer than m candidates) and, in the third, a column of ties
+    (more candidates than a list holds, its best past the capacity); the first group is left
+    random."""
     from moe_kernels.triton import batchwise_sampled as sampled
 
     scores = torch.randn(T, E, generator=torch.Generator().manual_seed(seed))
     step = T // min(sampled.SAMPLE_ROWS, T // 16)
     scores[::step, 20] += 10.0
+    # Constant but for its last 5 tokens: lists cut at their capacity would lose those.
     scores[:, 40] = 0.25
+    scores[-5:, 40] = 1.0
     return scores
 
 
@@ -419,6 +422,7 @@ def test_sampled_select_ties_and_nonfinite(kernel_backend, monkeypatch):
     scores[torch.rand(T, E, generator=g) < 0.003] = float("nan")
     scores[torch.rand(T, E, generator=g) < 0.003] = float("inf")
     # Column 4: 5 positive scores, then its m-th among 30 zeros of both signs, the rest negative.
+    scores[:, 2] = -10.0 - torch.rand(T, generator=g)  # candidates with negative keys, above _EMPTY
     scores[:, 4] = -1.0 - torch.rand(T, generator=g)
     rows = torch.randperm(T, generator=g)
     scores[rows[:30], 4] = torch.tensor([-0.0, 0.0]).repeat(15)
