@@ -45,6 +45,7 @@ _WORD_BYTES = 16
 _WORDS_BLOCK_T = 512
 _WORDS_NUM_WARPS = 4
 _BLOCK_C = 256  # candidate slots a program
+_GATHER_NUM_WARPS = 4
 # The packed value of an empty slot: below every candidate (whose low half is >= 2^31 - T > 0).
 _EMPTY = tl.constexpr(-(2**63))
 
@@ -230,7 +231,7 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
     lists_EC = torch.empty((E, p.capacity), dtype=torch.int64, device=device)
     gather_candidates_kernel[(triton.cdiv(p.capacity, _BLOCK_C), E)](
         scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,
-        W.bit_length(), BLOCK_C=_BLOCK_C, num_warps=4,
+        W.bit_length(), BLOCK_C=_BLOCK_C, num_warps=_GATHER_NUM_WARPS,
     )  # fmt: skip
     count_E = prefix_EW[:, W - 1]
     best_Em = torch.topk(lists_EC, m, dim=1, sorted=False).values
@@ -259,7 +260,7 @@ def _aot(kernel, dt):
         signature["STEPS"] = "i32"
         constexprs = {"BLOCK_C": _BLOCK_C}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    warps = {sample_keys_kernel: _NUM_WARPS, chosen_words_kernel: _WORDS_NUM_WARPS}.get(kernel, 4)
+    warps = {sample_keys_kernel: _NUM_WARPS, chosen_words_kernel: _WORDS_NUM_WARPS}.get(kernel, _GATHER_NUM_WARPS)
     return kernel, signature, constexprs, {"num_warps": warps}
 
 
