@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton import batchwise_sampled
-from moe_kernels.triton.common import on_tensor_device, to_float32, value_key
+from moe_kernels.triton.common import on_tensor_device, to_float32, token_stride_unspecialized, value_key
 
 # A histogram tile is 256 tokens x 16 experts (a 32-byte sector of a bf16 row); its histogram has
 # 16 x 16 bins (4-bit digits, 8 passes): Triton's histogram keeps bins / 32 counters in every
@@ -209,6 +209,16 @@ def write_mask_kernel(
         tl.store(out, t.to(tl.int64)[:, None] + tl.zeros(pos.shape, tl.int64), mask=keep & (pos < M))
 
 
+# Scores whose token stride is 1 (a [T, 1] column, or T = 1) take these compiles of the kernels.
+# On an H200 (triton 3.6) the compiles specialized on stride_t == 1 read a [5, 1] column as its
+# first score and zeros (pass 0's histogram of [0, 0, 1, 2, 0] held five keys of 0.0); these
+# were exact on the same columns (python_tests/ops/test_batchwise_mask.py's adversarial cases).
+_UNSPECIALIZED = {
+    kernel: token_stride_unspecialized(kernel)
+    for kernel in (digit_histogram_kernel, tile_counts_kernel, write_mask_kernel)
+}
+
+
 @on_tensor_device
 def radix_select(scores, m, mask, tokens, redo, programs=None):
     """The radix path into `mask` [T, E] and `tokens` [E, m] for the expert groups (of _GROUP
@@ -218,13 +228,17 @@ def radix_select(scores, m, mask, tokens, redo, programs=None):
     T, E = scores.shape
     device = scores.device
     args = (T, E, scores.stride(0), scores.stride(1), m)
+    kernels = (digit_histogram_kernel, tile_counts_kernel, write_mask_kernel)
+    if scores.stride(0) == 1:
+        kernels = tuple(_UNSPECIALIZED[k] for k in kernels)
+    histogram, tile_counts, write_mask = kernels
     groups = triton.cdiv(E, _GROUP)
     passes = 32 // _RADIX_BITS
     hist = torch.zeros((passes, E, 1 << _RADIX_BITS), dtype=torch.int32, device=device)
     opts = {"RADIX_BITS": _RADIX_BITS, "GROUP": _GROUP, "num_warps": _NUM_WARPS}
     grid = (min(triton.cdiv(T, _BLOCK_T), programs or T), groups)
     for p in range(passes):
-        digit_histogram_kernel[grid](scores, redo, hist, *args, PASS=p, BLOCK_T=_BLOCK_T, **opts)
+        histogram[grid](scores, redo, hist, *args, PASS=p, BLOCK_T=_BLOCK_T, **opts)
     tiles = triton.cdiv(T, _WRITE_BLOCK_T)
     grid = (min(tiles, programs or T), groups)
     opts.update(PASSES=passes, BLOCK_T=_WRITE_BLOCK_T)
@@ -232,11 +246,26 @@ def radix_select(scores, m, mask, tokens, redo, programs=None):
     # nothing reads their result there.
     above = torch.empty((tiles, E), dtype=torch.int32, device=device)
     ties = torch.empty((tiles, E), dtype=torch.int32, device=device)
-    tile_counts_kernel[grid](scores, redo, hist, above, ties, *args, **opts)
+    tile_counts[grid](scores, redo, hist, above, ties, *args, **opts)
     # Exclusive sums down the tiles: the keys above / the ties in the tiles before each tile.
     above_before = above.cumsum(0, dtype=torch.int32) - above
     ties_before = ties.cumsum(0, dtype=torch.int32) - ties
-    write_mask_kernel[grid](scores, redo, hist, above_before, ties_before, mask, tokens, *args, **opts)
+    write_mask[grid](scores, redo, hist, above_before, ties_before, mask, tokens, *args, **opts)
+
+
+def _expert_contiguous(scores: torch.Tensor) -> torch.Tensor:
+    """scores [T, E] with stride 1 between experts, the layout both paths are exact in on a GPU:
+    copied row-major where its experts are strided (E > 1), viewed with expert stride 1 where it
+    has one expert. On an H200 (triton 3.6) the radix path's histograms went wrong on scores with
+    an expert stride other than 1, with or without the token stride specialized: a 600-token
+    column of [600, 37] scores with strides (1, 600) counted 768 keys (its three tiles whole,
+    padding included), one of [100, 3] with strides (1, 100) 48; [80, 6] scores with strides
+    (1, 160) got wrong tokens. Row-major scores were exact in every GPU test and at the goal
+    shapes. The copy costs column-major input one more read and write of the scores."""
+    T, E = scores.shape
+    if E == 1:
+        return scores.as_strided((T, 1), (scores.stride(0), 1))
+    return scores if scores.stride(1) == 1 else scores.contiguous()
 
 
 @torch.library.custom_op("moe_kernels_triton::batchwise_mask", mutates_args=())
@@ -248,6 +277,7 @@ def batchwise_mask(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Te
     if m == 0 or E == 0:
         empty = torch.empty((E, m), dtype=torch.int64, device=device)
         return torch.zeros((T, E), dtype=torch.bool, device=device), empty
+    scores = _expert_contiguous(scores)
     tokens = torch.empty((E, m), dtype=torch.int64, device=device)
     # The sampled select's candidate gather has the experts on grid axis 1 (at most 65535).
     plan = batchwise_sampled.plan(T, m) if E <= 65535 else None

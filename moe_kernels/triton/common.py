@@ -38,6 +38,17 @@ def from_float32(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
+def token_stride_unspecialized(kernel):
+    """`kernel` (a @triton.jit function with a `stride_t` argument) compiled apart with stride_t
+    never specialized, for launches where stride_t is 1 (column-major scores). Triton specializes
+    an integer argument equal to 1, and with stride_t known to be 1 the compiler lays the
+    [tokens, experts] tiles out token-major, where they are otherwise expert-major; the
+    token-major layout is a different program on the GPU (batchwise_mask's radix kernels went
+    wrong in it: see there). Without the specialization the tiles keep the layout every other
+    stride gets."""
+    return triton.jit(kernel.fn, do_not_specialize=["stride_t"])
+
+
 # Smallest int32: below every value_key, used to retire selected or padding elements.
 NO_KEY = tl.constexpr(-2147483648)
 

@@ -132,12 +132,23 @@ def test_mask_only_by_default(backend):
 
 
 def test_non_contiguous(backend):
+    """Column-major, sliced and one-expert views (the Triton op copies strided experts row-major
+    and views one expert with expert stride 1: on a GPU its kernels went wrong on the others)."""
     base = torch.randn(12, 80)
-    scores = base.t()[:, ::2]  # [80, 6], strides (1, 160)
-    assert not scores.is_contiguous()
-    mask, tokens = run(backend, scores, 9)
-    ref_mask, ref_tokens = reference.batchwise_mask(scores.contiguous(), 9)
-    assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
+    ties = adversarial_logits("ties", 9, 70, seed=3)
+    views = [
+        (base.t()[:, ::2], 9),  # [80, 6], strides (1, 160)
+        (ties.t(), 5),  # [70, 9] with many ties, strides (1, 70)
+        (ties[:, 3:4], 2),  # one expert, strides (70, 1)
+        (ties[2][:, None], 3),  # one expert, strides (1, 1): the token stride 1
+        (ties[2:3].t(), 3),  # one expert, strides (1, 70)
+        (ties[::2].t()[:, 1:2], 4),  # one expert, strides (1, 140)
+        (torch.randn(40, 9)[:, 1:7], 6),  # row-major rows of a wider tensor, strides (9, 1)
+    ]
+    for scores, m in views:
+        mask, tokens = run(backend, scores, m)
+        ref_mask, ref_tokens = reference.batchwise_mask(scores.contiguous(), m)
+        assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens), (scores.shape, scores.stride())
 
 
 def test_larger_batch_many_experts(kernel_backend):
