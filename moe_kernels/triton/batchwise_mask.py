@@ -10,7 +10,7 @@ on the device, and every group otherwise, go through the radix path here:
      so deterministic); every program derives the digits chosen so far from those counters
      (_selected);
   2. each tile's count of keys above that key and of its ties, per expert;
-  3. their exclusive sums down the tiles (torch's cumsum, on the device), then each tile keeps
+  3. their exclusive sums down the tiles (running_sums, on the device), then each tile keeps
      the keys above and the first `remaining` ties in token order (tl.cumsum ranks them), writes
      its mask rows whole and the kept tokens at their ranks.
 A program of the radix path loops over every programs-th tile of its expert group and returns at
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton import batchwise_sampled
+from moe_kernels.triton import batchwise_sampled, running_sums
 from moe_kernels.triton.common import on_tensor_device, to_float32, token_stride_unspecialized, value_key
 
 # A histogram tile is 256 tokens x 16 experts (a 32-byte sector of a bf16 row); its histogram has
@@ -248,8 +248,8 @@ def radix_select(scores, m, mask, tokens, redo, programs=None):
     ties = torch.empty((tiles, E), dtype=torch.int32, device=device)
     tile_counts[grid](scores, redo, hist, above, ties, *args, **opts)
     # Exclusive sums down the tiles: the keys above / the ties in the tiles before each tile.
-    above_before = above.cumsum(0, dtype=torch.int32) - above
-    ties_before = ties.cumsum(0, dtype=torch.int32) - ties
+    above_before = running_sums.down_columns(above, bound=T * E) - above
+    ties_before = running_sums.down_columns(ties, bound=T * E) - ties
     write_mask[grid](scores, redo, hist, above_before, ties_before, mask, tokens, *args, **opts)
 
 

@@ -5,7 +5,7 @@ m = kT/E). It reads the scores once where the radix select reads them 10 times:
      order key, which about twice the column's m best scores reach (torch.topk of the [E, S] keys);
   2. one coalesced pass over the scores sets a bit per token and column where the score reaches lo,
      in words of 32 tokens, and counts each word's bits (chosen_words_kernel);
-  3. the words' running counts (torch's cumsum), then each column's i-th candidate in token order
+  3. the words' running counts (running_sums.along_rows), then each column's i-th candidate in token order
      is found from them (a binary search, then the bit in its word), its score read and written
      to slot i of the column's list, packed with its token (gather_candidates_kernel): work a
      candidate, not a score, and deterministic lists (no atomics);
@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton import running_sums
 from moe_kernels.triton.common import on_tensor_device, to_float32, value_key, value_of
 
 # Below SAMPLED_FROM tokens a column is cheap to select whole (the radix path). SAMPLE_ROWS: the
@@ -227,7 +228,7 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
         scores, lo_E, words_EW, counts_EW, T, E, W, scores.stride(0), scores.stride(1),
         BLOCK_T=_WORDS_BLOCK_T, GROUP=columns, num_warps=_WORDS_NUM_WARPS,
     )  # fmt: skip
-    prefix_EW = counts_EW.cumsum(1, dtype=torch.int32)
+    prefix_EW = running_sums.along_rows(counts_EW, bound=T * E)
     lists_EC = torch.empty((E, p.capacity), dtype=torch.int64, device=device)
     gather_candidates_kernel[(triton.cdiv(p.capacity, _BLOCK_C), E)](
         scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,

@@ -1,6 +1,6 @@
 """capacity_positions in Triton, in O(T k): the fill order cut into blocks of BLOCK_N choices;
-each block's per-expert counts (a histogram), their sum over the blocks before it (torch's
-cumsum, on the device), then each choice's rank = its expert's count in the blocks before it plus
+each block's per-expert counts (a histogram), their sum over the blocks before it
+(running_sums.down_columns, on the device), then each choice's rank = its expert's count in the blocks before it plus
 its place among its expert's choices in its block (compared a chunk at a time, or from a sort of
 the block, block_plan). No atomics and no host sync; every choice's position is written once.
 Past MAX_BINS experts, the older kernel: one program per expert scans the whole fill order
@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton import running_sums
 from moe_kernels.triton.common import on_tensor_device
 
 # tl.histogram's GPU lowering needs its input to cover the program's threads at least once
@@ -231,7 +232,7 @@ def ranks(
         experts, order_arg, table, N, T, k, num_experts,
         ORDER=mode, BLOCK_N=block, BINS=bins, num_warps=warps,
     )  # fmt: skip
-    table = table.cumsum(0, dtype=torch.int32)
+    table = running_sums.down_columns(table, bound=N)
     positions = torch.empty_like(experts)
     block_positions_kernel[(blocks,)](
         experts, order_arg, table, positions, N, T, k, num_experts, capacity,

@@ -1,0 +1,41 @@
+"""moe_kernels.triton.running_sums: the flat-scan running sums the Triton launches take for
+torch.cumsum along a dimension, equal to it on every shape, dtype and bound (on the CPU here, and
+on a CUDA device where there is one, whose flat scan is CUB's)."""
+
+import pytest
+import torch
+from devices import gpu_skip_reason
+
+from moe_kernels import backends
+from moe_kernels.triton import running_sums
+
+GPU_SKIP = gpu_skip_reason(backends.triton_interpreting())
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32])
+def test_matches_cumsum(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    for R, C in [(1, 1), (1, 7), (5, 1), (131, 8), (33, 257), (4097, 3)]:
+        counts = torch.randint(0, 33, (R, C), generator=g).to(dtype).to(device)
+        for bound in (counts.numel() * 32, 2**31):  # the int32 and the int64 scan
+            rows = running_sums.along_rows(counts, bound=bound)
+            columns = running_sums.down_columns(counts, bound=bound)
+            assert rows.dtype == columns.dtype == torch.int32
+            assert rows.is_contiguous() and columns.is_contiguous()
+            assert torch.equal(rows, counts.cumsum(1, dtype=torch.int32)), (R, C, bound)
+            assert torch.equal(columns, counts.cumsum(0, dtype=torch.int32)), (R, C, bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_total_past_int32(device):
+    """A table whose total passes 2^31 while every row's (or column's) sum stays below: the bound
+    takes the int64 scan, and the sums are exact."""
+    counts = torch.full((4, 3), 2**29, dtype=torch.int32, device=device)
+    total = 12 * 2**29
+    assert torch.equal(running_sums.along_rows(counts, bound=total), counts.cumsum(1, dtype=torch.int32))
+    assert torch.equal(running_sums.down_columns(counts.t().contiguous(), bound=total), counts.t().cumsum(0))
