@@ -8,9 +8,9 @@ Backends:
             under TRITON_INTERPRET=1 (that is how the tests exercise them on this machine).
 
 Default order: CPU tensors use "cpu", else "torch"; CUDA tensors use "triton", else "cuda", else
-"torch", except where the CUDA kernel measured faster on a GPU (_MEASURED_ORDER:
-capacity_positions). Triton comes first by default because its kernels also run in the test
-suite's interpreter pass, on every commit.
+"torch", except where the CUDA kernel measured faster on a GPU (_MEASURED_ORDER: no op at
+present). Triton comes first by default because its kernels also run in the test suite's
+interpreter pass, on every commit.
 
 float64: an op declares which backends have a float64 path (`register(..., float64=(...))`,
 default: all of them). A float64 tensor whose chosen backend has none runs the reference, forced
@@ -50,15 +50,14 @@ from moe_kernels import _extension
 
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 _ORDER = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda", "torch")}
-# Ops whose CUDA kernel measured faster than their Triton one on a GPU take it first there
-# (bench/results/gpu-nvidia-h100-80gb-hbm3.md and gpu-nvidia-h200.md, CUDA-graph replay):
-# capacity_positions at T = 65536, E = 256, k = 8: CUDA 0.61 ms, Triton 1.84 ms (the Triton
-# per-expert scan; its O(T k) kernels are not yet timed); batchwise_mask at T = 65536, E = 64,
-# m = 2048, bf16: CUDA 1.06 ms, Triton 2.58 ms, on both devices.
-_MEASURED_ORDER = {
-    ("capacity_positions", "cuda"): ("cuda", "triton", "torch"),
-    ("batchwise_mask", "cuda"): ("cuda", "triton", "torch"),
-}
+# Ops whose CUDA kernel measured faster than their Triton one on a GPU take it first there. None
+# does: in the goals run of bench/results/gpu-nvidia-h200.md (CUDA-graph replay) the Triton
+# kernels led wherever both exist (capacity_positions at T = 1M, k = 8, E = 256: Triton 3.4 ms,
+# CUDA 11.3 ms; batchwise_mask at T = 1M, E = 256, bf16: 7.4 ms and 23.3 ms; the routers, dispatch
+# and combine by 1.3x to 45x), except capacity_positions at E = 8 (Triton 31.5 ms, CUDA 11.9 ms),
+# where torch.cumsum down its block table took 31.2 ms and its kernels 0.38 ms: it sums the table
+# flat now (triton/running_sums.py). The entries the older kernels had are gone with them.
+_MEASURED_ORDER: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def default_order(op: str, device_type: str) -> tuple[str, ...]:
