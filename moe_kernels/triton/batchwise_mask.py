@@ -209,10 +209,11 @@ def write_mask_kernel(
         tl.store(out, t.to(tl.int64)[:, None] + tl.zeros(pos.shape, tl.int64), mask=keep & (pos < M))
 
 
-# Scores whose token stride is 1 (a [T, 1] column, or T = 1) take these compiles of the kernels.
-# On an H200 (triton 3.6) the compiles specialized on stride_t == 1 read a [5, 1] column as its
-# first score and zeros (pass 0's histogram of [0, 0, 1, 2, 0] held five keys of 0.0); these
-# were exact on the same columns (python_tests/ops/test_batchwise_mask.py's adversarial cases).
+# Scores whose token stride is 1 (after _expert_contiguous: one expert, e.g. a contiguous [T, 1])
+# take these compiles of the kernels. On an H200 (triton 3.6) the compiles specialized on
+# stride_t == 1 read a [5, 1] column as its first score and zeros (pass 0's histogram of
+# [0, 0, 1, 2, 0] held five keys of 0.0); these were exact on the same columns
+# (python_tests/ops/test_batchwise_mask.py's adversarial cases).
 _UNSPECIALIZED = {
     kernel: token_stride_unspecialized(kernel)
     for kernel in (digit_histogram_kernel, tile_counts_kernel, write_mask_kernel)
@@ -242,10 +243,10 @@ def radix_select(scores, m, mask, tokens, redo, programs=None):
     tiles = triton.cdiv(T, _WRITE_BLOCK_T)
     grid = (min(tiles, programs or T), groups)
     opts.update(PASSES=passes, BLOCK_T=_WRITE_BLOCK_T)
-    # Only the redone groups' columns are written; the cumsums run over the others' too, and
-    # nothing reads their result there.
-    above = torch.empty((tiles, E), dtype=torch.int32, device=device)
-    ties = torch.empty((tiles, E), dtype=torch.int32, device=device)
+    # Only the redone groups' columns are written: zeroed, the others' count nothing in the sums
+    # (whose flat scan runs over every column).
+    above = torch.zeros((tiles, E), dtype=torch.int32, device=device)
+    ties = torch.zeros((tiles, E), dtype=torch.int32, device=device)
     tile_counts[grid](scores, redo, hist, above, ties, *args, **opts)
     # Exclusive sums down the tiles: the keys above / the ties in the tiles before each tile.
     above_before = running_sums.down_columns(above, bound=T * E) - above
@@ -254,14 +255,15 @@ def radix_select(scores, m, mask, tokens, redo, programs=None):
 
 
 def _expert_contiguous(scores: torch.Tensor) -> torch.Tensor:
-    """scores [T, E] with stride 1 between experts, the layout both paths are exact in on a GPU:
-    copied row-major where its experts are strided (E > 1), viewed with expert stride 1 where it
-    has one expert. On an H200 (triton 3.6) the radix path's histograms went wrong on scores with
-    an expert stride other than 1, with or without the token stride specialized: a 600-token
-    column of [600, 37] scores with strides (1, 600) counted 768 keys (its three tiles whole,
-    padding included), one of [100, 3] with strides (1, 100) 48; [80, 6] scores with strides
-    (1, 160) got wrong tokens. Row-major scores were exact in every GPU test and at the goal
-    shapes. The copy costs column-major input one more read and write of the scores."""
+    """scores [T, E] with stride 1 between experts: copied row-major where its experts are
+    strided (E > 1), viewed with expert stride 1 where it has one expert. On an H200 (triton 3.6)
+    the radix path's histograms went wrong on scores with an expert stride other than 1, with or
+    without the token stride specialized: a 600-token column of [600, 37] scores with strides
+    (1, 600) counted 768 keys (its three tiles whole, padding included), one of [100, 3] with
+    strides (1, 100) 48; [80, 6] scores with strides (1, 160) got wrong tokens. Scores with expert
+    stride 1 and a token stride other than 1 were exact in every GPU test and at the goal shapes;
+    a token stride of 1 (one expert) takes the unspecialized compiles (_UNSPECIALIZED). The copy
+    costs column-major input one more read and write of the scores."""
     T, E = scores.shape
     if E == 1:
         return scores.as_strided((T, 1), (scores.stride(0), 1))

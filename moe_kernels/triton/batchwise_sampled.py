@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton import running_sums
-from moe_kernels.triton.common import on_tensor_device, to_float32, value_key, value_of
+from moe_kernels.triton.common import on_tensor_device, to_float32, token_stride_unspecialized, value_key, value_of
 
 # Below SAMPLED_FROM tokens a column is cheap to select whole (the radix path). SAMPLE_ROWS: the
 # sample is read once and its top-rank taken by torch.topk, small next to the pass over the
@@ -206,6 +206,12 @@ def gather_candidates_kernel(
     tl.store(lists, tl.where(active, packed, _EMPTY), mask=i < C)
 
 
+# Scores whose token stride is 1 (after the op's _expert_contiguous: one expert) take compiles
+# without that specialization, as the radix kernels do (batchwise_mask._UNSPECIALIZED): the radix
+# kernels specialized on it read a [5, 1] column wrongly on an H200, and these load the same tiles.
+_UNSPECIALIZED = {k: token_stride_unspecialized(k) for k in (chosen_words_kernel, gather_candidates_kernel)}
+
+
 @on_tensor_device
 def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, tokens: torch.Tensor, group: int):
     """Selects every column of scores [T, E] into `mask` [T, E] bool (zeroed) and `tokens` [E, m]
@@ -214,6 +220,9 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
     capacity): their columns here are wrong, the caller selects them again."""
     T, E = scores.shape
     device = scores.device
+    chosen_words, gather_candidates = chosen_words_kernel, gather_candidates_kernel
+    if scores.stride(0) == 1:
+        chosen_words, gather_candidates = _UNSPECIALIZED[chosen_words], _UNSPECIALIZED[gather_candidates]
     keys_ES = torch.empty((E, p.sample_rows), dtype=torch.int32, device=device)
     sample_keys_kernel[(triton.cdiv(p.sample_rows, _BLOCK_T), triton.cdiv(E, _GROUP))](
         scores, keys_ES, p.sample_rows, E, scores.stride(0) * p.step, scores.stride(1),
@@ -224,13 +233,13 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
     words_EW = torch.empty((E, W), dtype=torch.int32, device=device)
     counts_EW = torch.empty((E, W), dtype=torch.int8, device=device)
     columns = _WORD_BYTES // scores.element_size()  # a program's expert group
-    chosen_words_kernel[(triton.cdiv(T, _WORDS_BLOCK_T) * triton.cdiv(E, columns),)](
+    chosen_words[(triton.cdiv(T, _WORDS_BLOCK_T) * triton.cdiv(E, columns),)](
         scores, lo_E, words_EW, counts_EW, T, E, W, scores.stride(0), scores.stride(1),
         BLOCK_T=_WORDS_BLOCK_T, GROUP=columns, num_warps=_WORDS_NUM_WARPS,
     )  # fmt: skip
     prefix_EW = running_sums.along_rows(counts_EW, bound=T * E)
     lists_EC = torch.empty((E, p.capacity), dtype=torch.int64, device=device)
-    gather_candidates_kernel[(triton.cdiv(p.capacity, _BLOCK_C), E)](
+    gather_candidates[(triton.cdiv(p.capacity, _BLOCK_C), E)](
         scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,
         W.bit_length(), BLOCK_C=_BLOCK_C, num_warps=_GATHER_NUM_WARPS,
     )  # fmt: skip

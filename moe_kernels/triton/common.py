@@ -40,12 +40,12 @@ def from_float32(x, dtype: tl.constexpr):
 
 def token_stride_unspecialized(kernel):
     """`kernel` (a @triton.jit function with a `stride_t` argument) compiled apart with stride_t
-    never specialized, for launches where stride_t is 1 (column-major scores). Triton specializes
-    an integer argument equal to 1, and with stride_t known to be 1 the compiler lays the
-    [tokens, experts] tiles out token-major, where they are otherwise expert-major; the
-    token-major layout is a different program on the GPU (batchwise_mask's radix kernels went
-    wrong in it: see there). Without the specialization the tiles keep the layout every other
-    stride gets."""
+    never specialized, for launches where stride_t is 1 (a [T, 1] column, after batchwise_mask's
+    _expert_contiguous). Triton specializes an integer argument equal to 1, and with stride_t
+    known to be 1 the compiler lays the [tokens, experts] tiles out token-major, where they are
+    otherwise expert-major; the token-major layout is a different program on the GPU
+    (batchwise_mask's radix kernels went wrong in it: see there). Without the specialization the
+    tiles keep the layout a row-major launch gets."""
     return triton.jit(kernel.fn, do_not_specialize=["stride_t"])
 
 

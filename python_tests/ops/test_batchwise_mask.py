@@ -212,7 +212,11 @@ def test_sampled_select_columns(backend, m):
     """T = 8192 with m << T: the Triton kernel's sampled select (moe_kernels/triton/batchwise_sampled.py),
     the C++ kernel's (column_filter.h), with the columns each hands back to its whole-column select."""
     scores = sampled_threshold_scores(8192, 23, seed=m)
-    for x in (scores, scores.bfloat16().t().contiguous().t()):  # row-major float32, strided bfloat16
+    views = [scores, scores.bfloat16().t().contiguous().t()]  # row-major float32, strided bfloat16
+    # One expert with token stride 1 (the kernels' compiles without that specialization): the
+    # planted-sample column (redone by the radix path) and a random one (the sampled path alone).
+    views += [scores[:, 0].contiguous()[:, None], scores[:, 6].contiguous()[:, None]]
+    for x in views:
         mask, tokens = run(backend, x, m)
         ref_mask, ref_tokens = reference.batchwise_mask(x, m)
         check_layout(mask, tokens, m)
