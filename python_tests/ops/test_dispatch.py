@@ -221,6 +221,21 @@ def test_dispatch_combine_match_reference(backend, dtype):
                     assert_close(a, b, dtype=dtype)
 
 
+def test_dispatch_wide_rows_with_empty_slots(backend):
+    """Rows wider than the kernels' column steps (d = 600: the empty slots' zeros in a 512-column
+    step and a ragged one, scatter_rows' 128-column tiles), with empty slots in some blocks of rows
+    and none in others (a poisoned buffer would show a slot left unwritten: dispatch must equal
+    the reference bit for bit)."""
+    T, E, k, d = 40, 4, 2, 600
+    experts = routing_choices("empties", T, E, k, seed=7)
+    for C in (4, 2 * T * k // E):  # every slot filled in most experts; about half of them empty
+        positions, _ = reference.capacity_positions(experts, E, C)
+        x = torch.randn(T, d).bfloat16()
+        with use(backend):
+            buffer = dispatch(x, experts, positions, E, C)
+        assert torch.equal(buffer, reference.dispatch(x, experts, positions, E, C)), C
+
+
 def test_gradcheck_kernels(kernel_backend):
     experts = routing_choices("empties", 6, 4, 2, seed=1)
     positions, _ = reference.capacity_positions(experts, 4, 2)

@@ -38,4 +38,5 @@ def test_total_past_int32(device):
     counts = torch.full((4, 3), 2**29, dtype=torch.int32, device=device)
     total = 12 * 2**29
     assert torch.equal(running_sums.along_rows(counts, bound=total), counts.cumsum(1, dtype=torch.int32))
-    assert torch.equal(running_sums.down_columns(counts.t().contiguous(), bound=total), counts.t().cumsum(0))
+    columns = running_sums.down_columns(counts.t().contiguous(), bound=total)
+    assert columns.dtype == torch.int32 and torch.equal(columns, counts.t().cumsum(0, dtype=torch.int32))
