@@ -54,7 +54,7 @@ _ORDER = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda", "torch")}
 # does: in the goals run of bench/results/gpu-nvidia-h200.md (CUDA-graph replay) the Triton
 # kernels led wherever both exist (capacity_positions at T = 1M, k = 8, E = 256: Triton 3.4 ms,
 # CUDA 11.3 ms; batchwise_mask at T = 1M, E = 256, bf16: 7.4 ms and 23.3 ms; the routers, dispatch
-# and combine by 1.3x to 45x), except capacity_positions at E = 8 (Triton 31.5 ms, CUDA 11.9 ms),
+# and combine by 1.25x to 45x), except capacity_positions at E = 8 (Triton 31.5 ms, CUDA 11.9 ms),
 # where torch.cumsum down its block table took 31.2 ms and its kernels 0.38 ms: it sums the table
 # flat now (triton/running_sums.py). The entries the older kernels had are gone with them.
 _MEASURED_ORDER: dict[tuple[str, str], tuple[str, ...]] = {}

@@ -146,7 +146,8 @@ def test_fallback_past_a_kernels_limits(monkeypatch):
 
 def test_measured_gpu_order(monkeypatch):
     """CUDA tensors take the Triton kernels first (the H200's goals run measured them faster than
-    the CUDA ones wherever both exist); an entry of _MEASURED_ORDER puts another backend first for
+    the CUDA ones wherever both exist, but capacity_positions at E = 8, a torch.cumsum since
+    replaced); an entry of _MEASURED_ORDER puts another backend first for
     its op on its device only; CPU tensors and a forced backend are unaffected."""
     if not _extension.defines("capacity_positions"):
         pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
