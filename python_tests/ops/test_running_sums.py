@@ -33,8 +33,9 @@ def test_matches_cumsum(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_total_past_int32(device):
-    """A table whose total passes 2^31 while every row's (or column's) sum stays below: the bound
-    takes the int64 scan, and the sums are exact."""
+    """A table whose total passes 2^31 while every row's (or column's) sum stays below: the sums
+    are exact. This cannot tell the bound's int64 scan from an int32 one: a wrapped int32 flat scan
+    less its wrapped row start is exact too, so the bound is a guard, not a tested branch."""
     counts = torch.full((4, 3), 2**29, dtype=torch.int32, device=device)
     total = 12 * 2**29
     assert torch.equal(running_sums.along_rows(counts, bound=total), counts.cumsum(1, dtype=torch.int32))
