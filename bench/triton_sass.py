@@ -78,23 +78,24 @@ def backward(dt: str, E: int, k: int, opts: dict):
 
 
 def maps(E: int):
-    """capacity_positions' two O(T k) kernels in the default fill order, as ranks() launches them
-    for E experts: [(name, kernel, signature, constexprs, aligned, num_warps, choices a program)]."""
+    """capacity_positions' two O(T k) kernels in the default fill order at k = 8, as ranks()
+    launches them for E experts (the packed scan below SORTED_FROM, else sorted blocks):
+    [(name, kernel, signature, constexprs, aligned, num_warps, choices a program)]."""
+    packed = E < capacity_positions.SORTED_FROM
+    if packed:
+        kernels = (capacity_positions.packed_counts_kernel, capacity_positions.packed_positions_kernel)
+    else:
+        kernels = (capacity_positions.block_counts_kernel, capacity_positions.block_positions_kernel)
     out = []
-    for kernel in (capacity_positions.block_counts_kernel, capacity_positions.block_positions_kernel):
-        kernel, signature, constexprs, options = capacity_positions._aot_blocks(kernel, capacity_positions.S_MAJOR, E)
+    for kernel in kernels:
+        if packed:
+            entry = capacity_positions._aot_packed(kernel, capacity_positions.S_MAJOR, E, k=8)
+        else:
+            entry = capacity_positions._aot_blocks(kernel, capacity_positions.S_MAJOR, E)
+        kernel, signature, constexprs, options = entry
         signature = {n: v for n, v in signature.items() if v != "constexpr"}
-        out.append(
-            (
-                kernel.fn.__name__,
-                kernel,
-                signature,
-                constexprs,
-                (0, 1, 2, 3),
-                options["num_warps"],
-                constexprs["BLOCK_N"],
-            )
-        )
+        choices = constexprs["ROWS"] * constexprs["SEG"] if packed else constexprs["BLOCK_N"]
+        out.append((kernel.fn.__name__, kernel, signature, constexprs, (0, 1, 2, 3), options["num_warps"], choices))
     return out
 
 
@@ -153,7 +154,7 @@ def hot_path(listing: str) -> collections.Counter:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", choices=sorted(ROUTERS), help="router shapes (default: all)")
-    parser.add_argument("--maps", nargs="*", type=int, default=[8, 256], help="capacity_positions at these E")
+    parser.add_argument("--maps", nargs="*", type=int, default=[8, 32, 256], help="capacity_positions at these E")
     parser.add_argument(
         "--batchwise", nargs="*", choices=["bf16", "fp16", "fp32"], default=["bf16", "fp32"],
         help="batchwise_mask's kernels on these score dtypes",

@@ -122,20 +122,24 @@ def test_positions_large_parallel_path(backend):
         assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
 
 
-@pytest.mark.parametrize("E, max_bins", [(5, None), (5, 4), (70, None)], ids=["compared", "scan", "sorted"])
-def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, E, max_bins):
-    """The Triton kernels' paths: the O(T k) blocks (a block's choices against each other at
-    E = 5, a sort of the block at E = 70; the counts of the blocks before it) over many blocks,
-    with a ragged last block, and the per-expert scan past MAX_BINS experts (made small here);
-    ids past E dropped on each."""
+@pytest.mark.parametrize(
+    "E, k, max_bins",
+    [(5, 3, None), (40, 10, None), (5, 3, 4), (70, 3, None)],
+    ids=["packed", "packed-words", "scan", "sorted"],
+)
+def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, E, k, max_bins):
+    """The Triton kernels' paths: the O(T k) ones (the packed scan of 128-choice segments at E = 5,
+    and at E = 40 in five words with the slots of a token block in two tiles (k = 10 > 8); a sort
+    of 1024-choice blocks at E = 70; the counts of the segments or blocks before) over many
+    segments, with ragged last ones, and the per-expert scan past MAX_BINS experts (made small
+    here); ids past E dropped on each."""
     if backend != "triton":
         pytest.skip("the Triton kernels' own paths")
     from moe_kernels.triton import capacity_positions as kernels
 
     if max_bins is not None:
         monkeypatch.setattr(kernels, "MAX_BINS", max_bins)
-    T, k = 700, 3  # 2100 choices: 33 blocks of 64 at E = 5, 3 of 1024 at E = 70, the last ragged
-    assert kernels.block_plan(E)[2] == (E >= kernels.SORTED_FROM)
+    T = 700  # 6 token blocks of 128 (S_MAJOR), the last ragged; 2100 or 7000 choices
     experts = routing_choices("empties", T, E, k, seed=7).to(backend.device)
     for p in (None, priorities("ties", T, k).to(backend.device)):
         for C in (0, 1, capacity_for(T, E, k, 1.0), T * k):
@@ -148,6 +152,33 @@ def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, E, max_
     kept = torch.where(wild == E + 3, -1, wild)
     ref = reference.capacity_positions(kept, E, T * k)
     assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
+
+
+@pytest.mark.parametrize("E", [8, 13, 16])
+def test_triton_packed_scan_full_fields(backend, E):
+    """Every choice of whole 128-choice segments to one expert: its 8-bit field of the packed
+    words reaches 128, in the top field of a word (expert 7 of 8, 15 of 16: the int64 word's sign
+    wraps) and in another (12 of 13), in each fill order (the default, a given one, permute's flat
+    one)."""
+    if backend != "triton":
+        pytest.skip("the Triton kernels' own paths")
+    from moe_kernels.triton import capacity_positions as kernels
+
+    T, k = 300, 2
+    experts = torch.full((T, k), E - 1, dtype=torch.int64)
+    experts[T // 2 :, 1] = 0
+    experts = experts.to(backend.device)
+    for p in (None, priorities("ties", T, k).to(backend.device)):
+        positions, counts = kernels.capacity_positions(experts, E, T * k, p)
+        ref = reference.capacity_positions(experts.cpu(), E, T * k, priority=None if p is None else p.cpu())
+        assert torch.equal(positions.cpu(), ref[0]) and torch.equal(counts.cpu(), ref[1])
+    ranks, counts = kernels.ranks(experts, E, T * k, kernels.FLAT)
+    flat = experts.cpu().reshape(-1)
+    expected = torch.empty_like(flat)
+    for e in (0, E - 1):
+        expected[flat == e] = torch.arange(int((flat == e).sum()))
+    assert torch.equal(ranks.cpu().reshape(-1), expected)
+    assert torch.equal(counts.cpu(), torch.bincount(flat, minlength=E))
 
 
 def test_capacity_for():
