@@ -9,9 +9,11 @@ m = kT/E). It reads the scores once where the radix select reads them 10 times:
      is found from them (a binary search, then the bit in its word), its score read and written
      to slot i of the column's list, packed with its token (gather_candidates_kernel): work a
      candidate, not a score, and deterministic lists (no atomics);
-  4. each column's m best candidates (torch.topk of the packed values, all distinct: the order
-     key over 2^31 - 1 - token, so equal scores go to the lower token), their tokens sorted, and
-     the mask set at them (torch ops on the device).
+  4. each column's m-th best candidate (torch.topk of the packed values, all distinct: the order
+     key over 2^31 - 1 - token, so equal scores go to the lower token), then the list's entries
+     at or above it, in list order, which is token order, go to the column's row of tokens and
+     set the mask (taken_counts_kernel, a running sum of the counts, chosen_tokens_kernel): no
+     sort of the tokens, no scatter of the mask by torch.
 A column with at least m candidates has its m best among them (its m-th largest key is >= lo), so
 the select is exact wherever a column has between m and `capacity` candidates. The expert groups
 with a column outside that (a sample that caught too many of its largest scores: about 1 column
@@ -47,6 +49,8 @@ _WORDS_BLOCK_T = 512
 _WORDS_NUM_WARPS = 4
 _BLOCK_C = 256  # candidate slots a program
 _GATHER_NUM_WARPS = 4
+_TAKE_BLOCK = 1024  # list slots a program of the taken-slot kernels
+_TAKE_NUM_WARPS = 4
 # The packed value of an empty slot: below every candidate (whose low half is >= 2^31 - T > 0).
 _EMPTY = tl.constexpr(-(2**63))
 
@@ -206,6 +210,61 @@ def gather_candidates_kernel(
     tl.store(lists, tl.where(active, packed, _EMPTY), mask=i < C)
 
 
+@triton.jit
+def _taken(lists_ptr, kth_ptr, count_ptr, C, M, BLOCK: tl.constexpr):
+    """This program's block of column e's list (grid (blocks, E)): (e, the slots, their packed
+    values, which are among the column's M best: at or above its M-th best value `kth`). A
+    column with fewer than M candidates takes none (its group is redone); slots past the
+    candidates are _EMPTY, and blocks past them are not read."""
+    e = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.minimum(tl.load(count_ptr + e), C)
+    live = (i < n) & (n >= M)
+    v = tl.load(lists_ptr + e.to(tl.int64) * C + i, mask=live, other=_EMPTY)
+    return e, i, v, live & (v >= tl.load(kth_ptr + e))
+
+
+@triton.jit
+def taken_counts_kernel(
+    lists_ptr,  # [E, C] int64: gather_candidates_kernel's lists
+    kth_ptr,  # [E] int64: each column's M-th best packed value in its list
+    count_ptr,  # [E] int32: each column's candidates (may exceed C)
+    taken_ptr,  # [E, B] int32 out: each block's taken slots
+    C,
+    M,
+    B,  # blocks a column
+    BLOCK: tl.constexpr,
+):
+    e, _i, _v, taken = _taken(lists_ptr, kth_ptr, count_ptr, C, M, BLOCK)
+    tl.store(taken_ptr + e.to(tl.int64) * B + tl.program_id(0), tl.sum(taken.to(tl.int32), axis=0))
+
+
+@triton.jit
+def chosen_tokens_kernel(
+    lists_ptr,  # [E, C] int64
+    kth_ptr,  # [E] int64
+    count_ptr,  # [E] int32
+    before_ptr,  # [E, B] int32: the taken slots in the column's blocks before
+    tokens_ptr,  # [E, M] int64 out: a column's M tokens, ascending (columns that take none untouched)
+    mask_ptr,  # [T, E] bool: set at each taken (token, column)
+    T,
+    E,
+    C,
+    M,
+    B,
+    BLOCK: tl.constexpr,
+):
+    """The taken slots' tokens in list order (token order) into the column's row of tokens, and
+    their mask entries: a column with M to C candidates takes exactly M, each written once."""
+    e, _i, v, taken = _taken(lists_ptr, kth_ptr, count_ptr, C, M, BLOCK)
+    t = 2147483647 - (v & 2147483647)
+    flag = taken.to(tl.int32)
+    place = tl.load(before_ptr + e.to(tl.int64) * B + tl.program_id(0)) + tl.cumsum(flag, axis=0) - flag
+    ok = taken & (place < M) & (t < T)
+    tl.store(tokens_ptr + e.to(tl.int64) * M + place, t, mask=ok)
+    tl.store(mask_ptr + t * E + e, tl.full(t.shape, 1, tl.int1), mask=ok)
+
+
 # Scores whose token stride is 1 (after the op's _expert_contiguous: one expert) take compiles
 # without that specialization, as the radix kernels do (batchwise_mask._UNSPECIALIZED): the radix
 # kernels specialized on it read a [5, 1] column wrongly on an H200, and these load the same tiles.
@@ -243,13 +302,18 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
         scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,
         W.bit_length(), BLOCK_C=_BLOCK_C, num_warps=_GATHER_NUM_WARPS,
     )  # fmt: skip
-    count_E = prefix_EW[:, W - 1]
-    best_Em = torch.topk(lists_EC, m, dim=1, sorted=False).values
-    # An empty slot (a column short of m) decodes past T: clamped, as its group is redone anyway.
-    chosen_Em = (2147483647 - (best_Em & 2147483647)).clamp_(max=T - 1)
-    tokens.copy_(torch.sort(chosen_Em, dim=1).values)
-    experts = torch.arange(E, device=device)[:, None]
-    mask.view(-1).index_fill_(0, (tokens * E + experts).view(-1), True)
+    count_E = prefix_EW[:, W - 1].contiguous()
+    kth_E = torch.topk(lists_EC, m, dim=1, sorted=False).values.amin(dim=1)
+    # The list is in token order, so its entries at or above the m-th best, in order, are the
+    # column's tokens sorted: their places from the running count of those entries.
+    B = triton.cdiv(p.capacity, _TAKE_BLOCK)
+    taken_EB = torch.empty((E, B), dtype=torch.int32, device=device)
+    args = (lists_EC, kth_E, count_E)
+    taken_counts_kernel[(B, E)](*args, taken_EB, p.capacity, m, B, BLOCK=_TAKE_BLOCK, num_warps=_TAKE_NUM_WARPS)
+    before_EB = running_sums.along_rows(taken_EB, bound=E * p.capacity) - taken_EB
+    chosen_tokens_kernel[(B, E)](
+        *args, before_EB, tokens, mask, T, E, p.capacity, m, B, BLOCK=_TAKE_BLOCK, num_warps=_TAKE_NUM_WARPS
+    )
     ok = torch.ones(triton.cdiv(E, group) * group, dtype=torch.bool, device=device)
     ok[:E] = (count_E >= m) & (count_E <= p.capacity)
     return (~ok.view(-1, group).all(dim=1)).to(torch.int32)
@@ -264,13 +328,26 @@ def _aot(kernel, dt):
         signature = {"scores_ptr": f"*{dt}", "lo_ptr": "*i32", "words_ptr": "*i32", "counts_ptr": "*i8"}
         signature.update({"T": "i32", "E": "i32", "W": "i32", "stride_t": "i64", "stride_e": "i64"})
         constexprs = {"BLOCK_T": _WORDS_BLOCK_T, "GROUP": _WORD_BYTES // (4 if dt == "fp32" else 2)}
+    elif kernel in (taken_counts_kernel, chosen_tokens_kernel):
+        signature = {"lists_ptr": "*i64", "kth_ptr": "*i64", "count_ptr": "*i32"}
+        if kernel is taken_counts_kernel:
+            signature.update({"taken_ptr": "*i32", "C": "i32", "M": "i32", "B": "i32"})
+        else:
+            signature.update({"before_ptr": "*i32", "tokens_ptr": "*i64", "mask_ptr": "*i1"})
+            signature.update({"T": "i32", "E": "i32", "C": "i32", "M": "i32", "B": "i32"})
+        constexprs = {"BLOCK": _TAKE_BLOCK}
     else:
         signature = {"scores_ptr": f"*{dt}", "words_ptr": "*i32", "prefix_ptr": "*i32", "lists_ptr": "*i64"}
         signature.update({"T": "i32", "E": "i32", "W": "i32", "stride_t": "i64", "stride_e": "i64", "C": "i32"})
         signature["STEPS"] = "i32"
         constexprs = {"BLOCK_C": _BLOCK_C}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    warps = {sample_keys_kernel: _NUM_WARPS, chosen_words_kernel: _WORDS_NUM_WARPS}.get(kernel, _GATHER_NUM_WARPS)
+    warps = {
+        sample_keys_kernel: _NUM_WARPS,
+        chosen_words_kernel: _WORDS_NUM_WARPS,
+        taken_counts_kernel: _TAKE_NUM_WARPS,
+        chosen_tokens_kernel: _TAKE_NUM_WARPS,
+    }.get(kernel, _GATHER_NUM_WARPS)
     return kernel, signature, constexprs, {"num_warps": warps}
 
 
@@ -281,4 +358,6 @@ AOT_KERNELS = [
     _aot(chosen_words_kernel, "fp16"),
     _aot(gather_candidates_kernel, "bf16"),
     _aot(gather_candidates_kernel, "fp16"),
+    _aot(taken_counts_kernel, None),
+    _aot(chosen_tokens_kernel, None),
 ]
