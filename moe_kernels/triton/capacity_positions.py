@@ -332,6 +332,7 @@ def ranks(
     return _sorted_ranks(experts, order_arg, num_experts, capacity, mode)
 
 
+@on_tensor_device
 def _packed_ranks(experts, order_arg, num_experts: int, capacity: int, mode: int):
     """ranks() by the packed scan (E < SORTED_FROM)."""
     T, k = experts.shape
@@ -358,6 +359,7 @@ def _packed_ranks(experts, order_arg, num_experts: int, capacity: int, mode: int
     return positions, table[-1].to(torch.int64)
 
 
+@on_tensor_device
 def _sorted_ranks(experts, order_arg, num_experts: int, capacity: int, mode: int):
     """ranks() by sorted blocks (SORTED_FROM <= E, E + 1 <= MAX_BINS)."""
     T, k = experts.shape

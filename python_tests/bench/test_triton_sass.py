@@ -40,8 +40,8 @@ def test_counts_the_router_kernels():
     for kernel, case, per_program, warps, block_t, per_row, *_ in rows:
         assert int(per_program) > 50, (kernel, case, per_program)  # a real kernel body, not an empty listing
         assert abs(float(per_row) - int(per_program) * int(warps) / int(block_t)) < 1
-    maps = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| block_")]
-    assert [m[0].strip() for m in maps] == ["block_counts_kernel", "block_positions_kernel"]
+    maps = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| packed_")]
+    assert [m[0].strip() for m in maps] == ["packed_counts_kernel", "packed_positions_kernel"]  # E = 8
     assert all(int(m[2]) > 50 for m in maps)
     rows = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| ")]
     batchwise = {row[0].strip(): row for row in rows if len(row) == 6}
