@@ -105,7 +105,8 @@ def batchwise(dt: str):
     stride aligned): [(name, kernel, signature, constexprs, aligned, num_warps, unit, per
     program)], `per program` the scores (list slots for the gather) one program covers."""
     out = []
-    entries = [e for e in batchwise_sampled.AOT_KERNELS + batchwise_mask.AOT_KERNELS if e[1].get("scores_ptr") == f"*{dt}"]
+    entries = batchwise_sampled.AOT_KERNELS + batchwise_mask.AOT_KERNELS
+    entries = [e for e in entries if e[1].get("scores_ptr") == f"*{dt}"]  # the score kernels
     for kernel, signature, constexprs, options in entries:
         name = kernel.fn.__name__
         if name == "sample_keys_kernel":

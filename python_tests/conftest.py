@@ -81,6 +81,27 @@ def _device_axis(request, monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
+    _mark_backends(items)
+    _keep_shard(config, items)
+
+
+def _keep_shard(config, items):
+    """MOE_KERNELS_TEST_SHARD=i/n (python_tests/run_shards.py): keeps every n-th test from the i-th
+    (0-based) in collection order, so n processes run one pass between them."""
+    shard = os.environ.get("MOE_KERNELS_TEST_SHARD")
+    if not shard:
+        return
+    i, n = (int(v) for v in shard.split("/"))
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"MOE_KERNELS_TEST_SHARD={shard}: expected i/n with 0 <= i < n")
+    kept = items[i::n]
+    deselected = [item for j, item in enumerate(items) if j % n != i]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+    items[:] = kept
+
+
+def _mark_backends(items):
     for item in items:
         callspec = getattr(item, "callspec", None)
         backend = callspec.params.get("backend") if callspec is not None else None
