@@ -103,8 +103,9 @@ build: $(EXT)
 # The suite runs twice: kernels and AOT/nvcc compiles, then the Triton kernels in the interpreter
 # (TRITON_INTERPRET must be set before triton decorates any kernel, so it needs its own process).
 # The interpreter is single-threaded Python: its pass runs as INTERPRETER_SHARDS processes (default
-# one a core, at most 8), each a shard of the tests (python_tests/run_shards.py), each shard's
-# output printed when it ends. Two shards on 2 cores: 20 minutes where one process took 30.
+# one a core, at most 8), which share the tests out as they go, each running the next one none has
+# claimed (python_tests/run_shards.py), each process's output printed when it ends. Two on 2 cores:
+# under 20 minutes where one process took 30.
 INTERPRETER_SHARDS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
 test: $(EXT)
 	$(BIN)/ruff check .

@@ -15,6 +15,7 @@ pyproject.toml's `pythonpath` puts on sys.path: tests import them by their bare 
 """
 
 import atexit
+import hashlib
 import os
 import shutil
 import sys
@@ -30,6 +31,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 import pytest
+from collection import COLLECTED
 from devices import Backend, gpu_params, redirect
 
 from moe_kernels import _extension, backends
@@ -86,10 +88,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _keep_shard(config, items):
-    """MOE_KERNELS_TEST_SHARD=i/n (python_tests/run_shards.py): keeps every n-th test from the i-th
-    (0-based) in collection order, so n processes run one pass between them."""
+    """MOE_KERNELS_TEST_SHARD=i/n: keeps every n-th test from the i-th (0-based) in collection
+    order, so n processes run one pass between them, each its fixed part (run_shards.py shares
+    the tests out as they go instead: pytest_runtestloop below). Every collected test stays in
+    config.stash[COLLECTED], for the tests of the collection itself."""
+    config.stash[COLLECTED] = list(items)
     shard = os.environ.get("MOE_KERNELS_TEST_SHARD")
-    if not shard:
+    if not shard or os.environ.get("MOE_KERNELS_TEST_CLAIMS"):
         return
     i, n = (int(v) for v in shard.split("/"))
     if not 0 <= i < n:
@@ -99,6 +104,48 @@ def _keep_shard(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
     items[:] = kept
+
+
+def claim(claims_dir: str, start: int, count: int) -> int | None:
+    """The first test index from `start` that no process has claimed yet, now claimed by this
+    one (a file created exclusively in claims_dir: one process wins each index), or None."""
+    for j in range(start, count):
+        try:
+            os.close(os.open(os.path.join(claims_dir, str(j)), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
+        return j
+    return None
+
+
+def pytest_runtestloop(session):
+    """MOE_KERNELS_TEST_CLAIMS=<dir> (run_shards.py): processes that collected the same tests
+    share them out as they go, each running the next test none has claimed, so the slow tests
+    do not pile up in one process. A process claims its next test before running the current
+    one: pytest tears a test's fixtures down by the test that follows it. Elsewhere pytest's
+    own loop runs."""
+    claims_dir = os.environ.get("MOE_KERNELS_TEST_CLAIMS")
+    if not claims_dir or session.config.option.collectonly:
+        return None
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
+    items = session.items
+    # run_shards.py checks that every process collected the same tests, and that each was run.
+    ids = "\n".join(item.nodeid for item in items).encode()
+    with open(os.path.join(claims_dir, f"collected-{hashlib.sha1(ids).hexdigest()}"), "w") as f:
+        f.write(str(len(items)))
+    i = claim(claims_dir, 0, len(items))
+    while i is not None:
+        following = claim(claims_dir, i + 1, len(items))
+        items[i].config.hook.pytest_runtest_protocol(
+            item=items[i], nextitem=items[following] if following is not None else None
+        )
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+        i = following
+    return True
 
 
 def _mark_backends(items):

@@ -1,7 +1,11 @@
-"""Runs one pytest pass as n processes, each a shard of the tests (MOE_KERNELS_TEST_SHARD=i/n,
-python_tests/conftest.py), each with one intra-op thread; prints each shard's output when it ends
-and exits non-zero if any shard failed. The Makefile's interpreter pass runs this way: the Triton
-interpreter is single-threaded Python, so a 2-core machine runs two shards in about half the time.
+"""Runs one pytest pass as n processes that share its tests out as they go: each collects them
+all and runs the next one no process has claimed (MOE_KERNELS_TEST_CLAIMS, conftest's
+pytest_runtestloop), with one intra-op thread. Prints each process's output when it ends; exits
+non-zero if any failed, or if between them they did not run every collected test once. The
+Makefile's interpreter pass runs this way: the Triton interpreter is single-threaded Python, so
+a 2-core machine runs two processes in about half the time. (Not the first pass: on its own it
+keeps about 1.9 of 2 cores busy with torch's threads and the C++ and nvcc builds; two processes
+took 768 s where one took 802.)
 
     python python_tests/run_shards.py N -- python -m pytest python_tests -m triton ...
 """
@@ -23,8 +27,15 @@ def main(argv: list[str]) -> int:
     command = argv[2:]
     logs, procs = [], []
     start = time.monotonic()
+    claims = tempfile.TemporaryDirectory(prefix="moe_kernels_claims_")
     for i in range(n):
-        env = dict(os.environ, MOE_KERNELS_TEST_SHARD=f"{i}/{n}", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        env = dict(
+            os.environ,
+            MOE_KERNELS_TEST_SHARD=f"{i}/{n}",
+            MOE_KERNELS_TEST_CLAIMS=claims.name,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+        )
         log = tempfile.TemporaryFile(mode="w+")
         logs.append(log)
         procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -40,6 +51,26 @@ def main(argv: list[str]) -> int:
             failed.append(i)
     if failed:
         print(f"\nshards {failed} of {n} failed", flush=True)
+        return 1
+    return check_claims(claims.name)
+
+
+def check_claims(claims_dir: str) -> int:
+    """0 where the processes collected the same tests (one `collected-<hash>` file) and claimed
+    each of them (files 0 .. count - 1); else 1, saying what differs. A process that ran no
+    pytest (a plain command) leaves neither: nothing to check."""
+    names = os.listdir(claims_dir)
+    collected = [name for name in names if name.startswith("collected-")]
+    if not collected:
+        return 0
+    if len(collected) != 1:
+        print(f"\nthe processes collected different tests ({len(collected)} lists): nothing ran twice or not at all?")
+        return 1
+    with open(os.path.join(claims_dir, collected[0])) as f:
+        count = int(f.read())
+    claimed = {int(name) for name in names if name.isdigit()}
+    if claimed != set(range(count)):
+        print(f"\n{count - len(claimed & set(range(count)))} of {count} collected tests were not run")
         return 1
     return 0
 

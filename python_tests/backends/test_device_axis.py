@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from collection import COLLECTED
 from devices import GPU_BACKENDS, Backend, gpu_params, gpu_skip_reason, redirect, to_device
 
 import moe_kernels
@@ -35,8 +36,10 @@ def test_gpu_params_one_per_gpu_backend_with_skip_reason_here():
 
 
 def test_every_backend_test_gets_the_gpu_cases(request):
-    """Collected ids of this very module's parametrised test below include both GPU cases."""
-    ids = {item.callspec.id for item in request.session.items if item.originalname == "test_gpu_case_runs_on_device"}
+    """Collected ids of this very module's parametrised test below include both GPU cases (all
+    collected, before a shard keeps its part: conftest.COLLECTED)."""
+    collected = request.config.stash[COLLECTED]
+    ids = {item.callspec.id for item in collected if item.originalname == "test_gpu_case_runs_on_device"}
     assert {"cuda:cuda", "cuda:triton"} <= ids
 
 
