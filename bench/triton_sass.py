@@ -1,9 +1,12 @@
 """Static instruction counts of Triton kernels for sm_90 (the router's, the routing maps',
 batchwise_mask's), without a GPU: each kernel
 compiled ahead of time as a GPU launch specialises it (16-byte aligned pointers, sizes divisible
-by 16, the unit stride a compile-time 1), k fixed so the selection rounds unroll, then the SASS
-of its hot path (up to the last EXIT: the out-of-line slow paths of the IEEE division after it
-are left out) counted in the listing triton.tools.disasm gives (Triton's own cuobjdump).
+by 16, the unit stride a compile-time 1, k a compile-time constant), then the SASS of its hot path
+(up to the last EXIT: the out-of-line slow paths of the IEEE division after it are left out)
+counted in the listing triton.tools.disasm gives (Triton's own cuobjdump). The router's loops
+over the k picks count as many times as they run (hot_path's `trips`: before, each counted once,
+which left Qwen3-MoE's forward at 274 a row where it ran 512); the other kernels' loops
+(grid-stride loops over tiles, a binary search) count once.
 
 A program's hot path runs once per program (BLOCK_T rows), every warp of it issuing each
 instruction: `per row` is the hot path times num_warps over BLOCK_T, the warp instructions a row
@@ -43,8 +46,11 @@ _ALIGNED = [["tt.divisibility", 16]]
 
 def _as_launched(entry, E: int, k: int, unit_strides: tuple[str, ...]):
     """An AOT_KERNELS entry (kernel, signature, constexprs, options) respecialised as a launch on
-    dense rows sees it: the unit strides and k compile-time constants, the other strides i32, the
-    pointers and T 16-byte aligned, E and the row stride (E) too where E is divisible by 16.
+    dense rows sees it: the unit strides compile-time constants, the other strides i32, the
+    pointers and T 16-byte aligned, E and the row stride (E) too where E is divisible by 16; k a
+    compile-time constant (a launch passes it at run time, and LLVM then unrolls the loops over
+    the picks by a factor with a remainder loop, which a static count cannot follow; with k known
+    each loop left is one pick a trip).
     Returns (kernel, signature, constexprs, aligned argument indices, num_warps)."""
     kernel, signature, constexprs, options = entry
     signature, constexprs = dict(signature), dict(constexprs)
@@ -68,13 +74,23 @@ def forward(dt: str, E: int, k: int, opts: dict):
         topk_groups=opts.get("topk_groups", groups),
     )  # fmt: skip
     kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e",))
-    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"]
+    if "ranks_in_keys" in opts:
+        constexprs["RANKS_IN_KEYS"] = opts["ranks_in_keys"]
+    else:
+        constexprs["RANKS_IN_KEYS"] = topk_router.uses_ranks_in_keys(constexprs["BLOCK_E"], k, constexprs["ROW_VECTOR"])
+    # The rounds' loop: from the second pick where the first is taken before it (the logits rank
+    # the experts: no bias, no group limit), else all k.
+    ranks_logits = not opts.get("bias", False) and opts.get("topk_groups", groups) == groups
+    trips = k - 1 if ranks_logits else k
+    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], trips
 
 
 def backward(dt: str, E: int, k: int, opts: dict):
     entry = topk_router_backward._aot(dt, E, sigmoid=opts.get("sigmoid", False))
     kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e", "stride_gk"))
-    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"]
+    # Renormalised: a loop over the k choices for the total and the dot product, then one to
+    # spread the gradients; the compiler unrolls either or both.
+    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], k
 
 
 def maps(E: int):
@@ -140,16 +156,35 @@ def sass(kernel, signature, constexprs, aligned, num_warps) -> str:
     return listing
 
 
-def hot_path(listing: str) -> collections.Counter:
-    """Opcode counts (without modifiers) of the instructions up to the last EXIT. A listing line
-    is `control<TAB>[@P] OPCODE operands;` (labels and the function's name have no tab)."""
-    ops = []
+def hot_path(listing: str, trips: int = 1) -> collections.Counter:
+    """Opcode counts (without modifiers) of the instructions up to the last EXIT, each loop's body
+    counted `trips` times. A listing line is `control<TAB>[@P] OPCODE operands;`, a label line
+    `name:` (no tab); a loop is a branch back to a label above it, its body the label to the
+    branch. The router's loops are its rounds over the k picks, a pick a trip (the compile fixes
+    k, so the compiler unrolls a loop whole or not at all); other kernels' loops (grid-stride
+    loops over tiles, a binary search) count once: their body is the cost of a tile."""
+    ops, labels, loops = [], {}, []
     for line in listing.splitlines():
-        m = re.match(r"\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        label = re.match(r"([.\w$]+):\s*$", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        m = re.match(r"\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
         if m:
+            if m.group(1) == "BRA":
+                target = re.search(r"([.\w$]+)\s*;", m.group(2))
+                if target and target.group(1) in labels:
+                    loops.append((labels[target.group(1)], len(ops)))
             ops.append(m.group(1))
     last = max((i for i, op in enumerate(ops) if op == "EXIT"), default=len(ops) - 1)
-    return collections.Counter(ops[: last + 1])
+    weight = [1] * (last + 1)
+    for start, end in loops:
+        for i in range(start, min(end, last) + 1):
+            weight[i] *= trips
+    counts = collections.Counter()
+    for op, w in zip(ops, weight):
+        counts[op] += w
+    return counts
 
 
 def main(argv=None) -> int:
@@ -161,13 +196,13 @@ def main(argv=None) -> int:
         help="batchwise_mask's kernels on these score dtypes",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    print(f"triton {triton.__version__}, sm_90, hot-path SASS instructions (k unrolled)\n")
+    print(f"triton {triton.__version__}, sm_90, hot-path SASS instructions (router loops x their trips)\n")
     print("| kernel | case | per program | warps | rows | per row | SHFL | REDUX | BAR | MUFU |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.cases or ROUTERS:
         for label, spec in (("forward", forward), ("backward", backward)):
-            kernel, signature, constexprs, aligned, num_warps, block_t = spec(*ROUTERS[name])
-            counts = hot_path(sass(kernel, signature, constexprs, aligned, num_warps))
+            kernel, signature, constexprs, aligned, num_warps, block_t, trips = spec(*ROUTERS[name])
+            counts = hot_path(sass(kernel, signature, constexprs, aligned, num_warps), trips)
             total = sum(counts.values())
             print(
                 f"| {label} | {name} | {total} | {num_warps} | {block_t} | {total * num_warps / block_t:.0f} | "

@@ -116,6 +116,95 @@ def pick_logit(keys, cols, PACKED: tl.constexpr, dtype: tl.constexpr, BLOCK_E: t
         return idx, value_of(best), rest
 
 
+# A retired key holds its pick's rank s as RETIRED + s, in [RETIRED, RETIRED_END): below every
+# real key (value_key and packed_key keep theirs above NO_KEY + 2^22: -inf's are the lowest; held
+# by test_triton_common), above NO_KEY (padding, ineligible groups).
+RETIRED = tl.constexpr(-2147483647)
+RETIRED_END = tl.constexpr(-2147483647 + MAX_EXPERTS)
+
+
+@triton.jit
+def retire_best(keys, cols, s, PACKED: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Round s over the keys [BLOCK_T, BLOCK_E]: (the best key [BLOCK_T], the keys with it
+    retired as RETIRED + s). PACKED: packed_key, unique in a row; else value_key, the lowest
+    index holding the largest key (rank_pair's order)."""
+    best = tl.max(keys, axis=1)
+    if PACKED:
+        hit = keys == best[:, None]
+    else:
+        idx = tl.min(tl.where(keys == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == idx[:, None]
+    return best, tl.where(hit, RETIRED + s, keys)
+
+
+@triton.jit
+def _store_picks1(experts_ptr, weights_ptr, slot, experts, weights, picked):
+    """The picked entries of tiles of one entry a thread, each at its slot (int64)."""
+    tl.store(experts_ptr + slot, experts.to(tl.int64), mask=picked != 0)
+    tl.store(weights_ptr + slot, weights, mask=picked != 0)
+
+
+@triton.jit
+def _store_picks2(experts_ptr, weights_ptr, slot, experts, weights, picked):
+    """_store_picks1 of each half of the tiles' last dimension (size 2)."""
+    s0, s1 = tl.split(slot)
+    e0, e1 = tl.split(experts)
+    w0, w1 = tl.split(weights)
+    p0, p1 = tl.split(picked)
+    _store_picks1(experts_ptr, weights_ptr, s0, e0, w0, p0)
+    _store_picks1(experts_ptr, weights_ptr, s1, e1, w1, p1)
+
+
+@triton.jit
+def _store_picks4(experts_ptr, weights_ptr, slot, experts, weights, picked):
+    s0, s1 = tl.split(slot)
+    e0, e1 = tl.split(experts)
+    w0, w1 = tl.split(weights)
+    p0, p1 = tl.split(picked)
+    _store_picks2(experts_ptr, weights_ptr, s0, e0, w0, p0)
+    _store_picks2(experts_ptr, weights_ptr, s1, e1, w1, p1)
+
+
+@triton.jit
+def _store_picks8(experts_ptr, weights_ptr, slot, experts, weights, picked):
+    s0, s1 = tl.split(slot)
+    e0, e1 = tl.split(experts)
+    w0, w1 = tl.split(weights)
+    p0, p1 = tl.split(picked)
+    _store_picks4(experts_ptr, weights_ptr, s0, e0, w0, p0)
+    _store_picks4(experts_ptr, weights_ptr, s1, e1, w1, p1)
+
+
+@triton.jit
+def store_picks(experts_ptr, weights_ptr, slot, experts, weights, picked, BLOCK_T: tl.constexpr,
+                BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr):  # fmt: skip
+    """Each picked entry's expert and weight at its slot; the tiles [BLOCK_T, BLOCK_E] as loaded,
+    ROW_VECTOR contiguous entries a thread. The slots scatter, so a store of such a tile went
+    through shared memory to one entry a thread; split (tl.split, register moves) into
+    ROW_VECTOR tiles of one entry a thread, each is stored where it is."""
+    picked = picked.to(tl.int8)
+    if ROW_VECTOR == 8:
+        shape: tl.constexpr = (BLOCK_T, BLOCK_E // 8, 2, 2, 2)
+        _store_picks8(
+            experts_ptr, weights_ptr, tl.reshape(slot, shape), tl.reshape(experts, shape),
+            tl.reshape(weights, shape), tl.reshape(picked, shape),
+        )  # fmt: skip
+    elif ROW_VECTOR == 4:
+        shape: tl.constexpr = (BLOCK_T, BLOCK_E // 4, 2, 2)
+        _store_picks4(
+            experts_ptr, weights_ptr, tl.reshape(slot, shape), tl.reshape(experts, shape),
+            tl.reshape(weights, shape), tl.reshape(picked, shape),
+        )  # fmt: skip
+    elif ROW_VECTOR == 2:
+        shape: tl.constexpr = (BLOCK_T, BLOCK_E // 2, 2)
+        _store_picks2(
+            experts_ptr, weights_ptr, tl.reshape(slot, shape), tl.reshape(experts, shape),
+            tl.reshape(weights, shape), tl.reshape(picked, shape),
+        )  # fmt: skip
+    else:
+        _store_picks1(experts_ptr, weights_ptr, slot, experts, weights, picked)
+
+
 @triton.jit
 def group_limit_reshaped(
     keys, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NUM_GROUPS: tl.constexpr,
@@ -195,6 +284,7 @@ def topk_router_kernel(
     BLOCK_K: tl.constexpr,  # next power of two >= K
     ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
     ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
+    RANKS_IN_KEYS: tl.constexpr,  # picks recorded in the keys, stored from the row tile (uses_ranks_in_keys)
 ):
     rows, cols, row_ok, valid, raw = logits_raw_tile(
         logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
@@ -207,38 +297,11 @@ def topk_router_kernel(
     dtype: tl.constexpr = logits_ptr.dtype.element_ty
     PACKED: tl.constexpr = RANKS_LOGITS and dtype.primitive_bitwidth == 16
 
-    # The selection rounds record each pick into a [BLOCK_T, BLOCK_K] tile; the weights are
-    # renormalised and stored once.
-    kcols = tl.arange(0, BLOCK_K)
-    picked_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    picked_e = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
-    total = tl.zeros((BLOCK_T,), tl.float32)
     if RANKS_LOGITS:
         if PACKED:
             keys = tl.where(valid, packed_key(raw, x, cols), NO_KEY)
         else:
             keys = tl.where(valid, value_key(x), NO_KEY)
-        # The first pick is the row's max (NaN first): the softmax's shift.
-        idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
-        if SIGMOID:
-            w = sigmoid_accurate(logit)
-        else:
-            vmax = logit
-            _terms, denom, masked_row = softmax_terms(x, valid, vmax)
-            w = softmax_score(logit, vmax, denom, masked_row)
-        picked_w = tl.where(kcols[None, :] == 0, w[:, None], picked_w)
-        picked_e = tl.where(kcols[None, :] == 0, idx[:, None], picked_e)
-        total += w
-        for s in range(1, K):
-            idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
-            if SIGMOID:
-                w = sigmoid_accurate(logit)
-            else:
-                w = softmax_score(logit, vmax, denom, masked_row)
-            here = kcols[None, :] == s
-            picked_w = tl.where(here, w[:, None], picked_w)
-            picked_e = tl.where(here, idx[:, None], picked_e)
-            total += w
     else:
         if SIGMOID:
             scores = tl.where(valid, sigmoid_accurate(x), 0.0)
@@ -253,24 +316,89 @@ def topk_router_kernel(
                 keys = group_limit_reshaped(keys, BLOCK_T, BLOCK_E, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX)
             else:
                 keys = group_limit_loop(key, keys, valid, rows, cols, E, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, BLOCK_G)
-        for s in range(0, K):
-            _best, idx, keys = take_best_key(keys, cols, BLOCK_E)
-            w = value_at(scores, cols, idx)
-            here = kcols[None, :] == s
-            picked_w = tl.where(here, w[:, None], picked_w)
-            picked_e = tl.where(here, idx[:, None], picked_e)
+
+    if RANKS_IN_KEYS:
+        # Each round retires its pick into the keys as its rank, and computes no score. Then the
+        # whole tile's scores, the picks' total, and each pick's weight and expert stored at its
+        # rank's slot.
+        if RANKS_LOGITS:
+            # The first pick is the row's max (NaN first): the softmax's shift.
+            best, keys = retire_best(keys, cols, 0, PACKED, BLOCK_E)
+            if PACKED:
+                vmax = packed_value(best, dtype)
+            else:
+                vmax = value_of(best)
+            for s in range(1, K):
+                _best, keys = retire_best(keys, cols, s, PACKED, BLOCK_E)
+            if SIGMOID:
+                scores = sigmoid_accurate(x)
+            else:
+                terms, denom, masked_row = softmax_terms(x, valid, vmax)
+                # terms / denom is softmax_score's exp(x - max) / denom, bit for bit.
+                scores = tl.where(masked_row[:, None], 0.0, terms / denom[:, None])
+        else:
+            for s in range(0, K):
+                _best, keys = retire_best(keys, cols, s, False, BLOCK_E)
+        picked = valid & (keys >= RETIRED) & (keys < RETIRED_END)
+        if RENORMALIZE:
+            # The picks' sum in the tile's reduction order, not in pick order: the weights may
+            # differ from the tile's in the last bit, within every backend's tolerance.
+            total = tl.sum(tl.where(picked, scores, 0.0), axis=1)
+            safe = tl.where(total == 0, 1.0, total)
+            weights = tl.where(total[:, None] == 0, 0.0, tl.div_rn(scores, safe[:, None]) * scaling)
+        else:
+            weights = scores * scaling
+        slot = rows[:, None].to(tl.int64) * K + (keys - RETIRED)  # a picked entry's; others masked
+        experts = tl.broadcast_to(cols[None, :], (BLOCK_T, BLOCK_E))
+        store_picks(experts_ptr, weights_ptr, slot, experts, weights, picked, BLOCK_T, BLOCK_E, ROW_VECTOR)
+    else:
+        # The rounds record each pick into a [BLOCK_T, BLOCK_K] tile; the weights are
+        # renormalised and stored once.
+        kcols = tl.arange(0, BLOCK_K)
+        picked_w = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+        picked_e = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
+        total = tl.zeros((BLOCK_T,), tl.float32)
+        if RANKS_LOGITS:
+            # The first pick is the row's max (NaN first): the softmax's shift.
+            idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
+            if SIGMOID:
+                w = sigmoid_accurate(logit)
+            else:
+                vmax = logit
+                _terms, denom, masked_row = softmax_terms(x, valid, vmax)
+                w = softmax_score(logit, vmax, denom, masked_row)
+            picked_w = tl.where(kcols[None, :] == 0, w[:, None], picked_w)
+            picked_e = tl.where(kcols[None, :] == 0, idx[:, None], picked_e)
             total += w
-    if not RENORMALIZE:
-        total = tl.full((BLOCK_T,), 1.0, tl.float32)
-    # w / total rounded once (IEEE), then the scaling: the reference's order. `/` in Triton is
-    # the approximate div.full.f32 on a GPU, and w * (1 / total) is not w / total either: with
-    # k = 1 both missed 1.0 for some rows, which broke ties by weight (Megatron's "probs" drop).
-    safe = tl.where(total == 0, 1.0, total)
-    weights = tl.where(total[:, None] == 0, 0.0, tl.div_rn(picked_w, safe[:, None]) * scaling)
-    out = rows[:, None].to(tl.int64) * K + kcols[None, :]
-    tile_ok = row_ok[:, None] & (kcols[None, :] < K)
-    tl.store(experts_ptr + out, picked_e.to(tl.int64), mask=tile_ok)
-    tl.store(weights_ptr + out, weights, mask=tile_ok)
+            for s in range(1, K):
+                idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
+                if SIGMOID:
+                    w = sigmoid_accurate(logit)
+                else:
+                    w = softmax_score(logit, vmax, denom, masked_row)
+                here = kcols[None, :] == s
+                picked_w = tl.where(here, w[:, None], picked_w)
+                picked_e = tl.where(here, idx[:, None], picked_e)
+                total += w
+        else:
+            for s in range(0, K):
+                _best, idx, keys = take_best_key(keys, cols, BLOCK_E)
+                w = value_at(scores, cols, idx)
+                here = kcols[None, :] == s
+                picked_w = tl.where(here, w[:, None], picked_w)
+                picked_e = tl.where(here, idx[:, None], picked_e)
+                total += w
+        if not RENORMALIZE:
+            total = tl.full((BLOCK_T,), 1.0, tl.float32)
+        # w / total rounded once (IEEE), then the scaling: the reference's order. `/` in Triton is
+        # the approximate div.full.f32 on a GPU, and w * (1 / total) is not w / total either: with
+        # k = 1 both missed 1.0 for some rows, which broke ties by weight (Megatron's "probs" drop).
+        safe = tl.where(total == 0, 1.0, total)
+        weights = tl.where(total[:, None] == 0, 0.0, tl.div_rn(picked_w, safe[:, None]) * scaling)
+        out = rows[:, None].to(tl.int64) * K + kcols[None, :]
+        tile_ok = row_ok[:, None] & (kcols[None, :] < K)
+        tl.store(experts_ptr + out, picked_e.to(tl.int64), mask=tile_ok)
+        tl.store(weights_ptr + out, weights, mask=tile_ok)
 
 
 def launch_config(num_tokens: int, num_experts: int):
@@ -293,6 +421,17 @@ def row_vector(block_e: int, itemsize: int) -> int:
     if itemsize == 2 and block_e <= 128:
         return 4
     return full
+
+
+def uses_ranks_in_keys(block_e: int, k: int, vector: int) -> bool:
+    """RANKS_IN_KEYS, where the sm_90 SASS counts it fewer instructions a row
+    (bench/triton_sass.py). A round then costs about 12 warp instructions a row against about 40
+    that compute and record the pick's weight, but the tile's weights, their division and the
+    scattered stores cost a fixed ~250 a row at E = 128: at k = 8, Qwen3-MoE's bf16 507 -> 364,
+    float32 588 -> 433, E = 64 279 -> 200, DeepSeek-V3's groups at E = 128 803 -> 666; at k = 6,
+    E = 128 354 -> 333; at k = 4, E = 128 293 -> 308. Rows of 8 a thread (16-bit rows past 128)
+    lose at E = 256 (646 -> 673) and past: their epilogue is twice as long."""
+    return vector == 4 and k >= 6 and block_e >= 64
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
@@ -359,6 +498,7 @@ def topk_router(
             BLOCK_K=triton.next_power_of_2(k),
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
+            RANKS_IN_KEYS=uses_ranks_in_keys(block_e, k, vector),
             num_warps=num_warps,
         )
     return weights, experts
@@ -372,8 +512,11 @@ def _(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormal
 
 # For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): the Mixtral-style softmax
 # router, the DeepSeek-V3 grouped sigmoid router at E = 256, a biased bf16 router, the widest row.
-def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True):
+def _aot(
+    dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True, ranks_in_keys=None
+):
     _, block_t, block_e, num_warps = launch_config(1 << 20, num_experts)
+    vector = row_vector(block_e, 4 if dt == "fp32" else 2)
     signature = {
         "logits_ptr": f"*{dt}",
         "bias_ptr": "*fp32",
@@ -398,8 +541,10 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "BLOCK_E": block_e,
         "BLOCK_G": triton.next_power_of_2(groups),
         "BLOCK_K": 8,
-        "ROW_VECTOR": row_vector(block_e, 4 if dt == "fp32" else 2),
+        "ROW_VECTOR": vector,
         "ALIGNED_ROWS": True,
+        # k = 8 as the launcher decides, unless asked
+        "RANKS_IN_KEYS": uses_ranks_in_keys(block_e, 8, vector) if ranks_in_keys is None else ranks_in_keys,
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_kernel, signature, constexprs, {"num_warps": num_warps}
@@ -413,4 +558,8 @@ AOT_KERNELS = [
     _aot("bf16", 128, sigmoid=False, bias=True, groups=8, topk_groups=3, group_max=True, renormalize=False),
     _aot("fp16", MAX_EXPERTS, sigmoid=True, bias=True),
     _aot("fp16", MAX_EXPERTS, sigmoid=False, bias=False),
+    # The tile recording at 4 entries a thread (k < 6 there), the ranks in the keys at 8.
+    _aot("bf16", 128, sigmoid=False, bias=False, ranks_in_keys=False),
+    _aot("fp32", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, ranks_in_keys=False),
+    _aot("bf16", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, ranks_in_keys=True),
 ]

@@ -70,3 +70,31 @@ def test_hot_path_stops_at_the_last_exit():
     )
     counts = triton_sass.hot_path(listing)
     assert counts == {"MOV": 1, "EXIT": 2, "SHFL": 1}
+
+
+@pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
+def test_hot_path_counts_a_loop_body_once_a_trip():
+    """A branch back to a label above it is a loop: its body (the label to the branch) counts
+    `trips` times; a forward branch, and the code after the last EXIT, do not count again."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import triton_sass
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    listing = "\n".join(
+        [
+            "--:-:0:-:1\tMOV R1, c[0x0][0x28];",
+            "LBB0:",
+            "--:-:-:-:1\tREDUX.MAX.S32 UR4, R2;",
+            "--:-:-:-:1\tISETP.NE.AND P0, PT, R3, RZ, PT;",
+            "--:-:-:-:5\t@P0 BRA LBB1;",
+            "--:-:-:-:1\tSEL R2, R2, 0x80000001, P1;",
+            "LBB1:",
+            "--:-:-:-:5\t@P2 BRA LBB0;",
+            "--:-:-:Y:5\tEXIT;",
+            "LBB2:",
+            "--:-:-:Y:0\tBRA LBB2;",
+        ]
+    )
+    assert triton_sass.hot_path(listing) == {"MOV": 1, "REDUX": 1, "ISETP": 1, "BRA": 2, "SEL": 1, "EXIT": 1}
+    assert triton_sass.hot_path(listing, trips=7) == {"MOV": 1, "REDUX": 7, "ISETP": 7, "BRA": 14, "SEL": 7, "EXIT": 1}

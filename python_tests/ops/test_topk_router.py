@@ -526,6 +526,41 @@ def test_triton_launches_say_rows_are_aligned_only_when_they_are(backend, monkey
         assert seen[name]["ALIGNED_ROWS"] == (logits.stride(0) % vector == 0 and E % vector == 0), (name, vector)
 
 
+@pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
+def test_triton_other_pick_recording(backend, monkeypatch, router):
+    """The Triton forward records its picks in a [rows, k] tile or as ranks in the keys
+    (uses_ranks_in_keys, by the shape); the tests above run the one the launcher chooses. Here
+    the other one, forced on every router shape, against the reference on random and
+    adversarial logits (each thread's 1, 2, 4 or 8 entries split for the scattered stores)."""
+    if backend != "triton":
+        pytest.skip("the Triton launcher's two pick recordings")
+    from moe_kernels.triton import topk_router as forward_module
+
+    chosen = forward_module.uses_ranks_in_keys
+    monkeypatch.setattr(forward_module, "uses_ranks_in_keys", lambda *shape: not chosen(*shape))
+    _, E, k, kw = router
+    rows = 11 if E < 256 else 4  # the interpreter's time goes with the programs: a row or two each at E = 300
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind in ("random", "ties", "all_neg_inf", "nan"):
+            if kind == "nan":
+                logits = adversarial_logits("ties", rows, E, seed=E)
+                logits[torch.rand(rows, E, generator=torch.Generator().manual_seed(E)) < 0.15] = float("nan")
+            else:
+                logits = adversarial_logits(kind, rows, E, seed=E)
+            logits = logits.to(dtype)
+            kwargs = kwargs_for(E, kw)
+            if kwargs.get("bias") is not None:
+                kwargs["bias"] = torch.round(kwargs["bias"] * 20) / 20  # ties in the choice values too
+            w, e = run(backend, logits, k, **kwargs)
+            w_ref, e_ref = reference.topk_router(logits, k, **kwargs)
+            if kind == "random":
+                assert_same_selection(e, e_ref, logits, k, kwargs)
+            else:
+                assert torch.equal(e, e_ref), (dtype, kind, e, e_ref)
+            same = (e == e_ref).all(dim=1)
+            assert_close(w[same], w_ref[same])
+
+
 def test_triton_backward_drops_out_of_range_experts(backend):
     """A raw call of the Triton backward with ids outside [0, E) touches no column for them (the
     device cannot raise; docs/reliability.md): the same gradient as with those ids at -1, an id

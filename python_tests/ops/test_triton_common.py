@@ -11,6 +11,7 @@ if backends.triton_importable():
     import triton
     import triton.language as tl
 
+    from moe_kernels.triton import topk_router
     from moe_kernels.triton.common import (
         from_float32,
         packed_index,
@@ -136,6 +137,8 @@ def test_value_and_packed_keys_order_as_rank_pair(backend, dtype):
     raw, cols = raw.cpu(), cols.cpu()
     x = raw.float()
     assert torch.equal(out["vkey"].long(), out["pair"] >> 32)
+    # The router's retired keys (its ranks in the keys) sit below every real key.
+    assert bool((out["vkey"] >= topk_router.RETIRED_END.value).all()), "a value key among the retired"
     folded = torch.where(x == 0, 0.0, x)  # -0 back as +0
     decoded = out["vvalue"]
     assert torch.equal(decoded.isnan(), x.isnan())
@@ -147,7 +150,7 @@ def test_value_and_packed_keys_order_as_rank_pair(backend, dtype):
     p, q = packed[order], pair[order]
     assert bool((p[1:] >= p[:-1]).all()), "packed keys out of rank order"
     assert torch.equal(p[1:] == p[:-1], q[1:] == q[:-1]), "packed keys tie unlike rank pairs"
-    assert bool((packed > -(2**31)).all()), "a packed key at NO_KEY"
+    assert bool((packed >= topk_router.RETIRED_END.value).all()), "a packed key at NO_KEY or among the retired"
     assert torch.equal(out["index"], cols)
     value = out["value"]
     assert torch.equal(value.isnan(), x.isnan())
