@@ -50,13 +50,19 @@ def test_counts_the_router_kernels():
         assert dtype.strip() == "bf16" and int(per_program) > 50 and float(per_unit) > 0, batchwise[kernel]
 
 
-@pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
-def test_hot_path_stops_at_the_last_exit():
+def _triton_sass():
+    """bench/triton_sass.py as a module (bench/ is no package)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import triton_sass
     finally:
         sys.path.remove(str(ROOT / "bench"))
+    return triton_sass
+
+
+@pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
+def test_hot_path_stops_at_the_last_exit():
+    triton_sass = _triton_sass()
     listing = "\n".join(
         [
             "Function:topk_router_kernel",
@@ -76,11 +82,7 @@ def test_hot_path_stops_at_the_last_exit():
 def test_hot_path_counts_a_loop_body_once_a_trip():
     """A branch back to a label above it is a loop: its body (the label to the branch) counts
     `trips` times; a forward branch, and the code after the last EXIT, do not count again."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import triton_sass
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    triton_sass = _triton_sass()
     listing = "\n".join(
         [
             "--:-:0:-:1\tMOV R1, c[0x0][0x28];",
