@@ -64,7 +64,7 @@ def check_claims(claims_dir: str) -> int:
     if not collected:
         return 0
     if len(collected) != 1:
-        print(f"\nthe processes collected different tests ({len(collected)} lists): nothing ran twice or not at all?")
+        print(f"\nthe processes collected {len(collected)} different lists of tests: some may have run twice, some not")
         return 1
     with open(os.path.join(claims_dir, collected[0])) as f:
         count = int(f.read())
