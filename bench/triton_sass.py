@@ -3,7 +3,7 @@ batchwise_mask's), without a GPU: each kernel
 compiled ahead of time as a GPU launch specialises it (16-byte aligned pointers, sizes divisible
 by 16, the unit stride a compile-time 1, k a compile-time constant), then the SASS of its hot path
 (up to the last EXIT: the out-of-line slow paths of the IEEE division after it are left out)
-counted in the listing triton.tools.disasm gives (Triton's own cuobjdump). The router's loops
+counted in the listing triton.tools.disasm gives (Triton's own cuobjdump). The router forward's loops
 over the k picks count as many times as they run (hot_path's `trips`: before, each counted once,
 which left Qwen3-MoE's forward at 274 a row where it ran 512); the other kernels' loops
 (grid-stride loops over tiles, a binary search) count once.
@@ -86,11 +86,11 @@ def forward(dt: str, E: int, k: int, opts: dict):
 
 
 def backward(dt: str, E: int, k: int, opts: dict):
-    entry = topk_router_backward._aot(dt, E, sigmoid=opts.get("sigmoid", False))
+    """The backward as autograd launches it (the forward's experts: distinct)."""
+    entry = topk_router_backward._aot(dt, E, sigmoid=opts.get("sigmoid", False), k=k)
     kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e", "stride_gk"))
-    # Renormalised: a loop over the k choices for the total and the dot product, then one to
-    # spread the gradients; the compiler unrolls either or both.
-    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], k
+    # No loop over the choices: they are a [k, rows] tile.
+    return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], 1
 
 
 def maps(E: int):

@@ -166,8 +166,9 @@ if backends.triton_importable():
             return _backward_torch(ctx, grad_weights, grad_experts)
         grad = None
         if grad_weights is not None and ctx.needs_input_grad[0]:
+            # The forward's experts: distinct in each row.
             grad = _triton_backward_module.topk_router_backward(
-                grad_weights, logits, experts, ctx.scoring, ctx.renormalize, ctx.scaling_factor
+                grad_weights, logits, experts, ctx.scoring, ctx.renormalize, ctx.scaling_factor, True
             )
         return grad, None, None, None, None, None, None, None, None
 

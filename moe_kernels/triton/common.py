@@ -2,6 +2,7 @@
 the row kernels, and the device every launch runs on."""
 
 import functools
+import os
 
 import torch
 import triton
@@ -23,14 +24,19 @@ def to_float32(x):
     return x.to(tl.float32)
 
 
+# Whether the kernels run in Triton's interpreter (fixed for the process: triton.jit reads it when
+# a kernel is defined, too).
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 @triton.jit
 def from_float32(x, dtype: tl.constexpr):
-    """x (float32) in `dtype` (float32 / float16 / bfloat16), rounded to nearest even. bfloat16 is
-    rounded here, on its bits: the interpreter's float32 -> bfloat16 conversion does not round to
-    nearest (about half of random values came out one ulp off torch's), and a result compared bit
-    for bit with the reference's rounding needs the same value on the GPU and the CPU. NaN stays a
-    (quiet) NaN, a finite value past bfloat16's range becomes inf, as torch's conversion."""
-    if dtype == tl.bfloat16:
+    """x (float32) in `dtype` (float32 / float16 / bfloat16), rounded to nearest even, as torch's
+    conversion (a finite value past bfloat16's range becomes inf, NaN a quiet NaN). On a GPU
+    bfloat16 is the hardware's conversion (cvt.rn, two values an instruction); in the interpreter
+    it is rounded here, on its bits: the interpreter's float32 -> bfloat16 conversion does not
+    round to nearest (about half of random values came out one ulp off torch's)."""
+    if dtype == tl.bfloat16 and INTERPRETED:
         bits = x.to(tl.int32, bitcast=True)
         upper = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         upper = tl.where(x != x, 0x7FC0, upper)

@@ -147,13 +147,15 @@ def row_dots_kernel(
 ):
     """out[t, s] = <grad[t], src[row[t K + s]]>: the weights' gradient of combine and unpermute. A
     program takes a block of tokens and their k choices one after the other, each walking d: its
-    grad tile is re-read k times from cache (it is 8 rows), each chosen row read once."""
+    grad tile is re-read k times from cache (it is 8 rows), each chosen row read once. The
+    products add up elementwise in a [BLOCK_ROWS, BLOCK_D] tile, summed across it once a choice
+    (a row sum a step put a chain of shuffles in every step of the walk)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < T
     for s in range(0, K):
         r = tl.load(row_ptr + rows.to(tl.int64) * K + s, mask=row_ok, other=-1)
         kept = (r >= 0) & (r < S)
-        acc = tl.zeros((BLOCK_ROWS,), dtype=ACC)
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_D), dtype=ACC)
         for start in range(0, d, BLOCK_D):
             cols = start + tl.arange(0, BLOCK_D)
             col_ok = cols < d
@@ -167,9 +169,9 @@ def row_dots_kernel(
                 mask=kept[:, None] & col_ok[None, :],
                 other=0.0,
             ).to(ACC)
-            acc += tl.sum(g * v, axis=1)
+            acc += g * v
         # 0 for a choice not kept, not acc: inf or NaN in grad times its zero row would be NaN.
-        tl.store(out_ptr + rows.to(tl.int64) * K + s, tl.where(kept, acc, 0.0), mask=row_ok)
+        tl.store(out_ptr + rows.to(tl.int64) * K + s, tl.where(kept, tl.sum(acc, axis=1), 0.0), mask=row_ok)
 
 
 def kept_slots(experts, positions, E, C):

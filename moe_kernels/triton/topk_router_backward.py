@@ -12,41 +12,24 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton.common import from_float32, on_tensor_device, row_tile_config, sigmoid_accurate, to_float32
-from moe_kernels.triton.topk_router import (
-    _PER_THREAD,
-    _TILE,
-    MAX_EXPERTS,
-    logits_tile,
-    softmax_parts,
-    softmax_score,
+from moe_kernels.triton.common import (
+    NO_KEY,
+    from_float32,
+    on_tensor_device,
+    row_tile_config,
+    sigmoid_accurate,
+    to_float32,
+    value_key,
+    value_of,
 )
-
-
-@triton.jit
-def _choice(
-    s, experts_ptr, choices, grad_weights_ptr, grads, stride_gk, logit_rows, stride_e, row_ok, E,
-    vmax, denom, masked_row, SIGMOID: tl.constexpr,
-):  # fmt: skip
-    """Choice s of each row: (its expert, its weight's gradient, whether the expert is in [0, E),
-    its score). The score is recomputed from its logit, read again (from cache), not gathered
-    across the row's threads; a choice outside [0, E) (a raw call's) reads -inf: score 0."""
-    idx = tl.load(experts_ptr + choices + s, mask=row_ok, other=-1)
-    g = to_float32(tl.load(grad_weights_ptr + grads + s * stride_gk, mask=row_ok, other=0.0))
-    inside = row_ok & (idx >= 0) & (idx < E)
-    logit = to_float32(tl.load(logit_rows + idx * stride_e, mask=inside, other=float("-inf")))
-    if SIGMOID:
-        p = sigmoid_accurate(logit)
-    else:
-        p = tl.where(inside, softmax_score(logit, vmax, denom, masked_row), 0.0)
-    return idx, g, inside, p
+from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, logits_tile, softmax_terms
 
 
 @triton.jit
 def topk_router_backward_kernel(
     grad_weights_ptr,  # [T, K] any float dtype, any strides
     logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
-    experts_ptr,  # [T, K] int64 contiguous, each row's chosen experts (distinct)
+    experts_ptr,  # [T, K] int64 contiguous, each row's chosen experts
     grad_ptr,  # [T, E] the logits' dtype, contiguous
     T,  # tokens
     E,  # experts
@@ -60,73 +43,98 @@ def topk_router_backward_kernel(
     RENORMALIZE: tl.constexpr,  # the forward divided the selected scores by their sum
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_E: tl.constexpr,  # next power of two >= E
+    BLOCK_K: tl.constexpr,  # next power of two >= K
+    DISTINCT: tl.constexpr,  # each row's experts are distinct (the forward's): no repeat to sum
     ROW_VECTOR: tl.constexpr,  # load_vector(BLOCK_E, itemsize)
     ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
 ):
     rows, cols, row_ok, valid, x = logits_tile(
         logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
     )
-    if SIGMOID:
-        scores = tl.where(valid, sigmoid_accurate(x), 0.0)
-        vmax = tl.zeros((BLOCK_T,), tl.float32)  # the softmax's row values: unused by sigmoid
-        denom = vmax
-        masked_row = row_ok
-    else:
-        scores, vmax, denom, masked_row = softmax_parts(x, valid, cols)
-    choices = rows.to(tl.int64) * K
-    grads = rows.to(tl.int64) * stride_gt
-    logit_rows = logits_ptr + rows.to(tl.int64) * stride_t
+    rows64 = rows.to(tl.int64)
 
-    # The chosen scores' sum (the renormalisation's total) and sum_s g_s p_s, in choice order.
-    total = tl.zeros((BLOCK_T,), tl.float32)
-    weighted = tl.zeros((BLOCK_T,), tl.float32)
+    # The choices as a [BLOCK_K, BLOCK_T] tile (choice-major: so its own layout, not the row
+    # tile's, where each thread would hold a row's every choice): their experts, gradients and
+    # logits (gathered, from cache), each chosen score computed once.
+    kcols = tl.arange(0, BLOCK_K)[:, None]
+    rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    choice_ok = (rows_k < T) & (kcols < K)
+    rows_k64 = rows_k.to(tl.int64)
+    idx = tl.load(experts_ptr + rows_k64 * K + kcols, mask=choice_ok, other=-1)
+    g = to_float32(tl.load(grad_weights_ptr + rows_k64 * stride_gt + kcols * stride_gk, mask=choice_ok, other=0.0))
+    # A choice outside [0, E) (a raw call's) reads -inf (score 0) and is stored nowhere.
+    inside = choice_ok & (idx >= 0) & (idx < E)
+    x_k = to_float32(tl.load(logits_ptr + rows_k64 * stride_t + idx * stride_e, mask=inside, other=float("-inf")))
+    if SIGMOID:
+        p_k = sigmoid_accurate(x_k)
+    else:
+        # The softmax as softmax_parts, with one division a row: scores within an ulp or two of
+        # the forward's (which divides each), the same in the tile and at each choice.
+        vmax = value_of(tl.max(tl.where(valid, value_key(x), NO_KEY), axis=1))
+        terms, denom, masked_row = softmax_terms(x, valid, vmax)
+        inverse = tl.where(masked_row, 0.0, 1.0 / tl.where(masked_row, 1.0, denom))
+        scores = terms * inverse[:, None]
+        p_k = tl.where(masked_row[None, :], 0.0, tl.exp(x_k - vmax[None, :]) * inverse[None, :])
+
+    # d loss / d each chosen score (g'), through the renormalisation and the scaling.
     if RENORMALIZE:
-        for s in range(0, K):
-            idx, g, inside, p = _choice(
-                s, experts_ptr, choices, grad_weights_ptr, grads, stride_gk, logit_rows, stride_e, row_ok, E,
-                vmax, denom, masked_row, SIGMOID,
-            )  # fmt: skip
-            total += p
-            weighted += g * p
-    zero = total == 0
-    safe = tl.where(zero, 1.0, total)
-    dot = weighted / safe
-
-    # g'_s scattered onto the row (G'), and sum_s g'_s p_s for the softmax's shift.
-    spread = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    shift = tl.zeros((BLOCK_T,), tl.float32)
-    for s in range(0, K):
-        idx, g, inside, p = _choice(
-            s, experts_ptr, choices, grad_weights_ptr, grads, stride_gk, logit_rows, stride_e, row_ok, E,
-            vmax, denom, masked_row, SIGMOID,
-        )  # fmt: skip
-        if RENORMALIZE:
-            g = tl.where(zero, 0.0, scaling / safe * (g - dot))
-        else:
-            g = scaling * g
-        shift += g * p
-        hit = inside[:, None] & (cols[None, :] == idx[:, None].to(tl.int32))
-        spread += tl.where(hit, g[:, None], 0.0)
-    if SIGMOID:
-        # 0 off the choices (spread is 0 there, the scores finite), NaN at a NaN logit: the
-        # reference's sigmoid over the whole row backpropagates 0 * sigmoid'(NaN) = NaN.
-        grad = tl.where(x != x, x, spread * scores * (1.0 - scores))
+        total = tl.sum(p_k, axis=0)
+        zero = total == 0
+        safe = tl.where(zero, 1.0, total)
+        dot = tl.sum(g * p_k, axis=0) / safe
+        g1 = tl.where(zero[None, :], 0.0, scaling / safe[None, :] * (g - dot[None, :]))
     else:
-        grad = scores * (spread - shift[:, None])
-    out = grad_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]
-    tl.store(out, from_float32(grad, grad_ptr.dtype.element_ty), mask=valid)
+        g1 = scaling * g
+    # The softmax's shift sum_s g'_s p_s, per choice (a repeated expert counts once a choice).
+    shift = tl.sum(g1 * p_k, axis=0)
+    if not DISTINCT:
+        # A repeated expert (a raw call's) gets the sum of its choices' g' (the reference's
+        # scatter_add); each of its choices computes the same sum, so their stores agree.
+        same = (idx[:, None, :] == idx[None, :, :]) & inside[None, :, :]
+        g1 = tl.sum(tl.where(same, g1[None, :, :], 0.0), axis=1)
+
+    # Every entry as if unchosen, then (after a barrier: the same program's earlier stores come
+    # first) the chosen entries over them, each stored from the choice tile.
+    if SIGMOID:
+        # 0 off the choices, NaN at a NaN logit: the reference's sigmoid over the whole row
+        # backpropagates 0 * sigmoid'(NaN) = NaN.
+        grad = tl.where(x != x, x, 0.0)
+        grad_k = tl.where(x_k != x_k, x_k, g1 * p_k * (1.0 - p_k))
+    else:
+        grad = scores * (0.0 - shift[:, None])
+        grad_k = p_k * (g1 - shift[None, :])
+    tl.store(grad_ptr + rows64[:, None] * E + cols[None, :], from_float32(grad, grad_ptr.dtype.element_ty), mask=valid)
+    tl.debug_barrier()
+    tl.store(grad_ptr + rows_k64 * E + idx, from_float32(grad_k, grad_ptr.dtype.element_ty), mask=inside)
 
 
 def load_vector(block_e: int, itemsize: int) -> int:
-    """The backward's ROW_VECTOR: 16-byte loads (or the whole row). The forward's 4-a-thread rows
-    (row_vector) gained the backward nothing in sm_90 SASS (308 against 316 warp instructions a
-    row at E = 128); its ALIGNED_ROWS covers the loads only (vector stores of the gradient too
-    spilled 16 bytes on sm_80 under triton 3.9's ptxas)."""
+    """The backward's ROW_VECTOR: 16-byte loads (or the whole row). sm_90 SASS a row at Qwen3-MoE's
+    bf16 E = 128: 188 at 8 a thread, 204 at the forward's 4 (row_vector), 266 at 2; its
+    ALIGNED_ROWS covers the loads only (vector stores of the gradient too spilled 16 bytes on sm_80
+    under triton 3.9's ptxas)."""
     return min(16 // itemsize, block_e)
 
 
 def supports(num_experts: int) -> bool:
     return num_experts <= MAX_EXPERTS
+
+
+# Elements of the [k, k, rows] tile that sums a row's repeated experts (DISTINCT False): a
+# program takes fewer rows where k is large, so it stays within this.
+_REPEATS_TILE = 4096
+
+
+def launch_config(num_tokens: int, num_experts: int, k: int, distinct: bool):
+    """(grid, BLOCK_T, BLOCK_E, BLOCK_K, num_warps): the forward's row tiles, with fewer rows a
+    program where the repeats' tile would pass _REPEATS_TILE."""
+    grid, block_t, block_e, num_warps = row_tile_config(num_tokens, num_experts, _TILE, _PER_THREAD)
+    block_k = triton.next_power_of_2(max(k, 1))
+    if not distinct and block_t * block_k * block_k > _REPEATS_TILE:
+        block_t = max(1, _REPEATS_TILE // (block_k * block_k))
+        grid = (triton.cdiv(num_tokens, block_t),)
+        num_warps = min(16, max(1, block_t * block_e // (32 * _PER_THREAD)))
+    return grid, block_t, block_e, block_k, num_warps
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router_backward", mutates_args=())
@@ -138,14 +146,18 @@ def topk_router_backward(
     scoring: str,
     renormalize: bool,
     scaling_factor: float,
+    distinct_experts: bool = False,
 ) -> torch.Tensor:
     """Triton launch: grad_weights [T, k] (float), logits [T, E] float32 / float16 / bfloat16 with
-    E <= MAX_EXPERTS, experts [T, k] int64 (the forward's); returns d loss / d logits [T, E] in the
-    logits' dtype, contiguous."""
+    E <= MAX_EXPERTS, experts [T, k] int64; returns d loss / d logits [T, E] in the logits' dtype,
+    contiguous. distinct_experts: the caller promises no row repeats an expert (the forward's
+    experts, as autograd passes them); without it a repeat's gradients are summed (the
+    reference's scatter_add) at some cost. Ids outside [0, E) are dropped."""
     T, E = logits.shape
+    k = experts.shape[1]
     grad = torch.empty((T, E), dtype=logits.dtype, device=logits.device)
     if T > 0 and E > 0:
-        grid, block_t, block_e, num_warps = row_tile_config(T, E, _TILE, _PER_THREAD)
+        grid, block_t, block_e, block_k, num_warps = launch_config(T, E, k, distinct_experts)
         vector = load_vector(block_e, logits.element_size())
         topk_router_backward_kernel[grid](
             grad_weights,
@@ -158,12 +170,14 @@ def topk_router_backward(
             logits.stride(1),
             grad_weights.stride(0),
             grad_weights.stride(1),
-            experts.shape[1],
+            k,
             scaling_factor,
             SIGMOID=scoring == "sigmoid",
             RENORMALIZE=renormalize,
             BLOCK_T=block_t,
             BLOCK_E=block_e,
+            BLOCK_K=block_k,
+            DISTINCT=distinct_experts,
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
             num_warps=num_warps,
@@ -172,14 +186,15 @@ def topk_router_backward(
 
 
 @topk_router_backward.register_fake
-def _(grad_weights, logits, experts, scoring, renormalize, scaling_factor):
+def _(grad_weights, logits, experts, scoring, renormalize, scaling_factor, distinct_experts=False):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 # For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): Mixtral's renormalised
-# softmax, DeepSeek-V3's sigmoid at E = 256, the widest row.
-def _aot(dt, num_experts, *, sigmoid, renormalize=True):
-    _, block_t, block_e, num_warps = row_tile_config(1 << 20, num_experts, _TILE, _PER_THREAD)
+# softmax, DeepSeek-V3's sigmoid at E = 256, Qwen3-MoE's full softmax, the widest row; and the
+# repeats' sum (raw calls) at its largest tile.
+def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True):
+    _, block_t, block_e, block_k, num_warps = launch_config(1 << 20, num_experts, k, distinct)
     signature = {
         "grad_weights_ptr": "*fp32",
         "logits_ptr": f"*{dt}",
@@ -199,6 +214,8 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True):
         "RENORMALIZE": renormalize,
         "BLOCK_T": block_t,
         "BLOCK_E": block_e,
+        "BLOCK_K": block_k,
+        "DISTINCT": distinct,
         "ROW_VECTOR": load_vector(block_e, 4 if dt == "fp32" else 2),
         "ALIGNED_ROWS": True,
     }
@@ -207,8 +224,10 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True):
 
 
 AOT_KERNELS = [
-    _aot("bf16", 8, sigmoid=False),
+    _aot("bf16", 8, sigmoid=False, k=2),
     _aot("fp32", 256, sigmoid=True),
     _aot("bf16", 128, sigmoid=False, renormalize=False),
     _aot("fp16", MAX_EXPERTS, sigmoid=False),
+    _aot("bf16", 16, sigmoid=False, distinct=False),  # [8, 8, 64]: the repeats' tile at its limit
+    _aot("fp32", 256, sigmoid=True, k=64, distinct=False),  # one row a program
 ]

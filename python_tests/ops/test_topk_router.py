@@ -470,6 +470,7 @@ def test_triton_opcheck(backend):
                 _, experts = reference.topk_router(logits.detach(), k, scoring=scoring)
                 grad_w = torch.randn(T, k, device=backend.device)
                 torch.library.opcheck(backward, (grad_w, logits.detach(), experts, scoring, True, 1.5))
+                torch.library.opcheck(backward, (grad_w, logits.detach(), experts, scoring, True, 1.5, True))
                 torch.library.opcheck(
                     backward, (grad_w.t().contiguous().t(), logits.detach(), experts, scoring, False, 2.0)
                 )
@@ -578,6 +579,34 @@ def test_triton_backward_drops_out_of_range_experts(backend):
             assert torch.equal(got, op(grad_w, logits, dropped, scoring, renormalize, 1.0))
             assert torch.isfinite(got).all()
             assert got[2, 3] == 0 or scoring == "softmax"  # 2**32 + 3 reached no column
+
+
+@pytest.mark.parametrize("E, k", [(8, 3), (24, 20)])  # k = 20: the repeats' tile takes fewer rows a program
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backward_sums_repeated_experts(backend, E, k, dtype):
+    """A raw call of the Triton backward with an expert repeated in a row (no forward gives one)
+    sums the repeats' gradients, as the reference's scatter_add (the torch formula here); with
+    distinct_experts the caller promises there is none, and on distinct experts both agree."""
+    if backend != "triton":
+        pytest.skip("the Triton op")
+    from moe_kernels.ops.topk_router import _backward_from_logits
+
+    op = torch.ops.moe_kernels_triton.topk_router_backward
+    T = 37
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randn(T, E, generator=gen).to(dtype).to(backend.device)
+    repeated = torch.randint(0, 3, (T, k), generator=gen).to(backend.device)  # mostly repeats
+    distinct = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :k].to(backend.device)
+    grad_w = torch.randn(T, k, generator=gen).to(backend.device)
+    for scoring in ("softmax", "sigmoid"):
+        for renormalize in (True, False):
+            got = op(grad_w, logits, repeated, scoring, renormalize, 1.5)
+            expected = _backward_from_logits(logits, repeated, grad_w, scoring, renormalize, 1.5)
+            assert_close(got.double(), expected.double(), dtype=torch.float32)
+            promised = op(grad_w, logits, distinct, scoring, renormalize, 1.5, True)
+            assert torch.equal(promised, op(grad_w, logits, distinct, scoring, renormalize, 1.5, False))
+            expected = _backward_from_logits(logits, distinct, grad_w, scoring, renormalize, 1.5)
+            assert_close(promised.double(), expected.double(), dtype=torch.float32)
 
 
 @pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)

@@ -1,0 +1,133 @@
+"""The Triton router's two pick recordings timed against each other on a GPU (issue 33).
+
+moe_kernels/triton/topk_router.py records the forward's picks in a [rows, k] tile or as ranks in
+the keys, chosen by `uses_ranks_in_keys` from static sm_90 instruction counts
+(bench/triton_sass.py). This runs the forward with that rule forced each way, at the shapes the
+counts decided, in one process: each row the kernel time of one call (CUDA-graph replay, the median
+of rounds), the op's bytes-moved model over it, and that as a share of copy_ of the same bytes
+measured in the same run; then each shape's fwd+bwd with the launcher's choice. Both recordings
+must give the same experts (checked before timing). The rule stays where the GPU agrees.
+
+    python3 bench/gpu_router_variants.py [--tokens 262144] [--out FILE.md]
+    python3 bench/gpu_router_variants.py --smoke   # tiny CPU tensors under TRITON_INTERPRET=1, untimed
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_gpu  # noqa: E402
+
+import moe_kernels  # noqa: E402
+from moe_kernels import ops as K  # noqa: E402
+from moe_kernels.triton import topk_router as _router  # noqa: E402
+
+GROUPED = dict(scoring="sigmoid", num_groups=8, topk_groups=4, renormalize=True, scaling_factor=2.5)
+# (name, E, k, dtype, keywords, bias): the shapes where the counts chose, and their neighbours.
+SHAPES = [
+    ("qwen3", 128, 8, torch.bfloat16, dict(renormalize=True), False),
+    ("qwen3", 128, 8, torch.float32, dict(renormalize=True), False),
+    ("e64-k8", 64, 8, torch.bfloat16, dict(renormalize=True), False),
+    ("e128-k6", 128, 6, torch.bfloat16, dict(renormalize=True), False),
+    ("e128-k4", 128, 4, torch.bfloat16, dict(renormalize=True), False),
+    ("grouped-e128", 128, 8, torch.bfloat16, GROUPED, True),
+    ("deepseek-v3", 256, 8, torch.bfloat16, GROUPED, True),
+]
+
+
+def _forced(value):
+    """uses_ranks_in_keys forced to `value` (None: the launcher's own rule)."""
+    rule = _router.uses_ranks_in_keys
+    return rule if value is None else (lambda *shape: value)
+
+
+def _copy_seconds(nbytes: int, device: str) -> float:
+    """copy_ of nbytes / 2 into as many: the practical limit for nbytes of traffic."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return time_gpu(lambda: dst.copy_(src))[0]
+
+
+def run(tokens: int, device: str, timed: bool) -> list[str]:
+    device_name = torch.cuda.get_device_name() if timed else "smoke"
+    lines = [
+        f"Triton topk_router forward by pick recording, T = {tokens} ({device_name})",
+        "",
+        "| shape | dtype | recording | launcher's | ms | GB/s | of copy_ |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    original = _router.uses_ranks_in_keys
+    gen = torch.Generator(device=device).manual_seed(0)
+    try:
+        for name, E, k, dtype, kw, has_bias in SHAPES:
+            logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype)
+            bias = 0.1 * torch.randn(E, device=device, generator=gen) if has_bias else None
+            size = logits.element_size()
+            moved = tokens * E * size + tokens * k * 12  # read the logits, write weights and experts
+            copy = _copy_seconds(moved, device) if timed else 0.0
+            _, _, block_e, _ = _router.launch_config(tokens, E)
+            chosen = original(block_e, k, _router.row_vector(block_e, size))
+            results = {}
+            for value in (False, True):
+                _router.uses_ranks_in_keys = _forced(value)
+
+                def call(value=value):
+                    return K.topk_router(logits, k, bias=bias, **kw)
+
+                with moe_kernels.use_backend("triton"):
+                    results[value] = call()
+                    seconds = time_gpu(call)[0] if timed else 0.0
+                label = "ranks in the keys" if value else "[rows, k] tile"
+                ms, gbps, share = "-", "-", "-"
+                if timed:
+                    ms, gbps, share = f"{seconds * 1e3:.4f}", f"{moved / seconds / 1e9:.1f}", f"{copy / seconds:.0%}"
+                mark = "yes" if value == chosen else ""
+                lines.append(f"| {name} | {str(dtype)[6:]} | {label} | {mark} | {ms} | {gbps} | {share} |")
+            if not torch.equal(results[False][1], results[True][1]):
+                raise AssertionError(f"{name} {dtype}: the two recordings picked different experts")
+            torch.testing.assert_close(results[False][0], results[True][0], rtol=1e-6, atol=1e-7)
+        _router.uses_ranks_in_keys = original
+        lines += ["", "| shape | dtype | fwd+bwd ms |", "|---|---|---|"]
+        for name, E, k, dtype, kw, has_bias in SHAPES:
+            logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype).requires_grad_()
+            bias = 0.1 * torch.randn(E, device=device, generator=gen) if has_bias else None
+
+            def step(logits=logits, bias=bias, k=k, kw=kw):
+                w, _ = K.topk_router(logits, k, bias=bias, **kw)
+                return torch.autograd.grad(w, logits, torch.ones_like(w))
+
+            with moe_kernels.use_backend("triton"):
+                step()
+                seconds = time_gpu(step)[0] if timed else 0.0
+            lines.append(f"| {name} | {str(dtype)[6:]} | {f'{seconds * 1e3:.4f}' if timed else '-'} |")
+    finally:
+        _router.uses_ranks_in_keys = original
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=262144)
+    parser.add_argument("--out", help="also write the tables to this file")
+    parser.add_argument("--smoke", action="store_true", help="T = 16 on CPU tensors (TRITON_INTERPRET=1), untimed")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        lines = run(16, "cpu", timed=False)
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_router_variants: no CUDA device (use --smoke to check it on the CPU)", file=sys.stderr)
+            return 2
+        lines = run(args.tokens, "cuda", timed=True)
+    print("\n".join(lines), flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
