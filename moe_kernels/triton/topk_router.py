@@ -138,71 +138,57 @@ def retire_best(keys, cols, s, PACKED: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _store_picks1(experts_ptr, weights_ptr, slot, experts, weights, picked):
+def _store_at1(ptr, slot, values, picked):
     """The picked entries of tiles of one entry a thread, each at its slot (int64)."""
-    tl.store(experts_ptr + slot, experts.to(tl.int64), mask=picked != 0)
-    tl.store(weights_ptr + slot, weights, mask=picked != 0)
+    tl.store(ptr + slot, values, mask=picked != 0)
 
 
 @triton.jit
-def _store_picks2(experts_ptr, weights_ptr, slot, experts, weights, picked):
-    """_store_picks1 of each half of the tiles' last dimension (size 2)."""
+def _store_at2(ptr, slot, values, picked):
+    """_store_at1 of each half of the tiles' last dimension (size 2)."""
     s0, s1 = tl.split(slot)
-    e0, e1 = tl.split(experts)
-    w0, w1 = tl.split(weights)
+    v0, v1 = tl.split(values)
     p0, p1 = tl.split(picked)
-    _store_picks1(experts_ptr, weights_ptr, s0, e0, w0, p0)
-    _store_picks1(experts_ptr, weights_ptr, s1, e1, w1, p1)
+    _store_at1(ptr, s0, v0, p0)
+    _store_at1(ptr, s1, v1, p1)
 
 
 @triton.jit
-def _store_picks4(experts_ptr, weights_ptr, slot, experts, weights, picked):
+def _store_at4(ptr, slot, values, picked):
     s0, s1 = tl.split(slot)
-    e0, e1 = tl.split(experts)
-    w0, w1 = tl.split(weights)
+    v0, v1 = tl.split(values)
     p0, p1 = tl.split(picked)
-    _store_picks2(experts_ptr, weights_ptr, s0, e0, w0, p0)
-    _store_picks2(experts_ptr, weights_ptr, s1, e1, w1, p1)
+    _store_at2(ptr, s0, v0, p0)
+    _store_at2(ptr, s1, v1, p1)
 
 
 @triton.jit
-def _store_picks8(experts_ptr, weights_ptr, slot, experts, weights, picked):
+def _store_at8(ptr, slot, values, picked):
     s0, s1 = tl.split(slot)
-    e0, e1 = tl.split(experts)
-    w0, w1 = tl.split(weights)
+    v0, v1 = tl.split(values)
     p0, p1 = tl.split(picked)
-    _store_picks4(experts_ptr, weights_ptr, s0, e0, w0, p0)
-    _store_picks4(experts_ptr, weights_ptr, s1, e1, w1, p1)
+    _store_at4(ptr, s0, v0, p0)
+    _store_at4(ptr, s1, v1, p1)
 
 
 @triton.jit
-def store_picks(experts_ptr, weights_ptr, slot, experts, weights, picked, BLOCK_T: tl.constexpr,
-                BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr):  # fmt: skip
-    """Each picked entry's expert and weight at its slot; the tiles [BLOCK_T, BLOCK_E] as loaded,
+def store_at(ptr, slot, values, picked, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr):
+    """Each picked entry of `values` at its slot; the tiles [BLOCK_T, BLOCK_E] as loaded,
     ROW_VECTOR contiguous entries a thread. The slots scatter, so a store of such a tile went
     through shared memory to one entry a thread; split (tl.split, register moves) into
     ROW_VECTOR tiles of one entry a thread, each is stored where it is."""
     picked = picked.to(tl.int8)
     if ROW_VECTOR == 8:
         shape: tl.constexpr = (BLOCK_T, BLOCK_E // 8, 2, 2, 2)
-        _store_picks8(
-            experts_ptr, weights_ptr, tl.reshape(slot, shape), tl.reshape(experts, shape),
-            tl.reshape(weights, shape), tl.reshape(picked, shape),
-        )  # fmt: skip
+        _store_at8(ptr, tl.reshape(slot, shape), tl.reshape(values, shape), tl.reshape(picked, shape))
     elif ROW_VECTOR == 4:
         shape: tl.constexpr = (BLOCK_T, BLOCK_E // 4, 2, 2)
-        _store_picks4(
-            experts_ptr, weights_ptr, tl.reshape(slot, shape), tl.reshape(experts, shape),
-            tl.reshape(weights, shape), tl.reshape(picked, shape),
-        )  # fmt: skip
+        _store_at4(ptr, tl.reshape(slot, shape), tl.reshape(values, shape), tl.reshape(picked, shape))
     elif ROW_VECTOR == 2:
         shape: tl.constexpr = (BLOCK_T, BLOCK_E // 2, 2)
-        _store_picks2(
-            experts_ptr, weights_ptr, tl.reshape(slot, shape), tl.reshape(experts, shape),
-            tl.reshape(weights, shape), tl.reshape(picked, shape),
-        )  # fmt: skip
+        _store_at2(ptr, tl.reshape(slot, shape), tl.reshape(values, shape), tl.reshape(picked, shape))
     else:
-        _store_picks1(experts_ptr, weights_ptr, slot, experts, weights, picked)
+        _store_at1(ptr, slot, values, picked)
 
 
 @triton.jit
@@ -306,7 +292,7 @@ def topk_router_kernel(
         if SIGMOID:
             scores = tl.where(valid, sigmoid_accurate(x), 0.0)
         else:
-            scores, _vmax, _denom, _masked = softmax_parts(x, valid, cols)
+            scores, vmax, denom, masked_row = softmax_parts(x, valid, cols)
         key = scores
         if HAS_BIAS:
             key = key + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
@@ -318,9 +304,10 @@ def topk_router_kernel(
                 keys = group_limit_loop(key, keys, valid, rows, cols, E, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, BLOCK_G)
 
     if RANKS_IN_KEYS:
-        # Each round retires its pick into the keys as its rank, and computes no score. Then the
-        # whole tile's scores, the picks' total, and each pick's weight and expert stored at its
-        # rank's slot.
+        # Each round retires its pick into the keys as its rank, and computes no score. Then each
+        # picked entry's expert is stored at its rank's slot, and read back (after a barrier: this
+        # program's own stores) as a [BLOCK_K, BLOCK_T] choice tile, in whose own layout (about a
+        # choice a thread) each pick's score and weight are computed once and stored.
         if RANKS_LOGITS:
             # The first pick is the row's max (NaN first): the softmax's shift.
             best, keys = retire_best(keys, cols, 0, PACKED, BLOCK_E)
@@ -330,27 +317,50 @@ def topk_router_kernel(
                 vmax = value_of(best)
             for s in range(1, K):
                 _best, keys = retire_best(keys, cols, s, PACKED, BLOCK_E)
-            if SIGMOID:
-                scores = sigmoid_accurate(x)
-            else:
-                terms, denom, masked_row = softmax_terms(x, valid, vmax)
-                # terms / denom is softmax_score's exp(x - max) / denom, bit for bit.
-                scores = tl.where(masked_row[:, None], 0.0, terms / denom[:, None])
+            if not SIGMOID:
+                _terms, denom, masked_row = softmax_terms(x, valid, vmax)
         else:
             for s in range(0, K):
                 _best, keys = retire_best(keys, cols, s, False, BLOCK_E)
         picked = valid & (keys >= RETIRED) & (keys < RETIRED_END)
-        if RENORMALIZE:
-            # The picks' sum in the tile's reduction order, not in pick order: the weights may
-            # differ from the tile's in the last bit, within every backend's tolerance.
-            total = tl.sum(tl.where(picked, scores, 0.0), axis=1)
-            safe = tl.where(total == 0, 1.0, total)
-            weights = tl.where(total[:, None] == 0, 0.0, tl.div_rn(scores, safe[:, None]) * scaling)
-        else:
-            weights = scores * scaling
         slot = rows[:, None].to(tl.int64) * K + (keys - RETIRED)  # a picked entry's; others masked
-        experts = tl.broadcast_to(cols[None, :], (BLOCK_T, BLOCK_E))
-        store_picks(experts_ptr, weights_ptr, slot, experts, weights, picked, BLOCK_T, BLOCK_E, ROW_VECTOR)
+        experts = tl.broadcast_to(cols[None, :], (BLOCK_T, BLOCK_E)).to(tl.int64)
+        store_at(experts_ptr, slot, experts, picked, BLOCK_T, BLOCK_E, ROW_VECTOR)
+        tl.debug_barrier()
+        # Choice-major, so the compiler gives the tile a layout of its own: laid out as the row
+        # tile, each thread would hold (and compute) every pick of its row.
+        kcols = tl.arange(0, BLOCK_K)[:, None]
+        rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        choice_ok = (rows_k < T) & (kcols < K)
+        out_k = rows_k.to(tl.int64) * K + kcols
+        e_k = tl.load(experts_ptr + out_k, mask=choice_ok, other=0)
+        # Every slot was stored above, but a raw call past the eligible experts (the op refuses
+        # one) leaves some unwritten: never read outside the row for them.
+        inside = choice_ok & (e_k >= 0) & (e_k < E)
+        logit_k = tl.load(
+            logits_ptr + rows_k.to(tl.int64) * stride_t + e_k * stride_e, mask=inside, other=float("-inf")
+        )
+        x_k = to_float32(logit_k)
+        # The tile's own score functions, so each pick's score is the tile's, bit for bit.
+        if SIGMOID:
+            p_k = sigmoid_accurate(x_k)
+        else:
+            # softmax_score's exp(x - max) / denom, its all -inf rows' 0 by a shift and divisor
+            # that make it so (exp(-inf) / 1), not a mask kept across the barrier.
+            shift = tl.where(masked_row, 0.0, vmax)
+            divisor = tl.where(masked_row, 1.0, denom)
+            p_k = tl.exp(x_k - shift[None, :]) / divisor[None, :]
+        p_k = tl.where(choice_ok, p_k, 0.0)
+        if RENORMALIZE:
+            # The picks' sum in the choice tile's reduction order, not in pick order: the weights
+            # may differ from the [rows, k] recording's in the last bit, within every backend's
+            # tolerance.
+            total = tl.sum(p_k, axis=0)
+            safe = tl.where(total == 0, 1.0, total)
+            weights_k = tl.where(total[None, :] == 0, 0.0, tl.div_rn(p_k, safe[None, :]) * scaling)
+        else:
+            weights_k = p_k * scaling
+        tl.store(weights_ptr + out_k, weights_k, mask=choice_ok)
     else:
         # The rounds record each pick into a [BLOCK_T, BLOCK_K] tile; the weights are
         # renormalised and stored once.
@@ -425,13 +435,22 @@ def row_vector(block_e: int, itemsize: int) -> int:
 
 def uses_ranks_in_keys(block_e: int, k: int, vector: int) -> bool:
     """RANKS_IN_KEYS, where the sm_90 SASS counts it fewer instructions a row
-    (bench/triton_sass.py). A round then costs about 12 warp instructions a row against about 40
-    that compute and record the pick's weight, but the tile's weights, their division and the
-    scattered stores cost a fixed ~250 a row at E = 128: at k = 8, Qwen3-MoE's bf16 507 -> 364,
-    float32 588 -> 433, E = 64 279 -> 200, DeepSeek-V3's groups at E = 128 803 -> 666; at k = 6,
-    E = 128 354 -> 333; at k = 4, E = 128 293 -> 308. Rows of 8 a thread (16-bit rows past 128)
-    lose at E = 256 (646 -> 673) and past: their epilogue is twice as long."""
-    return vector == 4 and k >= 6 and block_e >= 64
+    (bench/triton_sass.py; the [rows, k] tile -> the ranks). A round then costs about 12 warp
+    instructions a row against about 40 that compute and record the pick's weight; the stores of
+    the experts, the barrier and the choice tile cost a fixed amount. 4 entries a thread: from
+    k = 3 where 4 k < E (Qwen3-MoE bf16 507 -> 280, float32 588 -> 349, E = 128 k = 4 293 -> 227,
+    k = 3 266 -> 218, E = 64 k = 8 276 -> 173, k = 3 142 -> 121, E = 32 k = 4 76 -> 65, grouped
+    sigmoid at E = 128 803 -> 610, float32 E = 256 1428 -> 897); not at k = 2 (E = 64 106 / 108,
+    E = 128 202 / 203), nor where k is a quarter of the row or more (float32 E = 32 k = 8
+    162 / 232, E = 16 k = 8 80 / 110; bfloat16 E = 32 k = 8 would gain, 134 -> 86). 8 entries a
+    thread (16-bit rows of 8 or past 128): from k = 6 at E >= 64 (E = 256 k = 8 646 -> 515,
+    k = 6 561 -> 476, DeepSeek-V3 1240 -> 1115, E = 512 1502 -> 1236); not at k <= 4 (E = 256
+    k = 2 313 / 388, k = 4 423 / 425) nor at E = 8 (Mixtral 9 / 11)."""
+    if vector == 4:
+        return k >= 3 and 4 * k < block_e
+    if vector == 8:
+        return k >= 6 and block_e >= 64
+    return False
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
@@ -558,8 +577,8 @@ AOT_KERNELS = [
     _aot("bf16", 128, sigmoid=False, bias=True, groups=8, topk_groups=3, group_max=True, renormalize=False),
     _aot("fp16", MAX_EXPERTS, sigmoid=True, bias=True),
     _aot("fp16", MAX_EXPERTS, sigmoid=False, bias=False),
-    # The tile recording at 4 entries a thread (k < 6 there), the ranks in the keys at 8.
+    # The [rows, k] tile, which the rule does not take at k = 8 above: at 4 entries a thread and at 8.
     _aot("bf16", 128, sigmoid=False, bias=False, ranks_in_keys=False),
     _aot("fp32", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, ranks_in_keys=False),
-    _aot("bf16", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, ranks_in_keys=True),
+    _aot("bf16", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, ranks_in_keys=False),
 ]
