@@ -438,13 +438,13 @@ def uses_ranks_in_keys(block_e: int, k: int, vector: int) -> bool:
     (bench/triton_sass.py; the [rows, k] tile -> the ranks). A round then costs about 12 warp
     instructions a row against about 40 that compute and record the pick's weight; the stores of
     the experts, the barrier and the choice tile cost a fixed amount. 4 entries a thread: from
-    k = 3 where 4 k < E (Qwen3-MoE bf16 507 -> 280, float32 588 -> 349, E = 128 k = 4 293 -> 227,
-    k = 3 266 -> 218, E = 64 k = 8 276 -> 173, k = 3 142 -> 121, E = 32 k = 4 76 -> 65, grouped
-    sigmoid at E = 128 803 -> 610, float32 E = 256 1428 -> 897); not at k = 2 (E = 64 106 / 108,
+    k = 3 where 4 k < E (Qwen3-MoE bf16 507 -> 273, float32 588 -> 344, E = 128 k = 4 293 -> 226,
+    k = 3 266 -> 218, E = 64 k = 8 276 -> 176, k = 3 142 -> 117, E = 32 k = 4 76 -> 66, grouped
+    sigmoid at E = 128 803 -> 612, float32 E = 256 1428 -> 897); not at k = 2 (E = 64 106 / 108,
     E = 128 202 / 203), nor where k is a quarter of the row or more (float32 E = 32 k = 8
     162 / 232, E = 16 k = 8 80 / 110; bfloat16 E = 32 k = 8 would gain, 134 -> 86). 8 entries a
-    thread (16-bit rows of 8 or past 128): from k = 6 at E >= 64 (E = 256 k = 8 646 -> 515,
-    k = 6 561 -> 476, DeepSeek-V3 1240 -> 1115, E = 512 1502 -> 1236); not at k <= 4 (E = 256
+    thread (16-bit rows of 8 or past 128): from k = 6 at E >= 64 (E = 256 k = 8 646 -> 519,
+    k = 6 561 -> 477, DeepSeek-V3 1240 -> 1121, E = 512 1502 -> 1236); not at k <= 4 (E = 256
     k = 2 313 / 388, k = 4 423 / 425) nor at E = 8 (Mixtral 9 / 11)."""
     if vector == 4:
         return k >= 3 and 4 * k < block_e
