@@ -40,12 +40,6 @@ SHAPES = [
 ]
 
 
-def _forced(value):
-    """uses_ranks_in_keys forced to `value` (None: the launcher's own rule)."""
-    rule = _router.uses_ranks_in_keys
-    return rule if value is None else (lambda *shape: value)
-
-
 def _copy_seconds(nbytes: int, device: str) -> float:
     """copy_ of nbytes / 2 into as many: the practical limit for nbytes of traffic."""
     src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
@@ -74,7 +68,7 @@ def run(tokens: int, device: str, timed: bool) -> list[str]:
             chosen = original(block_e, k, _router.row_vector(block_e, size))
             results = {}
             for value in (False, True):
-                _router.uses_ranks_in_keys = _forced(value)
+                _router.uses_ranks_in_keys = lambda *shape, value=value: value
 
                 def call(value=value):
                     return K.topk_router(logits, k, bias=bias, **kw)

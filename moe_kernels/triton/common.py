@@ -2,11 +2,12 @@
 the row kernels, and the device every launch runs on."""
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from moe_kernels import backends
 
 # Smallest int64: below every rank pair, used to retire selected or padding elements.
 NO_PAIR = tl.constexpr(-9223372036854775808)
@@ -26,7 +27,7 @@ def to_float32(x):
 
 # Whether the kernels run in Triton's interpreter (fixed for the process: triton.jit reads it when
 # a kernel is defined, too).
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETED = tl.constexpr(backends.triton_interpreting())
 
 
 @triton.jit

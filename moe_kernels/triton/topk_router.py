@@ -105,6 +105,17 @@ def softmax_score(x, vmax, denom, masked_row):
 
 
 @triton.jit
+def choice_tile(T, K, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's rows' [T, K] choices as a [BLOCK_K, BLOCK_T] tile: (the rows, int64
+    [1, BLOCK_T]; the choice indices [BLOCK_K, 1]; which are in range). Choice-major, so the
+    compiler gives the tile a layout of its own (about a choice a thread): laid out as the row
+    tile, each thread would hold, and compute, every choice of its row."""
+    kcols = tl.arange(0, BLOCK_K)[:, None]
+    rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    return rows_k.to(tl.int64), kcols, (rows_k < T) & (kcols < K)
+
+
+@triton.jit
 def pick_logit(keys, cols, PACKED: tl.constexpr, dtype: tl.constexpr, BLOCK_E: tl.constexpr):
     """One round where the keys rank the logits themselves: (the index, the logit, the keys with
     it retired). PACKED: packed_key of 16-bit logits (one row reduction); else value_key."""
@@ -327,19 +338,13 @@ def topk_router_kernel(
         experts = tl.broadcast_to(cols[None, :], (BLOCK_T, BLOCK_E)).to(tl.int64)
         store_at(experts_ptr, slot, experts, picked, BLOCK_T, BLOCK_E, ROW_VECTOR)
         tl.debug_barrier()
-        # Choice-major, so the compiler gives the tile a layout of its own: laid out as the row
-        # tile, each thread would hold (and compute) every pick of its row.
-        kcols = tl.arange(0, BLOCK_K)[:, None]
-        rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
-        choice_ok = (rows_k < T) & (kcols < K)
-        out_k = rows_k.to(tl.int64) * K + kcols
+        rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K)
+        out_k = rows_k64 * K + kcols
         e_k = tl.load(experts_ptr + out_k, mask=choice_ok, other=0)
         # Every slot was stored above, but a raw call past the eligible experts (the op refuses
         # one) leaves some unwritten: never read outside the row for them.
         inside = choice_ok & (e_k >= 0) & (e_k < E)
-        logit_k = tl.load(
-            logits_ptr + rows_k.to(tl.int64) * stride_t + e_k * stride_e, mask=inside, other=float("-inf")
-        )
+        logit_k = tl.load(logits_ptr + rows_k64 * stride_t + e_k * stride_e, mask=inside, other=float("-inf"))
         x_k = to_float32(logit_k)
         # The tile's own score functions, so each pick's score is the tile's, bit for bit.
         if SIGMOID:

@@ -22,7 +22,7 @@ from moe_kernels.triton.common import (
     value_key,
     value_of,
 )
-from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, logits_tile, softmax_terms
+from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, choice_tile, logits_tile, softmax_terms
 
 
 @triton.jit
@@ -53,13 +53,9 @@ def topk_router_backward_kernel(
     )
     rows64 = rows.to(tl.int64)
 
-    # The choices as a [BLOCK_K, BLOCK_T] tile (choice-major: so its own layout, not the row
-    # tile's, where each thread would hold a row's every choice): their experts, gradients and
-    # logits (gathered, from cache), each chosen score computed once.
-    kcols = tl.arange(0, BLOCK_K)[:, None]
-    rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
-    choice_ok = (rows_k < T) & (kcols < K)
-    rows_k64 = rows_k.to(tl.int64)
+    # The choices as a [BLOCK_K, BLOCK_T] tile: their experts, gradients and logits (gathered,
+    # from cache), each chosen score computed once.
+    rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K)
     idx = tl.load(experts_ptr + rows_k64 * K + kcols, mask=choice_ok, other=-1)
     g = to_float32(tl.load(grad_weights_ptr + rows_k64 * stride_gt + kcols * stride_gk, mask=choice_ok, other=0.0))
     # A choice outside [0, E) (a raw call's) reads -inf (score 0) and is stored nowhere.
