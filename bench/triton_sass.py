@@ -156,34 +156,114 @@ def sass(kernel, signature, constexprs, aligned, num_warps) -> str:
     return listing
 
 
+def _immediate(text: str) -> int | None:
+    """An integer immediate operand of SASS (0x7, -0x7fffffef, 15), else None."""
+    text = text.strip()
+    try:
+        return int(text, 0)
+    except ValueError:
+        return None
+
+
+def _loop_iterations(ops: list[tuple[str, str, str]], start: int, end: int) -> int | None:
+    """How many times the counted loop ops[start:end + 1] (its back branch last) runs, read from
+    the listing: the branch's predicate set by `ISETP.NE ... P, PT, R, bound` in the body, R's step
+    there (`VIADD R, R, step` or `IADD3 R, R, step`), and R's value before the loop (`MOV` or
+    `IMAD.MOV.U32 R, RZ, RZ, init`, or `CS2R R, SRZ`). The compiler unrolls a loop of k picks by a
+    factor of its own (at k = 16 it peeled two and ran 7 a trip twice), so a loop trip is not a
+    pick. None where any of these is not found (a bound or step in a register: a loop over a
+    run-time size)."""
+    guard, _, _ = ops[end]
+    pred = re.match(r"@(P\d)$", guard)
+    if not pred:
+        return None
+    compare = next(
+        (
+            i
+            for i in range(end - 1, start - 1, -1)
+            if ops[i][1].startswith("ISETP") and ops[i][2].split(",")[0].strip() == pred.group(1)
+        ),
+        None,
+    )
+    if compare is None or ".NE." not in ops[compare][1] + ".":
+        return None
+    operands = [o.strip() for o in ops[compare][2].rstrip(";").split(",")]
+    if len(operands) < 4:
+        return None
+    reg, bound = operands[2], _immediate(operands[3])
+    if bound is None or not re.fullmatch(r"R\d+", reg):
+        return None
+    step = None
+    for i in range(start, end):
+        guard_i, op, args = ops[i]
+        parts = [a.strip() for a in args.rstrip(";").split(",")]
+        if (
+            not guard_i
+            and op in ("VIADD", "IADD3")
+            and len(parts) >= 3
+            and parts[0] == reg
+            and parts[1].split(".")[0] == reg
+        ):
+            step, step_at = _immediate(parts[2]), i
+    if not step:
+        return None
+    init = None
+    for i in range(start - 1, -1, -1):
+        guard_i, op, args = ops[i]
+        parts = [a.strip() for a in args.rstrip(";").split(",")]
+        if parts[0] != reg:
+            continue
+        if guard_i:
+            return None
+        if op == "MOV" and len(parts) == 2:
+            init = _immediate(parts[1])
+        elif op == "IMAD.MOV.U32" and len(parts) == 4 and parts[1] == parts[2] == "RZ":
+            init = _immediate(parts[3])
+        elif op == "CS2R" and parts[1] == "SRZ":
+            init = 0
+        break
+    if init is None:
+        return None
+    # The compare reads R after the step (the exit when it reaches the bound), or before it.
+    span = (bound - init) % (1 << 32) if step > 0 else (init - bound) % (1 << 32)
+    if span % abs(step):
+        return None
+    return span // abs(step) + (0 if step_at < compare else 1)
+
+
 def hot_path(listing: str, trips: int = 1) -> collections.Counter:
     """Opcode counts (without modifiers) of the instructions up to the last EXIT, each loop's body
-    counted `trips` times. A listing line is `control<TAB>[@P] OPCODE operands;`, a label line
-    `name:` (no tab); a loop is a branch back to a label above it, its body the label to the
-    branch. The router's loops are its rounds over the k picks, a pick a trip (the compile fixes
-    k, so the compiler unrolls a loop whole or not at all); other kernels' loops (grid-stride
-    loops over tiles, a binary search) count once: their body is the cost of a tile."""
+    counted as many times as it runs. A listing line is `control<TAB>[@P] OPCODE operands;`, a
+    label line `name:` (no tab); a loop is a branch back to a label above it, its body the label
+    to the branch. With trips > 1 (the router's rounds over the picks), a loop runs as often as
+    its counter says (_loop_iterations: the compiler may run several picks a trip), else `trips`
+    times; with trips = 1 loops count once (the other kernels' grid-stride loops over tiles, a
+    binary search: their body is the cost of a tile)."""
     ops, labels, loops = [], {}, []
     for line in listing.splitlines():
         label = re.match(r"([.\w$]+):\s*$", line)
         if label:
             labels[label.group(1)] = len(ops)
             continue
-        m = re.match(r"\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)", line)
+        m = re.match(r"\S+\t(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
         if m:
-            if m.group(1) == "BRA":
-                target = re.search(r"([.\w$]+)\s*;", m.group(2))
+            opcode = m.group(2)
+            if opcode.split(".")[0] == "BRA":
+                target = re.search(r"([.\w$]+)\s*;", m.group(3))
                 if target and target.group(1) in labels:
                     loops.append((labels[target.group(1)], len(ops)))
-            ops.append(m.group(1))
-    last = max((i for i, op in enumerate(ops) if op == "EXIT"), default=len(ops) - 1)
+            ops.append(((m.group(1) or "").strip(), opcode, m.group(3)))
+    last = max((i for i, op in enumerate(ops) if op[1] == "EXIT"), default=len(ops) - 1)
     weight = [1] * (last + 1)
     for start, end in loops:
+        runs = trips
+        if trips > 1:
+            runs = _loop_iterations(ops, start, end) or trips
         for i in range(start, min(end, last) + 1):
-            weight[i] *= trips
+            weight[i] *= runs
     counts = collections.Counter()
-    for op, w in zip(ops, weight):
-        counts[op] += w
+    for (_, opcode, _), w in zip(ops, weight):
+        counts[opcode.split(".")[0]] += w
     return counts
 
 

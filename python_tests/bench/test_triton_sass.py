@@ -100,3 +100,40 @@ def test_hot_path_counts_a_loop_body_once_a_trip():
     )
     assert triton_sass.hot_path(listing) == {"MOV": 1, "REDUX": 1, "ISETP": 1, "BRA": 2, "SEL": 1, "EXIT": 1}
     assert triton_sass.hot_path(listing, trips=7) == {"MOV": 1, "REDUX": 7, "ISETP": 7, "BRA": 14, "SEL": 7, "EXIT": 1}
+
+
+@pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
+def test_hot_path_reads_how_often_an_unrolled_loop_runs():
+    """At k = 16 the compiler peels picks and runs several a trip: the loop's counter (its start
+    before the loop, its step and its bound in the body) says how often it runs, not `trips`. A
+    bound in a register (a run-time size) leaves `trips`."""
+    triton_sass = _triton_sass()
+
+    def listing(init, step, bound, compare_first=False):
+        body = [
+            "--:-:-:-:1\tREDUX.MAX.S32 UR4, R2;",
+            f"--:-:-:-:1\tVIADD R17, R17, {step};",
+            f"--:-:-:-:1\tISETP.NE.U32.AND P5, PT, R17, {bound}, PT;",
+        ]
+        if compare_first:
+            body = [body[0], body[2], body[1]]
+        return "\n".join(
+            [
+                f"--:-:0:-:1\tIMAD.MOV.U32 R17, RZ, RZ, {init};",
+                "LBB0:",
+                *body,
+                "--:-:-:-:5\t@P5 BRA LBB0;",
+                "--:-:-:Y:5\tEXIT;",
+            ]
+        )
+
+    # RETIRED + 2 up to RETIRED + 16 by 7: two trips (the k = 16 forward's 14 picks after 2 peeled).
+    counts = triton_sass.hot_path(listing("-0x7ffffffd", "0x7", "-0x7fffffef"), trips=15)
+    assert counts == {"IMAD": 1, "REDUX": 2, "VIADD": 2, "ISETP": 2, "BRA": 2, "EXIT": 1}
+    # The compare before the step: it sees the bound one trip later.
+    assert triton_sass.hot_path(listing("0", "0x1", "0x4", compare_first=True), trips=9)["REDUX"] == 5
+    assert triton_sass.hot_path(listing("0", "0x1", "0x4"), trips=9)["REDUX"] == 4
+    # A bound in a register, or a step that does not reach it: `trips`; trips = 1 counts once.
+    assert triton_sass.hot_path(listing("0", "0x1", "R3"), trips=9)["REDUX"] == 9
+    assert triton_sass.hot_path(listing("0", "0x3", "0x4"), trips=9)["REDUX"] == 9
+    assert triton_sass.hot_path(listing("-0x7ffffffd", "0x7", "-0x7fffffef"))["REDUX"] == 1
