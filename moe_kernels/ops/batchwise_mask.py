@@ -31,7 +31,11 @@ _triton = None
 if backends.triton_importable():
     from moe_kernels.triton import batchwise_mask as _triton_module
 
-    _triton = _triton_module.batchwise_mask
+    def _triton(scores, m):
+        if not _triton_module.supports(scores.shape[1]):  # past the grid: cuda, else the reference
+            return backends.fallback("batchwise_mask", "triton", scores)(scores, m)
+        return _triton_module.batchwise_mask(scores, m)
+
 
 # The outputs are a bool mask and int64 indices: nothing to differentiate, so no autograd formula
 # (gradients reach the scores through the gate values the mask selects, eq 16).

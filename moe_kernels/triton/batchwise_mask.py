@@ -40,6 +40,14 @@ _WRITE_BLOCK_T = 128
 # Programs a group and launch of the radix path behind the sampled select: it runs for a few
 # groups, if any, and each of its launches costs the others a flag read a program.
 _REDO_PROGRAMS = 32
+# The radix path puts the expert groups on grid axis 1, which CUDA caps at 65535.
+MAX_EXPERTS = 65535 * _GROUP
+
+
+def supports(num_experts: int) -> bool:
+    """Whether the kernels take E experts; past it (transposed scores, most likely) the op hands
+    the call on (backends.fallback: the CUDA kernel, else the reference)."""
+    return num_experts <= MAX_EXPERTS
 
 
 @triton.jit

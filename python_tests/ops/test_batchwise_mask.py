@@ -162,6 +162,29 @@ def test_larger_batch_many_experts(kernel_backend):
     assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
 
 
+def test_past_the_triton_grid(backend, monkeypatch):
+    """More experts than the Triton radix path's grid holds (65535 groups of 16 on its axis 1;
+    transposed scores, most likely) are valid input: the op hands them on (backends.fallback: the
+    CUDA kernel for CUDA tensors, the reference under the interpreter), never a launch error. The
+    limit is lowered to 40 experts here: a million columns take the reference minutes."""
+    from moe_kernels.triton import batchwise_mask as triton_kernels
+
+    assert triton_kernels.supports(65535 * 16) and not triton_kernels.supports(65535 * 16 + 1)
+    if backend != "triton":
+        pytest.skip("the limit is the Triton kernels'")
+    monkeypatch.setattr(triton_kernels, "MAX_EXPERTS", 40)
+    launched = []
+    monkeypatch.setattr(triton_kernels, "radix_select", lambda *args, **kw: launched.append(args))
+    scores = torch.randn(50, 41, generator=torch.Generator().manual_seed(0))
+    scores[1::2] = scores[::2]  # ties: the lower token
+    mask, tokens = run(backend, scores, 7)
+    ref_mask, ref_tokens = reference.batchwise_mask(scores, 7)
+    assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
+    assert not launched
+    run(backend, scores[:, :40], 7)
+    assert launched, "40 experts are the kernels' own"
+
+
 @pytest.mark.parametrize("m", [1, 250, 600])
 def test_tiles_and_expert_groups(kernel_backend, m):
     """Several token tiles (256 on Triton: the last one ragged) and expert groups (16 on Triton: the
