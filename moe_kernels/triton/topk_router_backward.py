@@ -57,7 +57,9 @@ def topk_router_backward_kernel(
     # from cache), each chosen score computed once.
     rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K)
     idx = tl.load(experts_ptr + rows_k64 * K + kcols, mask=choice_ok, other=-1)
-    g = to_float32(tl.load(grad_weights_ptr + rows_k64 * stride_gt + kcols * stride_gk, mask=choice_ok, other=0.0))
+    # kcols in int64: a transposed [k, T] gradient's stride_gk is T, and (k - 1) T passes 2^31.
+    g_ptrs = grad_weights_ptr + rows_k64 * stride_gt + kcols.to(tl.int64) * stride_gk
+    g = to_float32(tl.load(g_ptrs, mask=choice_ok, other=0.0))
     # A choice outside [0, E) (a raw call's) reads -inf (score 0) and is stored nowhere.
     inside = choice_ok & (idx >= 0) & (idx < E)
     x_k = to_float32(tl.load(logits_ptr + rows_k64 * stride_t + idx * stride_e, mask=inside, other=float("-inf")))
