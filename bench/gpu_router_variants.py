@@ -37,6 +37,10 @@ SHAPES = [
     ("e128-k4", 128, 4, torch.bfloat16, dict(renormalize=True), False),
     ("grouped-e128", 128, 8, torch.bfloat16, GROUPED, True),
     ("deepseek-v3", 256, 8, torch.bfloat16, GROUPED, True),
+    # Where the rule took the ranks once loops were counted as they run (2026-11-28).
+    ("e32-k8", 32, 8, torch.bfloat16, dict(renormalize=True), False),
+    ("e16-k4", 16, 4, torch.bfloat16, dict(renormalize=True), False),
+    ("e512-k10", 512, 10, torch.bfloat16, dict(renormalize=True), False),
 ]
 
 
