@@ -4,9 +4,9 @@ compiled ahead of time as a GPU launch specialises it (16-byte aligned pointers,
 by 16, the unit stride a compile-time 1, k a compile-time constant), then the SASS of its hot path
 (up to the last EXIT: the out-of-line slow paths of the IEEE division after it are left out)
 counted in the listing triton.tools.disasm gives (Triton's own cuobjdump). The router forward's loops
-over the k picks count as many times as they run (hot_path's `trips`: before, each counted once,
-which left Qwen3-MoE's forward at 274 a row where it ran 512); the other kernels' loops
-(grid-stride loops over tiles, a binary search) count once.
+over the k picks count as many times as they run, read from the loop's counter (the compiler may
+run several picks a trip; else one pick a trip); the other kernels' loops (grid-stride loops over
+tiles, a binary search) count once.
 
 A program's hot path runs once per program (BLOCK_T rows), every warp of it issuing each
 instruction: `per row` is the hot path times num_warps over BLOCK_T, the warp instructions a row
@@ -157,88 +157,133 @@ def sass(kernel, signature, constexprs, aligned, num_warps) -> str:
 
 
 def _immediate(text: str) -> int | None:
-    """An integer immediate operand of SASS (0x7, -0x7fffffef, 15), else None."""
+    """An integer immediate operand of SASS (0x7, -0x7fffffef, 15; RZ is 0) as a signed 32-bit
+    value (0xfffffff9 is -7), else None."""
     text = text.strip()
+    if text == "RZ":
+        return 0
     try:
-        return int(text, 0)
+        value = int(text, 0)
     except ValueError:
         return None
+    return (value + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
-def _loop_iterations(ops: list[tuple[str, str, str]], start: int, end: int) -> int | None:
-    """How many times the counted loop ops[start:end + 1] (its back branch last) runs, read from
-    the listing: the branch's predicate set by `ISETP.NE ... P, PT, R, bound` in the body, R's step
-    there (`VIADD R, R, step` or `IADD3 R, R, step`), and R's value before the loop (`MOV` or
-    `IMAD.MOV.U32 R, RZ, RZ, init`, or `CS2R R, SRZ`). The compiler unrolls a loop of k picks by a
-    factor of its own (at k = 16 it peeled two and ran 7 a trip twice), so a loop trip is not a
-    pick. None where any of these is not found (a bound or step in a register: a loop over a
-    run-time size)."""
-    guard, _, _ = ops[end]
-    pred = re.match(r"@(P\d)$", guard)
-    if not pred:
+def _operands(args: str) -> list[str]:
+    """An instruction's operands without the .reuse flags: ' R17, R17.reuse, 0x7;' -> [R17, R17, 0x7]."""
+    return [a.strip().removesuffix(".reuse") for a in args.strip().rstrip(";").split(",")]
+
+
+def _writes(op: str, operands: list[str], reg: str) -> bool:
+    """Whether the instruction writes register `reg`: its first operand, or the high half of a
+    64-bit destination that starts one register below (CS2R, .64 and .WIDE forms)."""
+    if not operands or not re.fullmatch(r"R\d+", reg):
+        return False
+    if operands[0] == reg:
+        return True
+    pair = op.startswith("CS2R") or ".64" in op or ".WIDE" in op
+    return pair and operands[0] == f"R{int(reg[1:]) - 1}"
+
+
+def _exit_compare(ops, start: int, end: int) -> tuple[str, int, int] | None:
+    """(counter register, bound, index) of the compare that decides the back branch ops[end]:
+    `@P BRA` after `ISETP.NE ... P, PT, R, bound, PT`, or `@!P BRA` after ISETP.EQ; None else."""
+    guard = re.fullmatch(r"@(!?)(P\d)", ops[end][0])
+    if not guard:
         return None
-    compare = next(
-        (
-            i
-            for i in range(end - 1, start - 1, -1)
-            if ops[i][1].startswith("ISETP") and ops[i][2].split(",")[0].strip() == pred.group(1)
-        ),
-        None,
-    )
-    if compare is None or ".NE." not in ops[compare][1] + ".":
-        return None
-    operands = [o.strip() for o in ops[compare][2].rstrip(";").split(",")]
-    if len(operands) < 4:
-        return None
-    reg, bound = operands[2], _immediate(operands[3])
-    if bound is None or not re.fullmatch(r"R\d+", reg):
-        return None
-    step = None
-    for i in range(start, end):
-        guard_i, op, args = ops[i]
-        parts = [a.strip() for a in args.rstrip(";").split(",")]
-        if (
-            not guard_i
-            and op in ("VIADD", "IADD3")
-            and len(parts) >= 3
-            and parts[0] == reg
-            and parts[1].split(".")[0] == reg
-        ):
-            step, step_at = _immediate(parts[2]), i
-    if not step:
-        return None
-    init = None
-    for i in range(start - 1, -1, -1):
-        guard_i, op, args = ops[i]
-        parts = [a.strip() for a in args.rstrip(";").split(",")]
-        if parts[0] != reg:
+    negated, pred = guard.groups()
+    for i in range(end - 1, start - 1, -1):
+        op, operands = ops[i][1], _operands(ops[i][2])
+        if operands[0] != pred:
             continue
-        if guard_i:
+        wanted = ".EQ." if negated else ".NE."
+        if not op.startswith("ISETP") or wanted not in op + "." or len(operands) != 5:
             return None
-        if op == "MOV" and len(parts) == 2:
-            init = _immediate(parts[1])
-        elif op == "IMAD.MOV.U32" and len(parts) == 4 and parts[1] == parts[2] == "RZ":
-            init = _immediate(parts[3])
-        elif op == "CS2R" and parts[1] == "SRZ":
-            init = 0
-        break
-    if init is None:
+        if operands[1] != "PT" or operands[4] != "PT":  # the exit would depend on another predicate
+            return None
+        bound = _immediate(operands[3])
+        if bound is None or not re.fullmatch(r"R\d+", operands[2]):
+            return None
+        return operands[2], bound, i
+    return None
+
+
+def _step(ops, start: int, end: int, reg: str) -> tuple[int, int] | None:
+    """(the counter's step a trip, the index of its last step) when every write to `reg` in the
+    body is an unguarded `VIADD reg, reg, imm` or `IADD3 reg, reg, imm, RZ`; None else."""
+    step, last = 0, None
+    for i in range(start, end):
+        guard, op, args = ops[i]
+        operands = _operands(args)
+        if not _writes(op, operands, reg):
+            continue
+        by = _immediate(operands[2]) if len(operands) >= 3 and operands[1] == reg else None
+        rest_zero = all(o == "RZ" for o in operands[3:])
+        if guard or op not in ("VIADD", "IADD3") or by is None or not rest_zero:
+            return None
+        step, last = step + by, i
+    return (step, last) if step else None
+
+
+def _init(ops, start: int, reg: str, label_at: set[int]) -> int | None:
+    """The counter's value when the loop starts: its last write before ops[start] in straight-line
+    code (`MOV`, `IMAD.MOV.U32 reg, RZ, RZ, imm`, `CS2R` of zero into either half of its pair);
+    None where a label or branch comes first (another path into the loop) or the write is another
+    kind (a 64-bit result over the pair, a computed value)."""
+    for i in range(start - 1, -1, -1):
+        if i + 1 in label_at and i + 1 != start:
+            return None
+        guard, op, args = ops[i]
+        if op.split(".")[0] == "BRA":
+            return None
+        operands = _operands(args)
+        if not _writes(op, operands, reg):
+            continue
+        if guard:
+            return None
+        if op == "CS2R" and operands[1:] == ["SRZ"]:  # both halves of its pair
+            return 0
+        if operands[0] != reg:
+            return None
+        if op == "MOV" and len(operands) == 2:
+            return _immediate(operands[1])
+        if op == "IMAD.MOV.U32" and len(operands) == 4 and operands[1] == operands[2] == "RZ":
+            return _immediate(operands[3])
         return None
-    # The compare reads R after the step (the exit when it reaches the bound), or before it.
-    span = (bound - init) % (1 << 32) if step > 0 else (init - bound) % (1 << 32)
-    if span % abs(step):
+    return None
+
+
+def _loop_iterations(ops, start: int, end: int, label_at: set[int]) -> int | None:
+    """How many times the counted loop ops[start:end + 1] (its back branch last) runs, read from
+    the listing: the counter the exit compares with a constant bound, its step in the body and its
+    value before the loop. The compiler unrolls a loop over the k picks by a factor of its own (at
+    k = 16 it peeled two and ran 7 a trip twice), so a trip is not a pick. None where it cannot
+    be read (a bound in a register: a loop over a run-time size)."""
+    compare = _exit_compare(ops, start, end)
+    if compare is None:
         return None
-    return span // abs(step) + (0 if step_at < compare else 1)
+    reg, bound, compare_at = compare
+    step = _step(ops, start, end, reg)
+    init = _init(ops, start, reg, label_at)
+    if step is None or init is None:
+        return None
+    (by, step_at), span = step, (bound - init) % (1 << 32)
+    if by < 0:
+        span, by = (init - bound) % (1 << 32), -by
+    if span % by:
+        return None
+    # The compare reads the counter after its step (the exit when it reaches the bound), or before.
+    return span // by + (0 if step_at < compare_at else 1)
 
 
 def hot_path(listing: str, trips: int = 1) -> collections.Counter:
     """Opcode counts (without modifiers) of the instructions up to the last EXIT, each loop's body
     counted as many times as it runs. A listing line is `control<TAB>[@P] OPCODE operands;`, a
     label line `name:` (no tab); a loop is a branch back to a label above it, its body the label
-    to the branch. With trips > 1 (the router's rounds over the picks), a loop runs as often as
-    its counter says (_loop_iterations: the compiler may run several picks a trip), else `trips`
-    times; with trips = 1 loops count once (the other kernels' grid-stride loops over tiles, a
-    binary search: their body is the cost of a tile)."""
+    to the branch. With trips > 1 (the router's k picks), a loop runs as often as its counter
+    says (_loop_iterations: the compiler may run several picks a trip) where that is 1 to `trips`
+    times, else `trips` times, with a note on stderr; with trips = 1 loops count once (the other
+    kernels' grid-stride loops over tiles, a binary search: their body is the cost of a tile)."""
     ops, labels, loops = [], {}, []
     for line in listing.splitlines():
         label = re.match(r"([.\w$]+):\s*$", line)
@@ -253,12 +298,17 @@ def hot_path(listing: str, trips: int = 1) -> collections.Counter:
                 if target and target.group(1) in labels:
                     loops.append((labels[target.group(1)], len(ops)))
             ops.append(((m.group(1) or "").strip(), opcode, m.group(3)))
-    last = max((i for i, op in enumerate(ops) if op[1] == "EXIT"), default=len(ops) - 1)
+    last = max((i for i, op in enumerate(ops) if op[1].split(".")[0] == "EXIT"), default=len(ops) - 1)
     weight = [1] * (last + 1)
+    label_at = set(labels.values())
     for start, end in loops:
         runs = trips
-        if trips > 1:
-            runs = _loop_iterations(ops, start, end) or trips
+        if trips > 1 and start <= last:
+            read = _loop_iterations(ops, start, end, label_at)
+            if read is not None and 1 <= read <= trips:
+                runs = read
+            else:
+                print(f"note: a loop's trips not read from its counter; counted {trips} times", file=sys.stderr)
         for i in range(start, min(end, last) + 1):
             weight[i] *= runs
     counts = collections.Counter()
@@ -276,7 +326,7 @@ def main(argv=None) -> int:
         help="batchwise_mask's kernels on these score dtypes",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    print(f"triton {triton.__version__}, sm_90, hot-path SASS instructions (router loops x their trips)\n")
+    print(f"triton {triton.__version__}, sm_90, hot-path SASS instructions (router loops x the times they run)\n")
     print("| kernel | case | per program | warps | rows | per row | SHFL | REDUX | BAR | MUFU |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.cases or ROUTERS:

@@ -102,38 +102,77 @@ def test_hot_path_counts_a_loop_body_once_a_trip():
     assert triton_sass.hot_path(listing, trips=7) == {"MOV": 1, "REDUX": 7, "ISETP": 7, "BRA": 14, "SEL": 7, "EXIT": 1}
 
 
+def _counted_loop(init, steps, compare, branch="@P5 BRA LBB0;", before_loop=()):
+    """A listing: `init` sets R17, then a loop whose body is a REDUX, the `steps` and the `compare`
+    (in that order unless the compare comes first in `steps`), closed by `branch`."""
+    return "\n".join(
+        [
+            f"--:-:0:-:1\t{init}",
+            *before_loop,
+            "LBB0:",
+            "--:-:-:-:1\tREDUX.MAX.S32 UR4, R2;",
+            *(f"--:-:-:-:1\t{line}" for line in (*steps, compare)),
+            f"--:-:-:-:5\t{branch}",
+            "--:-:-:Y:5\tEXIT;",
+        ]
+    )
+
+
 @pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
 def test_hot_path_reads_how_often_an_unrolled_loop_runs():
-    """At k = 16 the compiler peels picks and runs several a trip: the loop's counter (its start
-    before the loop, its step and its bound in the body) says how often it runs, not `trips`. A
-    bound in a register (a run-time size) leaves `trips`."""
+    """At k = 16 the compiler peels picks and runs several a trip: the loop's counter (its value
+    before the loop, its step and its bound in the body) says how often it runs, not `trips`."""
     triton_sass = _triton_sass()
 
-    def listing(init, step, bound, compare_first=False):
-        body = [
-            "--:-:-:-:1\tREDUX.MAX.S32 UR4, R2;",
-            f"--:-:-:-:1\tVIADD R17, R17, {step};",
-            f"--:-:-:-:1\tISETP.NE.U32.AND P5, PT, R17, {bound}, PT;",
-        ]
-        if compare_first:
-            body = [body[0], body[2], body[1]]
-        return "\n".join(
-            [
-                f"--:-:0:-:1\tIMAD.MOV.U32 R17, RZ, RZ, {init};",
-                "LBB0:",
-                *body,
-                "--:-:-:-:5\t@P5 BRA LBB0;",
-                "--:-:-:Y:5\tEXIT;",
-            ]
-        )
+    def redux(init, steps, compare, trips=15, **kw):
+        return triton_sass.hot_path(_counted_loop(init, steps, compare, **kw), trips=trips)["REDUX"]
 
+    ne = "ISETP.NE.U32.AND P5, PT, R17, {}, PT;"
+    step = ["VIADD R17, R17, 0x1;"]
     # RETIRED + 2 up to RETIRED + 16 by 7: two trips (the k = 16 forward's 14 picks after 2 peeled).
-    counts = triton_sass.hot_path(listing("-0x7ffffffd", "0x7", "-0x7fffffef"), trips=15)
+    counts = triton_sass.hot_path(
+        _counted_loop("IMAD.MOV.U32 R17, RZ, RZ, -0x7ffffffd;", ["VIADD R17, R17, 0x7;"], ne.format("-0x7fffffef")),
+        trips=15,
+    )
     assert counts == {"IMAD": 1, "REDUX": 2, "VIADD": 2, "ISETP": 2, "BRA": 2, "EXIT": 1}
-    # The compare before the step: it sees the bound one trip later.
-    assert triton_sass.hot_path(listing("0", "0x1", "0x4", compare_first=True), trips=9)["REDUX"] == 5
-    assert triton_sass.hot_path(listing("0", "0x1", "0x4"), trips=9)["REDUX"] == 4
-    # A bound in a register, or a step that does not reach it: `trips`; trips = 1 counts once.
-    assert triton_sass.hot_path(listing("0", "0x1", "R3"), trips=9)["REDUX"] == 9
-    assert triton_sass.hot_path(listing("0", "0x3", "0x4"), trips=9)["REDUX"] == 9
-    assert triton_sass.hot_path(listing("-0x7ffffffd", "0x7", "-0x7fffffef"))["REDUX"] == 1
+    # Other inits and steps: MOV, CS2R, IADD3, a step in two parts, a step printed unsigned (-7),
+    # counting down to RZ.
+    assert redux("MOV R17, 0x0;", ["IADD3 R17, R17, 0x2, RZ;"], ne.format("0x8")) == 4
+    assert redux("CS2R R16, SRZ;", ["VIADD R17, R17, 0x1;", "VIADD R17, R17, 0x1;"], ne.format("0x8")) == 4
+    assert redux("MOV R17, 0xe;", ["VIADD R17, R17, 0xfffffff9;"], ne.format("RZ")) == 2
+    # The last write before the loop decides: here CS2R's zero pair over an earlier MOV.
+    assert redux("MOV R17, 0x3;", step, ne.format("0x4"), before_loop=["--:-:-:-:1\tCS2R R16, SRZ;"]) == 4
+    # The compare before the step sees the bound one trip later; `@!P` after an ISETP.EQ.
+    assert redux("MOV R17, 0x0;", [ne.format("0x4"), "VIADD R17, R17, 0x1;"], "NOP;", branch="@P5 BRA LBB0;") == 5
+    eq = "ISETP.EQ.U32.AND P5, PT, R17, 0x4, PT;"
+    assert redux("MOV R17, 0x0;", ["VIADD R17, R17, 0x1;"], eq, branch="@!P5 BRA LBB0;") == 4
+
+
+@pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
+def test_hot_path_keeps_trips_where_the_counter_cannot_be_read():
+    """Counted `trips` times (with a note): a bound in a register, a step that does not reach the
+    bound, a count past `trips` (the counter wrapping), a second predicate in the exit, a counter
+    also written another way, an init behind a label or overwritten by a 64-bit result; a loop
+    counts once with trips = 1."""
+    triton_sass = _triton_sass()
+
+    def redux(init, steps, compare, trips=9, **kw):
+        return triton_sass.hot_path(_counted_loop(init, steps, compare, **kw), trips=trips)["REDUX"]
+
+    step = ["VIADD R17, R17, 0x1;"]
+    ne = "ISETP.NE.U32.AND P5, PT, R17, {}, PT;"
+    assert redux("MOV R17, 0x0;", step, ne.format("R3")) == 9
+    assert redux("MOV R17, 0x0;", ["VIADD R17, R17, 0x3;"], ne.format("0x4")) == 9
+    assert redux("MOV R17, 0x10;", step, ne.format("0x4")) == 9  # 2^32 - 12 trips: not a count of picks
+    assert redux("MOV R17, 0x0;", step, "ISETP.NE.U32.AND P5, PT, R17, 0x4, P0;") == 9
+    assert redux("MOV R17, 0x0;", [*step, "IMAD R17, R17, R3, RZ;"], ne.format("0x4")) == 9
+    assert redux("MOV R17, 0x0;", step, ne.format("0x4"), before_loop=["LBB9:", "--:-:-:-:1\tNOP;"]) == 9
+    assert redux("MOV R17, 0x0;", step, ne.format("0x4"), before_loop=["--:-:-:-:1\tIMAD.WIDE R16, R2, 0x4, RZ;"]) == 9
+    assert triton_sass.hot_path(_counted_loop("MOV R17, 0x0;", step, ne.format("0x4")))["REDUX"] == 1
+
+
+@pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
+def test_hot_path_stops_at_an_exit_with_a_modifier():
+    triton_sass = _triton_sass()
+    listing = "\n".join(["--:-:0:-:1\tMOV R1, c[0x0][0x28];", "--:-:-:Y:5\tEXIT.KEEPREFCOUNT;", "--:-:-:-:1\tNOP;"])
+    assert triton_sass.hot_path(listing) == {"MOV": 1, "EXIT": 1}
