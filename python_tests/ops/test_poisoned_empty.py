@@ -20,11 +20,26 @@ def test_allocations_hold_junk():
     assert (torch.zeros(1).new_empty((5,), dtype=torch.int32) == -7).all()
     assert (torch.zeros(1).new_empty((5,), dtype=torch.uint8) == 201).all()
     assert torch.zeros(1).new_empty((3,), dtype=torch.bool).all()
-    # Left alone: autograd leaves (fill_ refuses them) and tensors torch.compile traces.
     leaf = torch.empty(3, requires_grad=True)
-    assert leaf.requires_grad and leaf.is_leaf
-    compiled = torch.compile(lambda x: x + torch.empty(3).fill_(1.0), fullgraph=True, backend="eager")
-    assert torch.equal(compiled(torch.zeros(3)), torch.ones(3))
+    assert leaf.requires_grad and leaf.is_leaf and torch.isnan(leaf).all()
+
+
+def test_traced_allocations_stay_as_torch_makes_them():
+    """Under torch.compile the fill stays out of the graph; `with torch.device(...)` still applies
+    to the allocators (torch's caches of them were filled from the real ones)."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda x: x + torch.empty(3).zero_(), fullgraph=True, backend=record)
+    assert torch.equal(compiled(torch.ones(3)), torch.ones(3))
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert targets and not any("fill" in t for t in targets), targets
+    with torch.device("meta"):
+        assert torch.empty(2).device.type == "meta"
+        assert torch.empty_strided((2,), (1,)).device.type == "meta"
 
 
 def test_an_unwritten_output_entry_shows():

@@ -6,22 +6,30 @@ often zeros, which a test expecting zeros (a dropped slot, an empty row) passes 
 TRITON_INTERPRET=1 every torch.empty / empty_like / empty_strided / Tensor.new_empty /
 new_empty_strided result is filled with junk first (NaN for floats, -7 for signed integers, 201
 for uint8, True for bool), so an entry a kernel should write and does not shows in the tests.
-Left as they are: fake and meta tensors (torch.compile's tracing), tensors that require grad
-(autograd leaves, which fill_ refuses), and every call while dynamo traces (the fill would go into
-the graph)."""
+Left as they are: fake and meta tensors (torch.compile's tracing, opcheck's fake pass), and every
+call while dynamo traces (the fill would go into the graph).
+
+The allocators are replaced by wrappers, so torch's caches keyed by those functions are filled
+here first, from the real ones: torch.utils._device's constructors (which `with torch.device(...)`
+and set_default_device apply to) and torch.overrides' overridable functions (dynamo's)."""
 
 import torch
+import torch.overrides
+import torch.utils._device
 from torch._subclasses.fake_tensor import is_fake
 
 JUNK_INT = -7
 JUNK_UINT8 = 201
 
+torch.utils._device._device_constructors()
+torch.overrides.get_overridable_functions()
+
 
 def junk(t: torch.Tensor) -> torch.Tensor:
-    """t, filled with junk where it is a real CPU tensor that does not require grad."""
-    if t.numel() == 0 or t.device.type != "cpu" or t.requires_grad or is_fake(t):
+    """t, filled with junk where it is a real, non-empty CPU tensor."""
+    if is_fake(t) or t.device.type != "cpu" or t.numel() == 0:
         return t
-    with torch.no_grad():
+    with torch.no_grad():  # a leaf that requires grad may be filled, as nn.init does
         if t.is_floating_point() or t.is_complex():
             t.fill_(float("nan"))
         elif t.dtype == torch.bool:
