@@ -46,7 +46,7 @@ MAX_EXPERTS = 65535 * _GROUP
 
 def supports(num_experts: int) -> bool:
     """Whether the kernels take E experts; past it (transposed scores, most likely) the op hands
-    the call on (backends.fallback: the CUDA kernel, else the reference)."""
+    the call on (backends.fallback: the CUDA kernel, else the reference) and the raw op raises."""
     return num_experts <= MAX_EXPERTS
 
 
@@ -283,6 +283,11 @@ def _expert_contiguous(scores: torch.Tensor) -> torch.Tensor:
 def batchwise_mask(scores: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launch; arguments as moe_kernels.ops.batchwise_mask (validated there)."""
     T, E = scores.shape
+    if not supports(E):
+        raise ValueError(
+            f"batchwise_mask: the Triton kernels support E <= {MAX_EXPERTS} experts (65535 groups of "
+            f"{_GROUP} on CUDA's grid axis 1), got scores of shape {tuple(scores.shape)}; use MOE_KERNELS_BACKEND=torch"
+        )
     device = scores.device
     if m == 0 or E == 0:
         empty = torch.empty((E, m), dtype=torch.int64, device=device)

@@ -165,8 +165,9 @@ def test_larger_batch_many_experts(kernel_backend):
 def test_past_the_triton_grid(backend, monkeypatch):
     """More experts than the Triton radix path's grid holds (65535 groups of 16 on its axis 1;
     transposed scores, most likely) are valid input: the op hands them on (backends.fallback: the
-    CUDA kernel for CUDA tensors, the reference under the interpreter), never a launch error. The
-    limit is lowered to 40 experts here: a million columns take the reference minutes."""
+    CUDA kernel for CUDA tensors, the reference under the interpreter), never a launch error; the
+    raw op raises. The limit is lowered to 40 experts here: a million columns take the reference
+    minutes."""
     from moe_kernels.triton import batchwise_mask as triton_kernels
 
     assert triton_kernels.supports(65535 * 16) and not triton_kernels.supports(65535 * 16 + 1)
@@ -181,6 +182,9 @@ def test_past_the_triton_grid(backend, monkeypatch):
     ref_mask, ref_tokens = reference.batchwise_mask(scores, 7)
     assert torch.equal(mask, ref_mask) and torch.equal(tokens, ref_tokens)
     assert not launched
+    if backend.device == "cpu":  # the raw op refuses it (on a GPU the device axis redirects the op's tensors only)
+        with pytest.raises(ValueError, match="E <= 40 experts"):
+            torch.ops.moe_kernels_triton.batchwise_mask(scores, 7)
     run(backend, scores[:, :40], 7)
     assert launched, "40 experts are the kernels' own"
 
