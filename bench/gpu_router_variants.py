@@ -37,9 +37,11 @@ SHAPES = [
     ("e128-k4", 128, 4, torch.bfloat16, dict(renormalize=True), False),
     ("grouped-e128", 128, 8, torch.bfloat16, GROUPED, True),
     ("deepseek-v3", 256, 8, torch.bfloat16, GROUPED, True),
-    # Where the rule took the ranks once loops were counted as they run (2026-11-28).
+    # k a quarter of the row or more, and k = 5 at 8 entries a thread: the ranks by counts that
+    # follow a partly unrolled loop; Qwen3-Next's E = 512, k = 10.
     ("e32-k8", 32, 8, torch.bfloat16, dict(renormalize=True), False),
     ("e16-k4", 16, 4, torch.bfloat16, dict(renormalize=True), False),
+    ("e256-k5", 256, 5, torch.bfloat16, dict(renormalize=True), False),
     ("e512-k10", 512, 10, torch.bfloat16, dict(renormalize=True), False),
 ]
 
@@ -54,7 +56,7 @@ def _copy_seconds(nbytes: int, device: str) -> float:
 def run(tokens: int, device: str, timed: bool) -> list[str]:
     device_name = torch.cuda.get_device_name() if timed else "smoke"
     lines = [
-        f"Triton topk_router forward by pick recording, T = {tokens} ({device_name})",
+        f"Triton topk_router forward by pick recording, T = {tokens} ({device_name}), {len(SHAPES)} shapes",
         "",
         "| shape | dtype | recording | launcher's | ms | GB/s | of copy_ |",
         "|---|---|---|---|---|---|---|",

@@ -19,11 +19,11 @@ which ops do that ("cpu float64" / "cuda float64").
 
 Kernel limits: a kernel that cannot take a valid input (the Triton routers past the sizes their
 rows-in-registers tiles hold: load_probabilities E > 4096, topk_router E > 2048 or more than 64
-groups, dselect_k more than 1024 experts; batchwise_mask past its grid, E > 65535 x 16) hands the
-call on with `fallback(op, "triton", tensor)`: the next backend of the device's default order that
-has a kernel here ("cuda" for CUDA tensors where the extension has it), else the reference; forced
-or not, like float64, so a valid input is never an error. Under TRITON_INTERPRET=1 on CPU tensors
-that is the reference.
+groups, dselect_k more than 1024 experts; and Triton's batchwise_mask past its grid, which holds
+65535 x 16 experts) hands the call on with `fallback(op, "triton", tensor)`: the next backend of
+the device's default order that has a kernel here ("cuda" for CUDA tensors where the extension has
+it), else the reference; forced or not, like float64, so a valid input is never an error. Under
+TRITON_INTERPRET=1 on CPU tensors that is the reference.
 
 A kernel registered as opt-in (`register(..., opt_in=("cuda",))`: compiled here but never run on
 its device) is used only when forced; the default order skips it.

@@ -440,20 +440,18 @@ def row_vector(block_e: int, itemsize: int) -> int:
 
 def uses_ranks_in_keys(block_e: int, k: int, vector: int) -> bool:
     """RANKS_IN_KEYS, where the sm_90 SASS counts it fewer instructions a row
-    (bench/triton_sass.py; the [rows, k] tile -> the ranks, loops counted as often as they run).
-    A round then costs about 12 warp instructions a row against about 40 that compute and record
-    the pick's weight; the stores of the experts, the barrier and the choice tile cost a fixed
-    amount. 4 entries a thread (16-bit rows up to 128, float32): from k = 4, and at k = 3 from
-    E = 16 (bfloat16 Qwen3-MoE 507 -> 273, float32 588 -> 344; E = 32, k = 8 134 -> 90, float32
-    162 -> 118; E = 64, k = 16 456 -> 266; E = 16, k = 4 37 -> 35; grouped sigmoid E = 128 803 ->
-    612; float32 E = 8, k = 4 21 -> 19, k = 3 19 / 21); not at k = 2 (within 2%: E = 16 25 / 28,
-    E = 128 202 / 200, float32 E = 512 974 / 956). 8 entries a thread (16-bit rows of 8 or past
-    128): from k = 5 at E >= 64 (E = 256 k = 5 509 -> 454, k = 8 646 -> 519, k = 16 1406 -> 703,
-    DeepSeek-V3 1240 -> 1121, E = 512 k = 10 2278 -> 1372); not at k <= 4 (E = 256 k = 2 313 /
-    389, k = 4 423 / 425, E = 512 k = 4 942 / 976) nor at E = 8 (Mixtral 9 / 12). Counts at k > 8
-    before 2026-11-28 took a loop the compiler had unrolled (7 picks a trip at k = 16) as one pick
-    a trip, and the float32 E = 32, k = 8 count of the ranks (232) an earlier kernel's: the rule
-    then kept the tile where 4 k >= E."""
+    (bench/triton_sass.py; the [rows, k] tile -> the ranks, each loop counted as often as it
+    runs). A round then costs about 12 warp instructions a row against about 40 that compute and
+    record the pick's weight; the stores of the experts, the barrier and the choice tile cost a
+    fixed amount. 4 entries a thread (16-bit rows up to 128, float32): from k = 4, and at k = 3
+    from E = 16 (bfloat16 Qwen3-MoE 507 -> 273, float32 588 -> 344; E = 32, k = 8 134 -> 90,
+    float32 162 -> 118; E = 64, k = 16 456 -> 266; E = 16, k = 4 37 -> 35; grouped sigmoid
+    E = 128 803 -> 612; float32 E = 8, k = 4 21 -> 19, but k = 3 19 / 21); not at k = 2, where
+    neither wins by much (E = 16 25 / 28, E = 32 51 / 52, E = 128 202 / 200, float32 E = 512
+    974 / 956). 8 entries a thread (16-bit rows of 8 or past 128): from k = 5 at E >= 64 (E = 256
+    k = 5 509 -> 454, k = 8 646 -> 519, k = 16 1406 -> 703, DeepSeek-V3 1240 -> 1121, E = 512
+    k = 10 2278 -> 1372); not at k <= 4 (E = 256 k = 2 313 / 389, k = 4 423 / 425, E = 512 k = 4
+    942 / 976) nor at E = 8 (Mixtral 9 / 12)."""
     if vector == 4:
         return k >= 4 or (k == 3 and block_e >= 16)
     if vector == 8:
