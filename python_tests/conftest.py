@@ -30,6 +30,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_kernels_inductor_")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
+import interpreter_device_calls
 import poisoned_empty
 import pytest
 from collection import COLLECTED
@@ -38,6 +39,8 @@ from devices import Backend, gpu_params, redirect
 from moe_kernels import _extension, backends
 
 INTERPRETING = backends.triton_interpreting()
+if INTERPRETING:
+    interpreter_device_calls.install()  # the interpreter's no-op repatching skipped (see there)
 
 
 def kernel_backends():
