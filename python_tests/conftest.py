@@ -177,6 +177,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: runs on a CUDA device (make gpu-check runs `pytest -m gpu`)")
     config.addinivalue_line("markers", "slow: long-running (paper reproductions)")
     config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (ops/test_fuzz.py)")
+    config.addinivalue_line(
+        "markers",
+        "torch_free: the same on every torch (nvcc on the .cu files, which include no torch header); "
+        "make test-newest leaves these to make test",
+    )
 
 
 def pytest_runtest_logreport(report):

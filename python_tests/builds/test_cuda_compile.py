@@ -44,6 +44,7 @@ def default_gencode() -> list[str]:
     return build.gencode_flags(build.parse_archs(build.DEFAULT_ARCHS))
 
 
+@pytest.mark.torch_free
 @pytest.mark.parametrize("cu", CU_FILES, ids=lambda p: p.name)
 def test_nvcc_compiles_without_spills(cu, tmp_path):
     cmd = [nvcc(), "-c", "-std=c++20", "-O3", f"-I{ROOT / 'csrc' / 'include'}", "-Xptxas", "-v", "--no-compress"]
