@@ -7,16 +7,18 @@ helper from inside the kernel (InterpretedFunction.__call__) patches the same mo
 `inspect.getmembers` over tl, tl.tensor and tl.math each time, about 2 ms a call, for a
 patch that changes nothing (the members were patched when the kernel launched; a patched
 member is no longer a builtin, so `_patch_builtin` finds none, and the rest reinstalls
-equivalent functions). Our kernels call small helpers in their loops, so this was about a
-quarter of the interpreter pass's time.
+equivalent functions). Our kernels call small helpers in their loops: the router's interpreter
+tests ran a fifth faster without it.
 
 `install()` wraps `_patch_lang` so a call made while a kernel runs, for a helper that sees no
-language module the kernel's own patch did not cover, returns an empty scope. Anything else
-(the kernel's own patch, the first call of a helper that sees triton.language.core where the
-kernel did not, as triton's standard library does; a helper called outside a kernel) patches as
-before. If the interpreter's internals change
-(another triton), nothing is installed and the pass runs as before, only slower:
-ops/test_interpreter_device_calls.py fails then, so the change is noticed.
+language module the kernel's own patch (or an earlier helper's in the same kernel) did not
+cover, returns an empty scope. Anything else patches as before: the kernel's own patch, the
+first call of a helper that sees triton.language.core where the kernel did not (triton's
+standard library), a helper called outside a kernel, a helper that sees no language module at
+all (which triton refuses). Installed only under the triton releases whose interpreter this was
+checked against (CHECKED); under another nothing is installed and the pass runs as before, only
+slower: ops/test_interpreter_device_calls.py fails then, so the wrapper gets checked again. One
+kernel at a time, in one thread, as triton's own patching of the shared modules assumes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import inspect
 
 STATS = {"skipped": 0, "patched": 0}
+CHECKED = ("3.7.1",)  # the pinned triton (Makefile's TRITON), whose interpreter this follows
 
 
 def _language_modules(fn) -> frozenset[int]:
@@ -37,8 +40,11 @@ def install() -> bool:
     """Installs the wrapper into triton's interpreter; False (and nothing changed) where its
     internals are not the ones this was written against."""
     try:
+        import triton
         from triton.runtime import interpreter
     except ImportError:
+        return False
+    if triton.__version__ not in CHECKED:
         return False
     names = ("_patch_lang", "_LangPatchScope", "GridExecutor")
     if not all(hasattr(interpreter, n) for n in names) or getattr(interpreter, "_moe_kernels_installed", False):
@@ -48,21 +54,24 @@ def install() -> bool:
     running: list[dict] = []  # the kernels being interpreted (one at a time): what their patch covered
 
     def patch_lang(fn):
-        if running and running[-1]["patched"] and _language_modules(fn) <= running[-1]["modules"]:
+        modules = _language_modules(fn)
+        if running and running[-1]["patched"] and modules and modules <= running[-1]["modules"]:
             STATS["skipped"] += 1
             return interpreter._LangPatchScope()
         scope = original_patch(fn)
         STATS["patched"] += 1
         if running:
-            # The launch's own patch (GridExecutor calls it once, before the grid runs), or a
-            # helper's that covered another module (triton's standard library sees tl.core):
-            # nothing restores a helper's patch before the kernel ends, so it holds from here on.
-            running[-1]["patched"] = True
-            running[-1]["modules"] |= _language_modules(fn)
+            if fn is running[-1]["kernel"]:
+                # The launch's own patch (GridExecutor's, after its pre-run hooks, before the
+                # grid runs), which it restores when the kernel ends: never skipped.
+                running[-1]["patched"] = True
+            # A helper's patch that covered another module (triton's standard library sees
+            # tl.core): nothing restores it before the kernel ends, so it holds from here on.
+            running[-1]["modules"] |= modules
         return scope
 
     def launch(self, *args, **kwargs):
-        running.append({"modules": _language_modules(self.fn), "patched": False})
+        running.append({"kernel": self.fn, "modules": _language_modules(self.fn), "patched": False})
         try:
             return original_launch(self, *args, **kwargs)
         finally:
