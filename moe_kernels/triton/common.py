@@ -166,25 +166,48 @@ def take_best_ranked(pair, cols):
 
 
 @triton.jit
-def exp_accurate(x):
-    """e^x of a float32 tensor to a few float32 ulps, down to the subnormals. tl.exp computes
-    2^(x log2 e) in hardware; rounding x log2 e at |x| ~ 85 alone costs ~3e-6 relative (the
-    product's ulp is 2^-17), so the tail of a sigmoid score missed the 1e-6 relative accuracy
-    every backend holds them to. Here: x = n ln 2 + r (n an integer, ln 2 in two parts so r is
-    exact), e^r by tl.exp (|r| <= 0.35: its product's rounding is ~6e-8), times 2^n built from
-    the exponent bits in two halves (so 2^n below the normals still scales correctly)."""
-    n = tl.floor(x * 1.4426950408889634 + 0.5)
-    n = tl.minimum(tl.maximum(n, -252.0), 254.0)  # past these e^x is 0 / inf anyway
-    n = tl.where(n != n, 0.0, n)  # NaN x: any integer (the result is x), so the casts below are defined
-    r = x - n * 0.693145751953125 - n * 1.428606765330187e-06  # ln 2 = hi + lo, hi exact in 16 bits
-    n1 = tl.floor(n * 0.5)
-    n2 = n - n1
-    s1 = ((n1.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    s2 = ((n2.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    y = tl.exp(r) * s1 * s2
-    y = tl.where(x < -104.0, 0.0, y)  # below half the smallest subnormal
-    y = tl.where(x > 89.0, float("inf"), y)
-    return tl.where(x != x, x, y)
+def _exp2_small(v):
+    """2^v of a float32 tensor with |v| <= 1: the hardware's ex2.approx.ftz on a GPU (no subnormal
+    comes in or out here, so flushing changes nothing; tl.exp2's non-flushing form rescales
+    subnormal arguments: three more instructions an entry), numpy's in the interpreter."""
+    if INTERPRETED:
+        return tl.exp2(v)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [v], tl.float32, True, 1)
+
+
+@triton.jit
+def _reciprocal_1_2(v):
+    """1 / v of a float32 tensor in [1, 2] (or NaN) to an ulp: the hardware's rcp.approx on a GPU
+    (`/` is div.full, whose range checks for huge and subnormal divisors cost six more
+    instructions), exact in the interpreter."""
+    if INTERPRETED:
+        return 1.0 / v
+    else:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [v], tl.float32, True, 1)
+
+
+# 1.5 * 2^23: a float32 of magnitude below 2^22 plus this is rounded to an integer n, which the
+# sum's low mantissa bits hold (0x4B400000 + n).
+_ROUNDING_SHIFT = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def exp_negated(a):
+    """e^-a of a float32 tensor in [0, 104] (or NaN) to a few float32 ulps, down to the
+    subnormals. tl.exp computes 2^(x log2 e) in hardware; rounding x log2 e at |x| ~ 85 alone costs
+    ~3e-6 relative (the product's ulp is 2^-17), so the tail of a sigmoid score missed the 1e-6
+    relative accuracy every backend holds them to. Here: -a = n ln 2 + r (n an integer, ln 2 in
+    two parts so r is exact), e^r in hardware (|r| <= 0.35: its product's rounding is ~6e-8),
+    times 2^(n + 64) built from the rounding sum's bits (n + 64 >= -87: a normal), times 2^-64
+    (one rounding where the result is subnormal)."""
+    t = a * -1.4426950408889634 + _ROUNDING_SHIFT
+    n = t - _ROUNDING_SHIFT
+    r = -a - n * 0.693145751953125 - n * 1.428606765330187e-06  # ln 2 = hi + lo, hi exact in 16 bits
+    # (0x4B400000 + n) << 23 keeps n's low 9 bits as the exponent field: (n + 191) << 23 is
+    # 2^(n + 64) for n in [-151, 0]; unsigned, so the shift and the sum wrap in the interpreter too.
+    scale_bits = (t.to(tl.uint32, bitcast=True) << 23) + 0x5F800000
+    return _exp2_small(r * 1.4426950408889634) * scale_bits.to(tl.float32, bitcast=True) * 5.421010862427522e-20
 
 
 # torch.sigmoid(x) = 1 / (1 + e^-x) in float32 is exactly 0 below this float (-0x1.62e42ep6): e^-x
@@ -195,12 +218,14 @@ SIGMOID_LAST_NONZERO = tl.constexpr(-88.72283172607422)
 @triton.jit
 def sigmoid_accurate(x):
     """torch.sigmoid of a float32 tensor: relative error of a few ulps also in the far negative
-    tail (e^x / (1 + e^x) there, with exp_accurate), where scores are returned as weights, down to
-    the denormals; exactly 0 below SIGMOID_LAST_NONZERO as torch's (where exp_accurate alone kept
-    denormals down to x = -104, which rank differently from torch's zeros)."""
-    e = exp_accurate(-tl.abs(x))
-    # The numerator chosen before one division: the same quotient as choosing between two.
-    y = tl.where(x >= 0, 1.0, e) / (1.0 + e)
+    tail (e^x / (1 + e^x) there, with exp_negated), where scores are returned as weights, down
+    to the denormals; exactly 0 below SIGMOID_LAST_NONZERO as torch's (where the exponential alone
+    kept denormals down to x = -104, which rank differently from torch's zeros). NaN stays NaN;
+    +-inf give 1 and 0."""
+    # |x| <= 104 (e^-104 is below the subnormals); NaN kept, so it reaches the result.
+    e = exp_negated(tl.minimum(tl.abs(x), 104.0, propagate_nan=tl.PropagateNan.ALL))
+    # The numerator chosen before one product with the reciprocal, so both sides share it.
+    y = tl.where(x >= 0, 1.0, e) * _reciprocal_1_2(1.0 + e)
     return tl.where(x < SIGMOID_LAST_NONZERO, 0.0, y)
 
 

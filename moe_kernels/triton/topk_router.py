@@ -1,6 +1,7 @@
 """topk_router in Triton: a tile of rows per program, whole rows in registers. Scores, choice
 values, the groups' scores and the eligible groups, then k rounds of a row max over unique
-(value, index) keys, so ties and NaN behave exactly as in the reference. float32 compute."""
+(value, index) keys (where the index takes a value key's low bits, checked, and near ties ranked
+again exactly), so ties and NaN behave exactly as in the reference. float32 compute."""
 
 import torch
 import triton
@@ -77,6 +78,16 @@ def logits_tile(
 
 
 @triton.jit
+def bias_tile(bias_ptr, rows, cols, E, ROW_VECTOR: tl.constexpr):
+    """The [E] float32 bias as a [BLOCK_T, BLOCK_E] tile in the logits tile's layout (each row
+    reads it again, from cache: ROW_VECTOR entries a thread, as its logits). Loaded as [BLOCK_E]
+    and broadcast, it came in a layout of its own and went through shared memory to the tile's,
+    behind three barriers."""
+    offsets = tl.max_contiguous(cols[None, :] + 0 * rows[:, None], [1, ROW_VECTOR])
+    return tl.load(bias_ptr + offsets, mask=(cols < E)[None, :] & (rows >= 0)[:, None], other=0.0)
+
+
+@triton.jit
 def softmax_terms(x, valid, vmax):
     """(exp(x - max) over a [BLOCK_T, BLOCK_E] float32 tile, 0 off `valid` and on all -inf rows;
     their row sums; whether each row is all -inf) from the row max `vmax` [BLOCK_T] (NaN where
@@ -127,25 +138,89 @@ def pick_logit(keys, cols, PACKED: tl.constexpr, dtype: tl.constexpr, BLOCK_E: t
         return idx, value_of(best), rest
 
 
-# A retired key holds its pick's rank s as RETIRED + s, in [RETIRED, RETIRED_END): below every
+# A retired key holds its pick's rank s as base + s, in [base, base + RANKS): below every
 # real key (value_key and packed_key keep theirs above NO_KEY + 2^22: -inf's are the lowest; held
-# by test_triton_common), above NO_KEY (padding, ineligible groups).
+# by test_triton_common), above NO_KEY (padding, ineligible groups). The rounds over packed_key:
+# RETIRED. Those over value keys: RETIRED_VALUE, also above NO_KEY with an index packed into its
+# low bits (index_packed_keys: below NO_KEY + MAX_EXPERTS), which their rounds leave in the keys.
 RETIRED = tl.constexpr(-2147483647)
-RETIRED_END = tl.constexpr(-2147483647 + MAX_EXPERTS)
+RETIRED_VALUE = tl.constexpr(-2147483648 + (1 << 21))
+RANKS = tl.constexpr(MAX_EXPERTS)
 
 
 @triton.jit
 def retire_best(keys, cols, s, PACKED: tl.constexpr, BLOCK_E: tl.constexpr):
     """Round s over the keys [BLOCK_T, BLOCK_E]: (the best key [BLOCK_T], the keys with it
-    retired as RETIRED + s). PACKED: packed_key, unique in a row; else value_key, the lowest
-    index holding the largest key (rank_pair's order)."""
+    retired as RETIRED + s where PACKED, else RETIRED_VALUE + s). PACKED: packed_key, unique in a
+    row; else value_key, the lowest index holding the largest key (rank_pair's order)."""
     best = tl.max(keys, axis=1)
     if PACKED:
         hit = keys == best[:, None]
     else:
         idx = tl.min(tl.where(keys == best[:, None], cols[None, :], BLOCK_E), axis=1)
         hit = cols[None, :] == idx[:, None]
-    return best, tl.where(hit, RETIRED + s, keys)
+    return best, tl.where(hit, (RETIRED if PACKED else RETIRED_VALUE) + s, keys)
+
+
+@triton.jit
+def index_packed_keys(keys, cols, INDEX_BITS: tl.constexpr):
+    """value_key keys [BLOCK_T, BLOCK_E] with their lowest INDEX_BITS bits (BLOCK_E = 2^INDEX_BITS)
+    replaced by the complement of the index: unique in a row, and ordered as rank_pair orders the
+    values wherever the keys' upper bits differ. NO_KEY becomes a key below NO_KEY + BLOCK_E."""
+    LOW: tl.constexpr = (1 << INDEX_BITS) - 1
+    return (keys & ~LOW) | (LOW - cols)[None, :]
+
+
+@triton.jit
+def retire_packed_rounds(keys, cols, K, INDEX_BITS: tl.constexpr):
+    """The K rounds of retire_best over value keys [BLOCK_T, BLOCK_E] (value_key, NO_KEY where
+    none), each one row reduction, on index_packed_keys: (those keys with the picks retired as
+    RETIRED_VALUE + s; [BLOCK_T] int32, 1 where they may rank unlike the value keys). Packed keys
+    order two keys as the value keys do unless their upper bits agree; if the upper bits of the
+    K + 1 best packed keys differ from round to round, no other key shares them, so the K best,
+    in order, are the value keys' (the C++ kernel's register selection checks its 28-bit keys
+    so). Where two agree (ties, and values within 2^INDEX_BITS key steps), the row is flagged and
+    the caller ranks the value keys instead."""
+    packed = index_packed_keys(keys, cols, INDEX_BITS)
+    # The upper bits fall from round to round (the packed keys are unique): the least step is 0
+    # where two agree.
+    least_step = tl.full((keys.shape[0],), 1, tl.int32)
+    previous = tl.max(packed, axis=1)
+    packed = tl.where(packed == previous[:, None], RETIRED_VALUE, packed)
+    for s in range(1, K):
+        best = tl.max(packed, axis=1)
+        least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
+        previous = best
+        packed = tl.where(packed == best[:, None], RETIRED_VALUE + s, packed)
+    # The (K + 1)-th key: below every pick (a retired key ranks below every real key, and a row of
+    # K real keys has NO_KEY's next, whose upper bits no real key shares).
+    best = tl.max(packed, axis=1)
+    least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
+    return packed, (least_step == 0).to(tl.int32)
+
+
+@triton.jit
+def retire_value_keys(
+    keys, cols, K, INDEX_BITS: tl.constexpr, BLOCK_E: tl.constexpr, NEAR_TIES: tl.constexpr
+):  # fmt: skip
+    """The K rounds over value keys [BLOCK_T, BLOCK_E]: the keys with each pick retired as
+    RETIRED_VALUE + s (its rank), ties to the lower index. By retire_packed_rounds (one row
+    reduction a round), and where a row of this program's is flagged (near ties), the program's
+    rounds again by retire_best (two a round), exactly. NEAR_TIES=False puts a barrier in that
+    pass's place: only for bench/triton_sass.py's count of the path a program without near ties
+    runs (a static count takes both sides of a branch; the barrier keeps the flags and the
+    branch, one instruction more)."""
+    packed, flagged = retire_packed_rounds(keys, cols, K, INDEX_BITS)
+    if tl.max(flagged, axis=0) != 0:
+        if NEAR_TIES:
+            for s in range(0, K):
+                _best, keys = retire_best(keys, cols, s, False, BLOCK_E)
+        else:
+            tl.debug_barrier()
+            keys = packed
+    else:
+        keys = packed
+    return keys
 
 
 @triton.jit
@@ -203,6 +278,13 @@ def store_at(ptr, slot, values, picked, BLOCK_T: tl.constexpr, BLOCK_E: tl.const
 
 
 @triton.jit
+def _top_two(first_a, second_a, first_b, second_b):
+    """Combines two (largest, next) pairs of keys: the largest of the four, and the next (the
+    same key where it is held twice; NO_KEY where there is none)."""
+    return tl.maximum(first_a, first_b), tl.maximum(tl.minimum(first_a, first_b), tl.maximum(second_a, second_b))
+
+
+@triton.jit
 def group_limit_reshaped(
     keys, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NUM_GROUPS: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, GROUP_MAX: tl.constexpr,
@@ -213,12 +295,13 @@ def group_limit_reshaped(
     TOPK_GROUPS best groups by rank (ties to the lower group); the others' keys become NO_KEY."""
     WIDTH: tl.constexpr = BLOCK_E // NUM_GROUPS
     keys3 = tl.reshape(keys, (BLOCK_T, NUM_GROUPS, WIDTH))
-    first = tl.max(keys3, axis=2)
-    gscores = value_of(first)
-    if not GROUP_MAX:
-        held = tl.sum((keys3 == first[:, :, None]).to(tl.int32), axis=2)
-        below = tl.max(tl.where(keys3 < first[:, :, None], keys3, NO_KEY), axis=2)
-        gscores = gscores + value_of(tl.where(held > 1, first, below))
+    if GROUP_MAX:
+        gscores = value_of(tl.max(keys3, axis=2))
+    else:
+        # One reduction of (largest, next) pairs, where a count of the largest and a masked max
+        # were three reductions over the slice.
+        first, second = tl.reduce((keys3, tl.full(keys3.shape, NO_KEY, tl.int32)), 2, _top_two)
+        gscores = value_of(first) + value_of(second)
     gcols = tl.arange(0, NUM_GROUPS)
     gkeys = value_key(gscores)
     eligible = gkeys < NO_KEY  # all False
@@ -282,6 +365,8 @@ def topk_router_kernel(
     ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
     ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
     RANKS_IN_KEYS: tl.constexpr,  # picks recorded in the keys, stored from the row tile (uses_ranks_in_keys)
+    INDEX_BITS: tl.constexpr,  # log2(BLOCK_E)
+    NEAR_TIES: tl.constexpr,  # True (retire_value_keys: False only for a static count)
 ):
     rows, cols, row_ok, valid, raw = logits_raw_tile(
         logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
@@ -306,7 +391,7 @@ def topk_router_kernel(
             scores, vmax, denom, masked_row = softmax_parts(x, valid, cols)
         key = scores
         if HAS_BIAS:
-            key = key + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+            key = key + bias_tile(bias_ptr, rows, cols, E, ROW_VECTOR)
         keys = tl.where(valid, value_key(key), NO_KEY)
         if GROUPED:
             if GROUPS_RESHAPED:
@@ -319,22 +404,22 @@ def topk_router_kernel(
         # picked entry's expert is stored at its rank's slot, and read back (after a barrier: this
         # program's own stores) as a [BLOCK_K, BLOCK_T] choice tile, in whose own layout (about a
         # choice a thread) each pick's score and weight are computed once and stored.
-        if RANKS_LOGITS:
+        if PACKED:
             # The first pick is the row's max (NaN first): the softmax's shift.
-            best, keys = retire_best(keys, cols, 0, PACKED, BLOCK_E)
-            if PACKED:
-                vmax = packed_value(best, dtype)
-            else:
-                vmax = value_of(best)
+            best, keys = retire_best(keys, cols, 0, True, BLOCK_E)
+            vmax = packed_value(best, dtype)
             for s in range(1, K):
-                _best, keys = retire_best(keys, cols, s, PACKED, BLOCK_E)
-            if not SIGMOID:
-                _terms, denom, masked_row = softmax_terms(x, valid, vmax)
+                _best, keys = retire_best(keys, cols, s, True, BLOCK_E)
         else:
-            for s in range(0, K):
-                _best, keys = retire_best(keys, cols, s, False, BLOCK_E)
-        picked = valid & (keys >= RETIRED) & (keys < RETIRED_END)
-        slot = rows[:, None].to(tl.int64) * K + (keys - RETIRED)  # a picked entry's; others masked
+            if RANKS_LOGITS:
+                # The row's max (NaN first): the softmax's shift.
+                vmax = value_of(tl.max(keys, axis=1))
+            keys = retire_value_keys(keys, cols, K, INDEX_BITS, BLOCK_E, NEAR_TIES)
+        if RANKS_LOGITS and not SIGMOID:
+            _terms, denom, masked_row = softmax_terms(x, valid, vmax)
+        base: tl.constexpr = RETIRED if PACKED else RETIRED_VALUE
+        picked = valid & (keys >= base) & (keys < base + RANKS)
+        slot = rows[:, None].to(tl.int64) * K + (keys - base)  # a picked entry's; others masked
         experts = tl.broadcast_to(cols[None, :], (BLOCK_T, BLOCK_E)).to(tl.int64)
         store_at(experts_ptr, slot, experts, picked, BLOCK_T, BLOCK_E, ROW_VECTOR)
         tl.debug_barrier()
@@ -441,17 +526,19 @@ def row_vector(block_e: int, itemsize: int) -> int:
 def uses_ranks_in_keys(block_e: int, k: int, vector: int) -> bool:
     """RANKS_IN_KEYS, where the sm_90 SASS counts it fewer instructions a row
     (bench/triton_sass.py; the [rows, k] tile -> the ranks, each loop counted as often as it
-    runs). A round then costs about 12 warp instructions a row against about 40 that compute and
-    record the pick's weight; the stores of the experts, the barrier and the choice tile cost a
-    fixed amount. 4 entries a thread (16-bit rows up to 128, float32): from k = 4, and at k = 3
-    from E = 16 (bfloat16 Qwen3-MoE 507 -> 273, float32 588 -> 344; E = 32, k = 8 134 -> 90,
-    float32 162 -> 118; E = 64, k = 16 456 -> 266; E = 16, k = 4 37 -> 35; grouped sigmoid
-    E = 128 803 -> 612; float32 E = 8, k = 4 21 -> 19, but k = 3 19 / 21); not at k = 2, where
-    neither wins by much (E = 16 25 / 28, E = 32 51 / 52, E = 128 202 / 200, float32 E = 512
-    974 / 956). 8 entries a thread (16-bit rows of 8 or past 128): from k = 5 at E >= 64 (E = 256
-    k = 5 509 -> 454, k = 8 646 -> 519, k = 16 1406 -> 703, DeepSeek-V3 1240 -> 1121, E = 512
-    k = 10 2278 -> 1372); not at k <= 4 (E = 256 k = 2 313 / 389, k = 4 423 / 425, E = 512 k = 4
-    942 / 976) nor at E = 8 (Mixtral 9 / 12)."""
+    runs, a program without near ties). A round then costs about 12 warp instructions a row (a
+    round over value keys about 23 with 8 entries a thread: retire_packed_rounds) against about 40
+    that compute and record the pick's weight; the stores of the experts, the barrier and the
+    choice tile cost a fixed amount. 4 entries a thread (16-bit rows up to 128, float32): from
+    k = 4, and at k = 3 from E = 16 (bfloat16 Qwen3-MoE 507 -> 273, float32 588 -> 305; E = 32,
+    k = 8 134 -> 90, float32 162 -> 100; E = 64, k = 16 456 -> 266; E = 16, k = 4 37 -> 35;
+    float32 E = 128, k = 3 288 -> 239; float32 E = 8, k = 4 21 -> 18, but k = 3 19 / 21); not at
+    k = 2, where neither wins by much (E = 16 25 / 28, E = 32 51 / 52, E = 128 202 / 200, float32
+    E = 512 974 / 980). 8 entries a thread (16-bit rows of 8 or past 128): from k = 5 at E >= 64
+    (biased sigmoid E = 256 k = 5 692 -> 582, DeepSeek-V3 1029 -> 772, packed logits E = 256
+    k = 8 646 -> 519, k = 16 1406 -> 703); not at k <= 4 (E = 256 k = 2 313 / 389, k = 4
+    423 / 425, E = 512 k = 4 942 / 976; biased sigmoid E = 256 k = 4 592 / 551 would take the
+    ranks) nor at E = 8 (Mixtral 9 / 12)."""
     if vector == 4:
         return k >= 4 or (k == 3 and block_e >= 16)
     if vector == 8:
@@ -524,6 +611,8 @@ def topk_router(
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
             RANKS_IN_KEYS=uses_ranks_in_keys(block_e, k, vector),
+            INDEX_BITS=block_e.bit_length() - 1,
+            NEAR_TIES=True,
             num_warps=num_warps,
         )
     return weights, experts
@@ -570,6 +659,8 @@ def _aot(
         "ALIGNED_ROWS": True,
         # k = 8 as the launcher decides, unless asked
         "RANKS_IN_KEYS": uses_ranks_in_keys(block_e, 8, vector) if ranks_in_keys is None else ranks_in_keys,
+        "INDEX_BITS": block_e.bit_length() - 1,
+        "NEAR_TIES": True,
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_kernel, signature, constexprs, {"num_warps": num_warps}

@@ -633,6 +633,56 @@ def test_torch_backward_formula(router):
     assert_close(got, expected)
 
 
+# Choice values a few float32 steps apart, the larger at the higher index, among a row's k + 1
+# best must rank by value, then index, exactly. The Triton kernel's rounds rank keys whose lowest
+# bits hold the index, which orders such values by index; it redoes a program with such a row.
+
+
+@pytest.mark.parametrize("E, k", [(128, 8), (40, 6)], ids=["E128", "padded"])
+def test_logits_steps_apart_rank_exactly(backend, E, k):
+    """float32 logits ranked by themselves. Rows: two picks one step apart (0.25 and 0.25 +
+    2^-25), 100 steps apart, and the k-th and (k + 1)-th one step apart; random rows between."""
+    step = 2.0**-25  # at 0.25
+    logits = torch.rand(19, E, generator=torch.Generator().manual_seed(E)) * 0.125
+    logits[2, 3], logits[2, E - 5] = 0.25, 0.25 + step
+    logits[7, 5], logits[7, E - 2] = 0.25, 0.25 + 100 * step
+    logits[11, : k - 1] = 0.3 + 0.01 * torch.arange(k - 1)  # k - 1 clear picks
+    logits[11, k], logits[11, E - 1] = 0.25, 0.25 + step
+    w, e = run(backend, logits, k, renormalize=True)
+    w_ref, e_ref = reference.topk_router(logits, k, renormalize=True)
+    assert torch.equal(e, e_ref), (e[[2, 7, 11]], e_ref[[2, 7, 11]])
+    assert_close(w, w_ref)
+
+
+@pytest.mark.parametrize(
+    "E, k, kwargs",
+    [(256, 8, dict(num_groups=8, topk_groups=4, renormalize=True)), (64, 6, dict())],
+    ids=["deepseek_v3", "biased"],
+)
+def test_biased_choices_steps_apart_rank_exactly(backend, E, k, kwargs):
+    """Sigmoid scores plus a bias. Every score of the first rows is 0.5 (logits 0), so the biases
+    alone order them, in exact sums: a pair at 0.75 and 0.75 + 2^-24 (one step), five clear picks
+    at 0.70 to 0.74, then a pair at 0.625 and 0.625 + 2^-24 (the k-th and (k + 1)-th at k = 8),
+    the others below 0.5625; in experts of groups 0, 2, 5 and 7, which the group limit keeps. The
+    last rows' logits are random."""
+    step = 2.0**-24  # at 0.625 and 0.75
+    gen = torch.Generator().manual_seed(E)
+    bias = torch.rand(E, generator=gen) * 0.0625
+    at = lambda i: i * E // 256  # noqa: E731  (the same groups at E = 64: 8 experts a group)
+    bias[at(3)], bias[at(250)] = 0.25, 0.25 + step
+    for n, i in enumerate([10, 70, 80, 170, 230]):
+        bias[at(i)] = 0.20 + 0.01 * n
+    bias[at(75) + 1], bias[at(180)] = 0.125, 0.125 + step
+    logits = torch.zeros(12, E)
+    logits[8:] = torch.randn(4, E, generator=gen)
+    kw = dict(kwargs, scoring="sigmoid", bias=bias)
+    w, e = run(backend, logits, k, **kw)
+    w_ref, e_ref = reference.topk_router(logits, k, **kw)
+    assert e_ref[0, 0] == at(250) and e_ref[0, 1] == at(3)  # the construction: the pair first
+    assert torch.equal(e, e_ref), (e[0], e_ref[0])
+    assert_close(w, w_ref)
+
+
 @pytest.mark.parametrize("E,k", [(64, 8), (40, 3)])
 def test_renormalized_runs_past_1024_rows(E, k):
     # The C++ renormalised softmax (topk_router, topk_softmax through it) selects and weights float32 rows

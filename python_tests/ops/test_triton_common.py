@@ -137,8 +137,11 @@ def test_value_and_packed_keys_order_as_rank_pair(backend, dtype):
     raw, cols = raw.cpu(), cols.cpu()
     x = raw.float()
     assert torch.equal(out["vkey"].long(), out["pair"] >> 32)
-    # The router's retired keys (its ranks in the keys) sit below every real key.
-    assert bool((out["vkey"] >= topk_router.RETIRED_END.value).all()), "a value key among the retired"
+    # The router's retired keys (its ranks in the keys) sit below every real key, those of its
+    # rounds over value keys above NO_KEY with an index packed into its low bits.
+    retired_value_end = topk_router.RETIRED_VALUE.value + topk_router.RANKS.value
+    assert bool((out["vkey"] >= retired_value_end).all()), "a value key among the retired"
+    assert topk_router.NO_KEY.value + topk_router.MAX_EXPERTS <= topk_router.RETIRED_VALUE.value
     folded = torch.where(x == 0, 0.0, x)  # -0 back as +0
     decoded = out["vvalue"]
     assert torch.equal(decoded.isnan(), x.isnan())
@@ -150,7 +153,8 @@ def test_value_and_packed_keys_order_as_rank_pair(backend, dtype):
     p, q = packed[order], pair[order]
     assert bool((p[1:] >= p[:-1]).all()), "packed keys out of rank order"
     assert torch.equal(p[1:] == p[:-1], q[1:] == q[:-1]), "packed keys tie unlike rank pairs"
-    assert bool((packed >= topk_router.RETIRED_END.value).all()), "a packed key at NO_KEY or among the retired"
+    retired_end = topk_router.RETIRED.value + topk_router.RANKS.value
+    assert bool((packed >= retired_end).all()), "a packed key at NO_KEY or among the retired"
     assert torch.equal(out["index"], cols)
     value = out["value"]
     assert torch.equal(value.isnan(), x.isnan())
