@@ -116,6 +116,14 @@ def softmax_score(x, vmax, denom, masked_row):
 
 
 @triton.jit
+def pick_term(x, vmax):
+    """exp(x - max) of picked logits x (float32) given their row's max: a renormalised softmax
+    weight over the picks' sum. An all -inf row's picks get 0 (the reference's masked row), not
+    exp(-inf + inf); a NaN max gives NaN."""
+    return tl.where(vmax == float("-inf"), 0.0, tl.exp(x - vmax))
+
+
+@triton.jit
 def choice_tile(T, K, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """This program's rows' [T, K] choices as a [BLOCK_K, BLOCK_T] tile: (the rows, int64
     [1, BLOCK_T]; the choice indices [BLOCK_K, 1]; which are in range). Choice-major, so the
@@ -378,6 +386,10 @@ def topk_router_kernel(
     RANKS_LOGITS: tl.constexpr = not (HAS_BIAS or GROUPED)
     dtype: tl.constexpr = logits_ptr.dtype.element_ty
     PACKED: tl.constexpr = RANKS_LOGITS and dtype.primitive_bitwidth == 16
+    # A renormalised softmax of the logits needs no row sum: it cancels in the weights, which are
+    # then each pick's exp(x - max) over their sum (a few ulps from the reference's two divisions,
+    # as every backend's tolerance allows).
+    PICKS_ONLY: tl.constexpr = RANKS_LOGITS and not SIGMOID and RENORMALIZE
 
     if RANKS_LOGITS:
         if PACKED:
@@ -415,7 +427,7 @@ def topk_router_kernel(
                 # The row's max (NaN first): the softmax's shift.
                 vmax = value_of(tl.max(keys, axis=1))
             keys = retire_value_keys(keys, cols, K, INDEX_BITS, BLOCK_E, NEAR_TIES)
-        if RANKS_LOGITS and not SIGMOID:
+        if RANKS_LOGITS and not SIGMOID and not PICKS_ONLY:
             _terms, denom, masked_row = softmax_terms(x, valid, vmax)
         base: tl.constexpr = RETIRED if PACKED else RETIRED_VALUE
         picked = valid & (keys >= base) & (keys < base + RANKS)
@@ -434,6 +446,10 @@ def topk_router_kernel(
         # The tile's own score functions, so each pick's score is the tile's, bit for bit.
         if SIGMOID:
             p_k = sigmoid_accurate(x_k)
+        elif PICKS_ONLY:
+            # The max: the first pick's logit (NaN first).
+            shift = tl.sum(tl.where(kcols == 0, x_k, 0.0), axis=0)
+            p_k = pick_term(x_k, shift[None, :])
         else:
             # softmax_score's exp(x - max) / denom, its all -inf rows' 0 by a shift and divisor
             # that make it so (exp(-inf) / 1), not a mask kept across the barrier.
@@ -463,6 +479,9 @@ def topk_router_kernel(
             idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
             if SIGMOID:
                 w = sigmoid_accurate(logit)
+            elif PICKS_ONLY:
+                vmax = logit
+                w = pick_term(logit, vmax)
             else:
                 vmax = logit
                 _terms, denom, masked_row = softmax_terms(x, valid, vmax)
@@ -474,6 +493,8 @@ def topk_router_kernel(
                 idx, logit, keys = pick_logit(keys, cols, PACKED, dtype, BLOCK_E)
                 if SIGMOID:
                     w = sigmoid_accurate(logit)
+                elif PICKS_ONLY:
+                    w = pick_term(logit, vmax)
                 else:
                     w = softmax_score(logit, vmax, denom, masked_row)
                 here = kcols[None, :] == s
@@ -538,7 +559,10 @@ def uses_ranks_in_keys(block_e: int, k: int, vector: int) -> bool:
     (biased sigmoid E = 256 k = 5 692 -> 582, DeepSeek-V3 1029 -> 772, packed logits E = 256
     k = 8 646 -> 519, k = 16 1406 -> 703); not at k <= 4 (E = 256 k = 2 313 / 389, k = 4
     423 / 425, E = 512 k = 4 942 / 976; biased sigmoid E = 256 k = 4 592 / 551 would take the
-    ranks) nor at E = 8 (Mixtral 9 / 12)."""
+    ranks) nor at E = 8 (Mixtral 9 / 12). These counts are from before the renormalised softmax
+    dropped its row sum (PICKS_ONLY), which took about as much from both recordings (Qwen3-MoE
+    273 -> 224, float32 305 -> 251; the tile at E = 64, k = 2 106 -> 82, Mixtral 9 -> 7; at
+    k = 2 and 3 the two stay within 8%, float32 E = 512, k = 2 754 / 702 the widest)."""
     if vector == 4:
         return k >= 4 or (k == 3 and block_e >= 16)
     if vector == 8:
