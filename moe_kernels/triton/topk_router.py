@@ -200,8 +200,9 @@ def retire_packed_rounds(keys, cols, K, INDEX_BITS: tl.constexpr):
         least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
         previous = best
         packed = tl.where(packed == best[:, None], RETIRED_VALUE + s, packed)
-    # The (K + 1)-th key: below every pick (a retired key ranks below every real key, and a row of
-    # K real keys has NO_KEY's next, whose upper bits no real key shares).
+    # The (K + 1)-th key: below every pick; in a row of K real keys a retired one (RETIRED_VALUE +
+    # K - 1) or an index-packed NO_KEY, whose upper bits no real key shares. In a row past T (all
+    # NO_KEY) the steps are negative: never 0, never flagged.
     best = tl.max(packed, axis=1)
     least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
     return packed, (least_step == 0).to(tl.int32)
@@ -221,8 +222,19 @@ def retire_value_keys(
     packed, flagged = retire_packed_rounds(keys, cols, K, INDEX_BITS)
     if tl.max(flagged, axis=0) != 0:
         if NEAR_TIES:
-            for s in range(0, K):
-                _best, keys = retire_best(keys, cols, s, False, BLOCK_E)
+            # A row whose values' lowest INDEX_BITS bits are 0 (float32 holding bfloat16 or
+            # float16 values, +-inf; NO_KEY aside) loses nothing to the packing: its keys agree in
+            # the upper bits only where they are equal, which the packed keys already order by
+            # index. Only rows with finer values need the exact rounds. key ^ (key >> 31) is the
+            # value's bits (the sign flipped for a negative one).
+            LOW: tl.constexpr = (1 << INDEX_BITS) - 1
+            low_bits = tl.where(keys == NO_KEY, 0, (keys ^ (keys >> 31)) & LOW)
+            fine = tl.max(low_bits, axis=1) != 0
+            if tl.max(flagged * fine.to(tl.int32), axis=0) != 0:
+                for s in range(0, K):
+                    _best, keys = retire_best(keys, cols, s, False, BLOCK_E)
+            else:
+                keys = packed
         else:
             tl.debug_barrier()
             keys = packed

@@ -638,19 +638,29 @@ def test_torch_backward_formula(router):
 # bits hold the index, which orders such values by index; it redoes a program with such a row.
 
 
+def block_width(E):
+    """The Triton kernel's row width for E experts: the next power of two."""
+    return 1 << (E - 1).bit_length()
+
+
 @pytest.mark.parametrize("E, k", [(128, 8), (40, 6)], ids=["E128", "padded"])
 def test_logits_steps_apart_rank_exactly(backend, E, k):
     """float32 logits ranked by themselves. Rows: two picks one step apart (0.25 and 0.25 +
-    2^-25), 100 steps apart, and the k-th and (k + 1)-th one step apart; random rows between."""
+    2^-25), 100 steps apart, and the k-th and (k + 1)-th one step apart; random rows between.
+    Row 17 (a Triton program of its own with 16 and 18) holds bfloat16 values, whose low bits the
+    packing drops nothing of, but for a pick 0.25 + (BLOCK_E - 1) steps: its low bits all 1, the
+    0.25's all 0 (both pass a check of the low bits for all 0 or all 1)."""
     step = 2.0**-25  # at 0.25
     logits = torch.rand(19, E, generator=torch.Generator().manual_seed(E)) * 0.125
     logits[2, 3], logits[2, E - 5] = 0.25, 0.25 + step
     logits[7, 5], logits[7, E - 2] = 0.25, 0.25 + 100 * step
     logits[11, : k - 1] = 0.3 + 0.01 * torch.arange(k - 1)  # k - 1 clear picks
     logits[11, k], logits[11, E - 1] = 0.25, 0.25 + step
+    logits[17] = logits[17].bfloat16().float()
+    logits[17, 4], logits[17, E - 3] = 0.25, 0.25 + (block_width(E) - 1) * step
     w, e = run(backend, logits, k, renormalize=True)
     w_ref, e_ref = reference.topk_router(logits, k, renormalize=True)
-    assert torch.equal(e, e_ref), (e[[2, 7, 11]], e_ref[[2, 7, 11]])
+    assert torch.equal(e, e_ref), (e[[2, 7, 11, 17]], e_ref[[2, 7, 11, 17]])
     assert_close(w, w_ref)
 
 
