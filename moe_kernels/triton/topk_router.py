@@ -435,7 +435,7 @@ def topk_router_kernel(
             for s in range(1, K):
                 _best, keys = retire_best(keys, cols, s, True, BLOCK_E)
         else:
-            if RANKS_LOGITS:
+            if RANKS_LOGITS and not SIGMOID and not PICKS_ONLY:
                 # The row's max (NaN first): the softmax's shift.
                 vmax = value_of(tl.max(keys, axis=1))
             keys = retire_value_keys(keys, cols, K, INDEX_BITS, BLOCK_E, NEAR_TIES)
