@@ -1,7 +1,7 @@
 """The Triton router's two pick recordings timed against each other on a GPU (issue 33).
 
-moe_kernels/triton/topk_router.py records the forward's picks in a [rows, k] tile or as ranks in
-the keys, chosen by `uses_ranks_in_keys` from static sm_90 instruction counts
+moe_kernels/triton/topk_router.py records the forward's picks in a [rows, k] tile or by rounds over
+sorted runs (each pick's expert stored in its round), chosen by `uses_sorted_runs` from static sm_90 instruction counts
 (bench/triton_sass.py). This runs the forward with that rule forced each way, at the shapes the
 counts decided, in one process: each row the kernel time of one call (CUDA-graph replay, the median
 of rounds), the op's bytes-moved model over it, and that as a share of copy_ of the same bytes
@@ -37,12 +37,18 @@ SHAPES = [
     ("e128-k4", 128, 4, torch.bfloat16, dict(renormalize=True), False),
     ("grouped-e128", 128, 8, torch.bfloat16, GROUPED, True),
     ("deepseek-v3", 256, 8, torch.bfloat16, GROUPED, True),
-    # k a quarter of the row or more, and k = 5 at 8 entries a thread: the ranks by counts that
+    # k a quarter of the row or more, and k = 5 at 8 entries a thread: the runs by counts that
     # follow a partly unrolled loop; Qwen3-Next's E = 512, k = 10.
     ("e32-k8", 32, 8, torch.bfloat16, dict(renormalize=True), False),
     ("e16-k4", 16, 4, torch.bfloat16, dict(renormalize=True), False),
     ("e256-k5", 256, 5, torch.bfloat16, dict(renormalize=True), False),
     ("e512-k10", 512, 10, torch.bfloat16, dict(renormalize=True), False),
+    # k = 2 and 3, where the counts of the sorted runs chose: the runs with 4 entries a thread
+    # from E = 32 at k = 2 and everywhere at k = 3, the tile with 8 at k = 2.
+    ("e64-k2", 64, 2, torch.bfloat16, dict(renormalize=True), False),
+    ("e128-k3", 128, 3, torch.float32, dict(renormalize=True), False),
+    ("e256-k2", 256, 2, torch.bfloat16, dict(renormalize=True), False),
+    ("e256-k3", 256, 3, torch.bfloat16, dict(renormalize=True), False),
 ]
 
 
@@ -61,7 +67,7 @@ def run(tokens: int, device: str, timed: bool) -> list[str]:
         "| shape | dtype | recording | launcher's | ms | GB/s | of copy_ |",
         "|---|---|---|---|---|---|---|",
     ]
-    original = _router.uses_ranks_in_keys
+    original = _router.uses_sorted_runs
     gen = torch.Generator(device=device).manual_seed(0)
     try:
         for name, E, k, dtype, kw, has_bias in SHAPES:
@@ -74,7 +80,7 @@ def run(tokens: int, device: str, timed: bool) -> list[str]:
             chosen = original(block_e, k, _router.row_vector(block_e, size))
             results = {}
             for value in (False, True):
-                _router.uses_ranks_in_keys = lambda *shape, value=value: value
+                _router.uses_sorted_runs = lambda *shape, value=value: value
 
                 def call(value=value):
                     return K.topk_router(logits, k, bias=bias, **kw)
@@ -82,7 +88,7 @@ def run(tokens: int, device: str, timed: bool) -> list[str]:
                 with moe_kernels.use_backend("triton"):
                     results[value] = call()
                     seconds = time_gpu(call)[0] if timed else 0.0
-                label = "ranks in the keys" if value else "[rows, k] tile"
+                label = "sorted runs" if value else "[rows, k] tile"
                 ms, gbps, share = "-", "-", "-"
                 if timed:
                     ms, gbps, share = f"{seconds * 1e3:.4f}", f"{moved / seconds / 1e9:.1f}", f"{copy / seconds:.0%}"
@@ -91,7 +97,7 @@ def run(tokens: int, device: str, timed: bool) -> list[str]:
             if not torch.equal(results[False][1], results[True][1]):
                 raise AssertionError(f"{name} {dtype}: the two recordings picked different experts")
             torch.testing.assert_close(results[False][0], results[True][0], rtol=1e-6, atol=1e-7)
-        _router.uses_ranks_in_keys = original
+        _router.uses_sorted_runs = original
         lines += ["", "| shape | dtype | fwd+bwd ms |", "|---|---|---|"]
         for name, E, k, dtype, kw, has_bias in SHAPES:
             logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype).requires_grad_()
@@ -106,7 +112,7 @@ def run(tokens: int, device: str, timed: bool) -> list[str]:
                 seconds = time_gpu(step)[0] if timed else 0.0
             lines.append(f"| {name} | {str(dtype)[6:]} | {f'{seconds * 1e3:.4f}' if timed else '-'} |")
     finally:
-        _router.uses_ranks_in_keys = original
+        _router.uses_sorted_runs = original
     return lines
 
 

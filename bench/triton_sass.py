@@ -74,17 +74,17 @@ def forward(dt: str, E: int, k: int, opts: dict):
         topk_groups=opts.get("topk_groups", groups),
     )  # fmt: skip
     kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e",))
-    if "ranks_in_keys" in opts:
-        constexprs["RANKS_IN_KEYS"] = opts["ranks_in_keys"]
+    if "sorted_runs" in opts:
+        constexprs["SORTED_RUNS"] = opts["sorted_runs"]
     else:
-        constexprs["RANKS_IN_KEYS"] = topk_router.uses_ranks_in_keys(constexprs["BLOCK_E"], k, constexprs["ROW_VECTOR"])
+        constexprs["SORTED_RUNS"] = topk_router.uses_sorted_runs(constexprs["BLOCK_E"], k, constexprs["ROW_VECTOR"])
     # The path of a program without near ties: retire_value_keys's exact second pass, which runs
     # only where a row's k + 1 best keys come within 2^INDEX_BITS key steps, left out.
     constexprs["NEAR_TIES"] = False
     # The rounds' loop: from the second pick where the first is taken before it (the logits rank
     # the experts: no bias, no group limit; the packed rounds over value keys), else all k.
     ranks_logits = not opts.get("bias", False) and opts.get("topk_groups", groups) == groups
-    trips = k - 1 if ranks_logits or constexprs["RANKS_IN_KEYS"] else k
+    trips = k - 1 if ranks_logits or constexprs["SORTED_RUNS"] else k
     return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], trips
 
 

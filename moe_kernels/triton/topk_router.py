@@ -146,28 +146,114 @@ def pick_logit(keys, cols, PACKED: tl.constexpr, dtype: tl.constexpr, BLOCK_E: t
         return idx, value_of(best), rest
 
 
-# A retired key holds its pick's rank s as base + s, in [base, base + RANKS): below every
-# real key (value_key and packed_key keep theirs above NO_KEY + 2^22: -inf's are the lowest; held
-# by test_triton_common), above NO_KEY (padding, ineligible groups). The rounds over packed_key:
-# RETIRED. Those over value keys: RETIRED_VALUE, also above NO_KEY with an index packed into its
-# low bits (index_packed_keys: below NO_KEY + MAX_EXPERTS), which their rounds leave in the keys.
-RETIRED = tl.constexpr(-2147483647)
-RETIRED_VALUE = tl.constexpr(-2147483648 + (1 << 21))
-RANKS = tl.constexpr(MAX_EXPERTS)
+@triton.jit
+def _exchange(a, b):
+    """A comparator of a sorting network: (the larger, the smaller) of two key tensors."""
+    return tl.maximum(a, b), tl.minimum(a, b)
 
 
 @triton.jit
-def retire_best(keys, cols, s, PACKED: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Round s over the keys [BLOCK_T, BLOCK_E]: (the best key [BLOCK_T], the keys with it
-    retired as RETIRED + s where PACKED, else RETIRED_VALUE + s). PACKED: packed_key, unique in a
-    row; else value_key, the lowest index holding the largest key (rank_pair's order)."""
-    best = tl.max(keys, axis=1)
-    if PACKED:
-        hit = keys == best[:, None]
+def _sorted4(k0, k1, k2, k3):
+    """Four key tensors sorted elementwise, largest first (five comparators)."""
+    k0, k1 = _exchange(k0, k1)
+    k2, k3 = _exchange(k2, k3)
+    k0, k2 = _exchange(k0, k2)
+    k1, k3 = _exchange(k1, k3)
+    k1, k2 = _exchange(k1, k2)
+    return k0, k1, k2, k3
+
+
+@triton.jit
+def _sorted8(k0, k1, k2, k3, k4, k5, k6, k7):
+    """Eight key tensors sorted elementwise, largest first: Batcher's odd-even merge of two sorted
+    fours (19 comparators)."""
+    k0, k1, k2, k3 = _sorted4(k0, k1, k2, k3)
+    k4, k5, k6, k7 = _sorted4(k4, k5, k6, k7)
+    k0, k4 = _exchange(k0, k4)
+    k1, k5 = _exchange(k1, k5)
+    k2, k6 = _exchange(k2, k6)
+    k3, k7 = _exchange(k3, k7)
+    k2, k4 = _exchange(k2, k4)
+    k3, k5 = _exchange(k3, k5)
+    k1, k2 = _exchange(k1, k2)
+    k3, k4 = _exchange(k3, k4)
+    k5, k6 = _exchange(k5, k6)
+    return k0, k1, k2, k3, k4, k5, k6, k7
+
+
+@triton.jit
+def sorted_runs(keys, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr):
+    """The ROW_VECTOR keys each thread holds of a [BLOCK_T, BLOCK_E] tile (its run: 1, 2, 4 or 8
+    contiguous entries, as loaded), sorted in the thread, largest first: a tuple of ROW_VECTOR
+    [BLOCK_T, BLOCK_E // ROW_VECTOR] tensors, one entry a thread (tl.split: register moves). The
+    largest key of a row is then the row max of the runs' heads."""
+    if ROW_VECTOR == 8:
+        even, odd = tl.split(tl.reshape(keys, (BLOCK_T, BLOCK_E // 8, 2, 2, 2)))
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        k0, k1 = tl.split(e0)
+        k2, k3 = tl.split(e1)
+        k4, k5 = tl.split(o0)
+        k6, k7 = tl.split(o1)
+        return _sorted8(k0, k1, k2, k3, k4, k5, k6, k7)
+    elif ROW_VECTOR == 4:
+        even, odd = tl.split(tl.reshape(keys, (BLOCK_T, BLOCK_E // 4, 2, 2)))
+        k0, k1 = tl.split(even)
+        k2, k3 = tl.split(odd)
+        return _sorted4(k0, k1, k2, k3)
+    elif ROW_VECTOR == 2:
+        k0, k1 = tl.split(tl.reshape(keys, (BLOCK_T, BLOCK_E // 2, 2)))
+        return _exchange(k0, k1)
     else:
-        idx = tl.min(tl.where(keys == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        hit = cols[None, :] == idx[:, None]
-    return best, tl.where(hit, (RETIRED if PACKED else RETIRED_VALUE) + s, keys)
+        return (keys,)
+
+
+@triton.jit
+def _shifted(run, hit, ROW_VECTOR: tl.constexpr):
+    """The run with its head taken where `hit`: the rest move up, NO_KEY comes in last."""
+    if ROW_VECTOR == 8:
+        return (
+            tl.where(hit, run[1], run[0]),
+            tl.where(hit, run[2], run[1]),
+            tl.where(hit, run[3], run[2]),
+            tl.where(hit, run[4], run[3]),
+            tl.where(hit, run[5], run[4]),
+            tl.where(hit, run[6], run[5]),
+            tl.where(hit, run[7], run[6]),
+            tl.where(hit, NO_KEY, run[7]),
+        )
+    elif ROW_VECTOR == 4:
+        return (
+            tl.where(hit, run[1], run[0]),
+            tl.where(hit, run[2], run[1]),
+            tl.where(hit, run[3], run[2]),
+            tl.where(hit, NO_KEY, run[3]),
+        )
+    elif ROW_VECTOR == 2:
+        return tl.where(hit, run[1], run[0]), tl.where(hit, NO_KEY, run[1])
+    else:
+        return (tl.where(hit, NO_KEY, run[0]),)
+
+
+@triton.jit
+def take_head(run, ROW_VECTOR: tl.constexpr):
+    """One round over sorted_runs of unique keys: (the row's largest key [BLOCK_T], the runs with
+    it taken). The row max of the heads, then the one thread holding it moves its run up: a
+    compare and ROW_VECTOR selects an entry a thread, where a max over the thread's entries and a
+    retire of the pick (a compare and a select each) took three a key."""
+    best = tl.max(run[0], axis=1)
+    return best, _shifted(run, run[0] == best[:, None], ROW_VECTOR)
+
+
+@triton.jit
+def store_pick(experts_ptr, rows, row_ok, K, s, index, LANES: tl.constexpr):
+    """A row's pick s, `index` [BLOCK_T] (int32), at experts[row, s] (int64), stored by the first
+    of the row's LANES threads: a [BLOCK_T, LANES] tile in the runs' layout, where a [BLOCK_T]
+    store went through shared memory to a layout of its own (a barrier each pick)."""
+    lane = tl.arange(0, LANES)[None, :]
+    ptrs = experts_ptr + (rows.to(tl.int64) * K + s)[:, None] + 0 * lane
+    values = tl.broadcast_to(index.to(tl.int64)[:, None], (index.shape[0], LANES))
+    tl.store(ptrs, values, mask=row_ok[:, None] & (lane == 0))
 
 
 @triton.jit
@@ -180,46 +266,52 @@ def index_packed_keys(keys, cols, INDEX_BITS: tl.constexpr):
 
 
 @triton.jit
-def retire_packed_rounds(keys, cols, K, INDEX_BITS: tl.constexpr):
-    """The K rounds of retire_best over value keys [BLOCK_T, BLOCK_E] (value_key, NO_KEY where
-    none), each one row reduction, on index_packed_keys: (those keys with the picks retired as
-    RETIRED_VALUE + s; [BLOCK_T] int32, 1 where they may rank unlike the value keys). Packed keys
-    order two keys as the value keys do unless their upper bits agree; if the upper bits of the
-    K + 1 best packed keys differ from round to round, no other key shares them, so the K best,
-    in order, are the value keys' (the C++ kernel's register selection checks its 28-bit keys
-    so). Where two agree (ties, and values within 2^INDEX_BITS key steps), the row is flagged and
-    the caller ranks the value keys instead."""
-    packed = index_packed_keys(keys, cols, INDEX_BITS)
+def packed_rounds(
+    keys, cols, rows, row_ok, experts_ptr, K, INDEX_BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr,
+):  # fmt: skip
+    """The K rounds over value keys [BLOCK_T, BLOCK_E] (value_key, NO_KEY where none) on
+    index_packed_keys in sorted_runs, each pick's index stored (store_pick): [BLOCK_T] int32, 1
+    where the picks may rank unlike the value keys. Packed keys order two keys as the value keys
+    do unless their upper bits agree; if the upper bits of the K + 1 best packed keys differ from
+    round to round, no other key shares them, so the K best, in order, are the value keys' (the
+    C++ kernel's register selection checks its 28-bit keys so). Where two agree (ties, and values
+    within 2^INDEX_BITS key steps), the row is flagged and the caller ranks the value keys
+    instead. A row with fewer than K + 1 keys above NO_KEY (rows past T, a raw call past the
+    eligible experts) ends in NO_KEY's upper bits twice: flagged, and its picks past its keys are
+    padding or NO_KEY's index."""
+    LOW: tl.constexpr = (1 << INDEX_BITS) - 1
+    run = sorted_runs(index_packed_keys(keys, cols, INDEX_BITS), BLOCK_T, BLOCK_E, ROW_VECTOR)
+    previous, run = take_head(run, ROW_VECTOR)
+    store_pick(experts_ptr, rows, row_ok, K, 0, LOW - (previous & LOW), BLOCK_E // ROW_VECTOR)
     # The upper bits fall from round to round (the packed keys are unique): the least step is 0
     # where two agree.
-    least_step = tl.full((keys.shape[0],), 1, tl.int32)
-    previous = tl.max(packed, axis=1)
-    packed = tl.where(packed == previous[:, None], RETIRED_VALUE, packed)
+    least_step = tl.full((BLOCK_T,), 1, tl.int32)
     for s in range(1, K):
-        best = tl.max(packed, axis=1)
+        best, run = take_head(run, ROW_VECTOR)
         least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
         previous = best
-        packed = tl.where(packed == best[:, None], RETIRED_VALUE + s, packed)
-    # The (K + 1)-th key: below every pick; in a row of K real keys a retired one (RETIRED_VALUE +
-    # K - 1) or an index-packed NO_KEY, whose upper bits no real key shares. In a row past T (all
-    # NO_KEY) the steps are negative: never 0, never flagged.
-    best = tl.max(packed, axis=1)
+        store_pick(experts_ptr, rows, row_ok, K, s, LOW - (best & LOW), BLOCK_E // ROW_VECTOR)
+    # The (K + 1)-th key, below every pick (in a row of K real keys a padded or NO_KEY one, whose
+    # upper bits no real key shares).
+    best = tl.max(run[0], axis=1)
     least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
-    return packed, (least_step == 0).to(tl.int32)
+    return (least_step == 0).to(tl.int32)
 
 
 @triton.jit
-def retire_value_keys(
-    keys, cols, K, INDEX_BITS: tl.constexpr, BLOCK_E: tl.constexpr, NEAR_TIES: tl.constexpr
+def rank_value_keys(
+    keys, cols, rows, row_ok, experts_ptr, K, INDEX_BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr, NEAR_TIES: tl.constexpr,
 ):  # fmt: skip
-    """The K rounds over value keys [BLOCK_T, BLOCK_E]: the keys with each pick retired as
-    RETIRED_VALUE + s (its rank), ties to the lower index. By retire_packed_rounds (one row
-    reduction a round), and where a row of this program's is flagged (near ties), the program's
-    rounds again by retire_best (two a round), exactly. NEAR_TIES=False puts a barrier in that
-    pass's place: only for bench/triton_sass.py's count of the path a program without near ties
-    runs (a static count takes both sides of a branch; the barrier keeps the flags and the
-    branch, one instruction more)."""
-    packed, flagged = retire_packed_rounds(keys, cols, K, INDEX_BITS)
+    """The K picks of value keys [BLOCK_T, BLOCK_E] (ties to the lower index), each one's index
+    stored at experts[row, s]. By packed_rounds (one row reduction a round), and where a row of
+    this program's is flagged (near ties), the program's rounds again by take_best_key (two a
+    round), exactly, over the same slots. NEAR_TIES=False puts a barrier in that pass's place:
+    only for bench/triton_sass.py's count of the path a program without near ties runs (a static
+    count takes both sides of a branch; the barrier keeps the flags and the branch, one
+    instruction more)."""
+    flagged = packed_rounds(keys, cols, rows, row_ok, experts_ptr, K, INDEX_BITS, BLOCK_T, BLOCK_E, ROW_VECTOR)
     if tl.max(flagged, axis=0) != 0:
         if NEAR_TIES:
             # A row whose values' lowest INDEX_BITS bits are 0 (float32 holding bfloat16 or
@@ -232,69 +324,10 @@ def retire_value_keys(
             fine = tl.max(low_bits, axis=1) != 0
             if tl.max(flagged * fine.to(tl.int32), axis=0) != 0:
                 for s in range(0, K):
-                    _best, keys = retire_best(keys, cols, s, False, BLOCK_E)
-            else:
-                keys = packed
+                    _best, index, keys = take_best_key(keys, cols, BLOCK_E)
+                    store_pick(experts_ptr, rows, row_ok, K, s, index, BLOCK_E // ROW_VECTOR)
         else:
             tl.debug_barrier()
-            keys = packed
-    else:
-        keys = packed
-    return keys
-
-
-@triton.jit
-def _store_at1(ptr, slot, values, picked):
-    """The picked entries of tiles of one entry a thread, each at its slot (int64)."""
-    tl.store(ptr + slot, values, mask=picked != 0)
-
-
-@triton.jit
-def _store_at2(ptr, slot, values, picked):
-    """_store_at1 of each half of the tiles' last dimension (size 2)."""
-    s0, s1 = tl.split(slot)
-    v0, v1 = tl.split(values)
-    p0, p1 = tl.split(picked)
-    _store_at1(ptr, s0, v0, p0)
-    _store_at1(ptr, s1, v1, p1)
-
-
-@triton.jit
-def _store_at4(ptr, slot, values, picked):
-    s0, s1 = tl.split(slot)
-    v0, v1 = tl.split(values)
-    p0, p1 = tl.split(picked)
-    _store_at2(ptr, s0, v0, p0)
-    _store_at2(ptr, s1, v1, p1)
-
-
-@triton.jit
-def _store_at8(ptr, slot, values, picked):
-    s0, s1 = tl.split(slot)
-    v0, v1 = tl.split(values)
-    p0, p1 = tl.split(picked)
-    _store_at4(ptr, s0, v0, p0)
-    _store_at4(ptr, s1, v1, p1)
-
-
-@triton.jit
-def store_at(ptr, slot, values, picked, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr):
-    """Each picked entry of `values` at its slot; the tiles [BLOCK_T, BLOCK_E] as loaded,
-    ROW_VECTOR contiguous entries a thread. The slots scatter, so a store of such a tile went
-    through shared memory to one entry a thread; split (tl.split, register moves) into
-    ROW_VECTOR tiles of one entry a thread, each is stored where it is."""
-    picked = picked.to(tl.int8)
-    if ROW_VECTOR == 8:
-        shape: tl.constexpr = (BLOCK_T, BLOCK_E // 8, 2, 2, 2)
-        _store_at8(ptr, tl.reshape(slot, shape), tl.reshape(values, shape), tl.reshape(picked, shape))
-    elif ROW_VECTOR == 4:
-        shape: tl.constexpr = (BLOCK_T, BLOCK_E // 4, 2, 2)
-        _store_at4(ptr, tl.reshape(slot, shape), tl.reshape(values, shape), tl.reshape(picked, shape))
-    elif ROW_VECTOR == 2:
-        shape: tl.constexpr = (BLOCK_T, BLOCK_E // 2, 2)
-        _store_at2(ptr, tl.reshape(slot, shape), tl.reshape(values, shape), tl.reshape(picked, shape))
-    else:
-        _store_at1(ptr, slot, values, picked)
 
 
 @triton.jit
@@ -384,9 +417,9 @@ def topk_router_kernel(
     BLOCK_K: tl.constexpr,  # next power of two >= K
     ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
     ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
-    RANKS_IN_KEYS: tl.constexpr,  # picks recorded in the keys, stored from the row tile (uses_ranks_in_keys)
+    SORTED_RUNS: tl.constexpr,  # rounds over sorted runs, picks stored in their round (uses_sorted_runs)
     INDEX_BITS: tl.constexpr,  # log2(BLOCK_E)
-    NEAR_TIES: tl.constexpr,  # True (retire_value_keys: False only for a static count)
+    NEAR_TIES: tl.constexpr,  # True (rank_value_keys: False only for a static count)
 ):
     rows, cols, row_ok, valid, raw = logits_raw_tile(
         logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
@@ -423,35 +456,37 @@ def topk_router_kernel(
             else:
                 keys = group_limit_loop(key, keys, valid, rows, cols, E, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, BLOCK_G)
 
-    if RANKS_IN_KEYS:
-        # Each round retires its pick into the keys as its rank, and computes no score. Then each
-        # picked entry's expert is stored at its rank's slot, and read back (after a barrier: this
-        # program's own stores) as a [BLOCK_K, BLOCK_T] choice tile, in whose own layout (about a
-        # choice a thread) each pick's score and weight are computed once and stored.
+    if SORTED_RUNS:
+        # Each round stores its pick's expert (store_pick) and computes no score: the keys are
+        # sorted in each thread's run once (sorted_runs), a round is the row max of the runs'
+        # heads. The experts are read back (after a barrier: this program's own stores) as a
+        # [BLOCK_K, BLOCK_T] choice tile, in whose own layout (about a choice a thread) each
+        # pick's score and weight are computed once and stored.
+        LANES: tl.constexpr = BLOCK_E // ROW_VECTOR
         if PACKED:
+            run = sorted_runs(keys, BLOCK_T, BLOCK_E, ROW_VECTOR)
             # The first pick is the row's max (NaN first): the softmax's shift.
-            best, keys = retire_best(keys, cols, 0, True, BLOCK_E)
+            best, run = take_head(run, ROW_VECTOR)
             vmax = packed_value(best, dtype)
+            store_pick(experts_ptr, rows, row_ok, K, 0, packed_index(best), LANES)
             for s in range(1, K):
-                _best, keys = retire_best(keys, cols, s, True, BLOCK_E)
+                best, run = take_head(run, ROW_VECTOR)
+                store_pick(experts_ptr, rows, row_ok, K, s, packed_index(best), LANES)
         else:
             if RANKS_LOGITS and not SIGMOID and not PICKS_ONLY:
                 # The row's max (NaN first): the softmax's shift.
                 vmax = value_of(tl.max(keys, axis=1))
-            keys = retire_value_keys(keys, cols, K, INDEX_BITS, BLOCK_E, NEAR_TIES)
+            rank_value_keys(
+                keys, cols, rows, row_ok, experts_ptr, K, INDEX_BITS, BLOCK_T, BLOCK_E, ROW_VECTOR, NEAR_TIES
+            )
         if RANKS_LOGITS and not SIGMOID and not PICKS_ONLY:
             _terms, denom, masked_row = softmax_terms(x, valid, vmax)
-        base: tl.constexpr = RETIRED if PACKED else RETIRED_VALUE
-        picked = valid & (keys >= base) & (keys < base + RANKS)
-        slot = rows[:, None].to(tl.int64) * K + (keys - base)  # a picked entry's; others masked
-        experts = tl.broadcast_to(cols[None, :], (BLOCK_T, BLOCK_E)).to(tl.int64)
-        store_at(experts_ptr, slot, experts, picked, BLOCK_T, BLOCK_E, ROW_VECTOR)
         tl.debug_barrier()
         rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K)
         out_k = rows_k64 * K + kcols
         e_k = tl.load(experts_ptr + out_k, mask=choice_ok, other=0)
         # Every slot was stored above, but a raw call past the eligible experts (the op refuses
-        # one) leaves some unwritten: never read outside the row for them.
+        # one) gets padding's or NO_KEY's index there: never read outside the row for them.
         inside = choice_ok & (e_k >= 0) & (e_k < E)
         logit_k = tl.load(logits_ptr + rows_k64 * stride_t + e_k * stride_e, mask=inside, other=float("-inf"))
         x_k = to_float32(logit_k)
@@ -556,30 +591,27 @@ def row_vector(block_e: int, itemsize: int) -> int:
     return full
 
 
-def uses_ranks_in_keys(block_e: int, k: int, vector: int) -> bool:
-    """RANKS_IN_KEYS, where the sm_90 SASS counts it fewer instructions a row
-    (bench/triton_sass.py; the [rows, k] tile -> the ranks, each loop counted as often as it
-    runs, a program without near ties). A round then costs about 12 warp instructions a row (a
-    round over value keys about 23 with 8 entries a thread: retire_packed_rounds) against about 40
-    that compute and record the pick's weight; the stores of the experts, the barrier and the
-    choice tile cost a fixed amount. 4 entries a thread (16-bit rows up to 128, float32): from
-    k = 4, and at k = 3 from E = 16 (bfloat16 Qwen3-MoE 507 -> 273, float32 588 -> 305; E = 32,
-    k = 8 134 -> 90, float32 162 -> 100; E = 64, k = 16 456 -> 266; E = 16, k = 4 37 -> 35;
-    float32 E = 128, k = 3 288 -> 239; float32 E = 8, k = 4 21 -> 18, but k = 3 19 / 21); not at
-    k = 2, where neither wins by much (E = 16 25 / 28, E = 32 51 / 52, E = 128 202 / 200, float32
-    E = 512 974 / 980). 8 entries a thread (16-bit rows of 8 or past 128): from k = 5 at E >= 64
-    (biased sigmoid E = 256 k = 5 692 -> 582, DeepSeek-V3 1029 -> 772, packed logits E = 256
-    k = 8 646 -> 519, k = 16 1406 -> 703); not at k <= 4 (E = 256 k = 2 313 / 389, k = 4
-    423 / 425, E = 512 k = 4 942 / 976; biased sigmoid E = 256 k = 4 592 / 551 would take the
-    ranks) nor at E = 8 (Mixtral 9 / 12). These counts are from before the renormalised softmax
-    dropped its row sum (PICKS_ONLY), which took about as much from both recordings (Qwen3-MoE
-    273 -> 224, float32 305 -> 251; the tile at E = 64, k = 2 106 -> 82, Mixtral 9 -> 7; at
-    k = 2 and 3 the two stay within 8%, float32 E = 512, k = 2 754 / 702 the widest)."""
-    if vector == 4:
-        return k >= 4 or (k == 3 and block_e >= 16)
-    if vector == 8:
-        return k >= 5 and block_e >= 64
-    return False
+def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
+    """SORTED_RUNS, where the sm_90 SASS counts it fewer warp instructions a row
+    (bench/triton_sass.py: the [rows, k] tile against the runs, each loop counted as often as it
+    runs, a program without near ties). With the keys sorted in each thread's run once
+    (sorted_runs), a round is the row max of the runs' heads and a compare and a select an entry
+    of the thread holding it, each pick's expert stored in its round; the barrier and the choice
+    tile cost a fixed amount. A round of the tile computes and records the pick's weight. The
+    runs from k = 3 (bf16 E = 16 27 -> 23, E = 64 110 -> 69, E = 128 193 -> 120, E = 256 272 ->
+    227, float32 E = 2048 3328 -> 2408; at k = 8 E = 32 114 -> 65, E = 64 236 -> 127,
+    DeepSeek-V3 1044 -> 636); at k = 2 with 4 entries a thread from E = 32 (E = 32 37 -> 29,
+    E = 128 138 -> 108, float32 E = 512 738 -> 580; E = 16 18 / 18), not with 8 (bf16 E = 256
+    205 / 211, E = 1024 900 / 1008); not at k = 1 (E = 256 157 / 173, float32 E = 128 101 /
+    114). A row in one thread (16 bytes or less): the runs from k = 4 (bf16 E = 8 k = 3 10 /
+    12, k = 4 10 / 9, k = 8 18 / 17)."""
+    if k >= 4:
+        return True
+    if block_e <= vector:
+        return False
+    if k == 3:
+        return True
+    return k == 2 and vector == 4 and block_e >= 32
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
@@ -646,7 +678,7 @@ def topk_router(
             BLOCK_K=triton.next_power_of_2(k),
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
-            RANKS_IN_KEYS=uses_ranks_in_keys(block_e, k, vector),
+            SORTED_RUNS=uses_sorted_runs(block_e, k, vector),
             INDEX_BITS=block_e.bit_length() - 1,
             NEAR_TIES=True,
             num_warps=num_warps,
@@ -662,9 +694,7 @@ def _(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormal
 
 # For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): the Mixtral-style softmax
 # router, the DeepSeek-V3 grouped sigmoid router at E = 256, a biased bf16 router, the widest row.
-def _aot(
-    dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True, ranks_in_keys=None
-):
+def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True, runs=None):
     _, block_t, block_e, num_warps = launch_config(1 << 20, num_experts)
     vector = row_vector(block_e, 4 if dt == "fp32" else 2)
     signature = {
@@ -694,7 +724,7 @@ def _aot(
         "ROW_VECTOR": vector,
         "ALIGNED_ROWS": True,
         # k = 8 as the launcher decides, unless asked
-        "RANKS_IN_KEYS": uses_ranks_in_keys(block_e, 8, vector) if ranks_in_keys is None else ranks_in_keys,
+        "SORTED_RUNS": uses_sorted_runs(block_e, 8, vector) if runs is None else runs,
         "INDEX_BITS": block_e.bit_length() - 1,
         "NEAR_TIES": True,
     }
@@ -711,9 +741,9 @@ AOT_KERNELS = [
     _aot("fp16", MAX_EXPERTS, sigmoid=True, bias=True),
     _aot("fp16", MAX_EXPERTS, sigmoid=False, bias=False),
     # The [rows, k] tile, which the rule does not take at k = 8 above: at 4 entries a thread and at 8.
-    _aot("bf16", 128, sigmoid=False, bias=False, ranks_in_keys=False),
-    _aot("fp32", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, ranks_in_keys=False),
-    _aot("bf16", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, ranks_in_keys=False),
-    # The ranks where k is the whole row (two threads a row): the most registers of the ranks.
+    _aot("bf16", 128, sigmoid=False, bias=False, runs=False),
+    _aot("fp32", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, runs=False),
+    _aot("bf16", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, runs=False),
+    # The sorted runs where k is the whole row (two threads a row): their most registers.
     _aot("fp32", 8, sigmoid=False, bias=False),
 ]

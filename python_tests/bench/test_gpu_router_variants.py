@@ -29,7 +29,7 @@ def test_smoke_runs_both_recordings_and_the_backward():
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     shapes = int(re.search(r"(\d+) shapes", run.stdout).group(1))  # the script's SHAPES
     assert sum(1 for r in rows if r.count("|") == 4) == 1 + shapes  # the fwd+bwd table: a header, a row a shape
-    recordings = [r for r in rows if "tile |" in r or "ranks in the keys |" in r]
+    recordings = [r for r in rows if "tile |" in r or "sorted runs |" in r]
     assert len(recordings) == 2 * shapes  # each shape, both recordings
     # each shape: exactly one recording is the launcher's
     for i in range(0, 2 * shapes, 2):

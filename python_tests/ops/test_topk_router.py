@@ -529,16 +529,16 @@ def test_triton_launches_say_rows_are_aligned_only_when_they_are(backend, monkey
 
 @pytest.mark.parametrize("router", ROUTERS, ids=ROUTER_IDS)
 def test_triton_other_pick_recording(backend, monkeypatch, router):
-    """The Triton forward records its picks in a [rows, k] tile or as ranks in the keys
-    (uses_ranks_in_keys, by the shape); the tests above run the one the launcher chooses. Here
+    """The Triton forward records its picks in a [rows, k] tile or by rounds over sorted runs
+    (uses_sorted_runs, by the shape); the tests above run the one the launcher chooses. Here
     the other one, forced on every router shape, against the reference on random and
-    adversarial logits (each thread's 1, 2, 4 or 8 entries split for the scattered stores)."""
+    adversarial logits (runs of each thread's 1, 2, 4 or 8 entries)."""
     if backend != "triton":
         pytest.skip("the Triton launcher's two pick recordings")
     from moe_kernels.triton import topk_router as forward_module
 
-    chosen = forward_module.uses_ranks_in_keys
-    monkeypatch.setattr(forward_module, "uses_ranks_in_keys", lambda *shape: not chosen(*shape))
+    chosen = forward_module.uses_sorted_runs
+    monkeypatch.setattr(forward_module, "uses_sorted_runs", lambda *shape: not chosen(*shape))
     _, E, k, kw = router
     rows = 11 if E < 256 else 4  # the interpreter's time goes with the programs: a row or two each at E = 300
     for dtype in (torch.float32, torch.bfloat16):

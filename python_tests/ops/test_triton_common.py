@@ -66,6 +66,21 @@ if backends.triton_importable():
             tl.store(key_idx_ptr + r * ROUNDS + s + tl.arange(0, 1), kidx)
             tl.store(key_best_ptr + r * ROUNDS + s + tl.arange(0, 1), best)
 
+    @triton.jit
+    def runs_kernel(keys_ptr, runs_ptr, heads_ptr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RV: tl.constexpr):
+        """topk_router.sorted_runs of a [BLOCK_T, BLOCK_E] int32 tile: run i of each thread's RV
+        entries (cols RV * j to RV * j + RV - 1) at runs[row, RV * j + i]; then BLOCK_E rounds of
+        take_head, each row's best at heads[row, s] (for rows of unique keys)."""
+        rows = tl.arange(0, BLOCK_T)[:, None]
+        keys = tl.load(keys_ptr + rows * BLOCK_E + tl.arange(0, BLOCK_E)[None, :])
+        run = topk_router.sorted_runs(keys, BLOCK_T, BLOCK_E, RV)
+        lanes = tl.arange(0, BLOCK_E // RV)[None, :]
+        for i in tl.static_range(RV):
+            tl.store(runs_ptr + rows * BLOCK_E + lanes * RV + i, run[i])
+        for s in tl.static_range(BLOCK_E):
+            best, run = topk_router.take_head(run, RV)
+            tl.store(heads_ptr + rows * BLOCK_E + s, best[:, None])
+
 
 def _bf16_edge_values() -> torch.Tensor:
     """float32 values over bfloat16's whole range, its rounding ties and its limits."""
@@ -137,11 +152,12 @@ def test_value_and_packed_keys_order_as_rank_pair(backend, dtype):
     raw, cols = raw.cpu(), cols.cpu()
     x = raw.float()
     assert torch.equal(out["vkey"].long(), out["pair"] >> 32)
-    # The router's retired keys (its ranks in the keys) sit below every real key, those of its
-    # rounds over value keys above NO_KEY with an index packed into its low bits.
-    retired_value_end = topk_router.RETIRED_VALUE.value + topk_router.RANKS.value
-    assert bool((out["vkey"] >= retired_value_end).all()), "a value key among the retired"
-    assert topk_router.NO_KEY.value + topk_router.MAX_EXPERTS <= topk_router.RETIRED_VALUE.value
+    # The router's rounds over value keys pack an index into their lowest log2(BLOCK_E) bits and
+    # check that the upper bits of a row's k + 1 best differ: no real key's upper bits may be
+    # NO_KEY's (padding, ineligible groups, the NO_KEY its sorted runs shift in).
+    index_bits = topk_router.MAX_EXPERTS.bit_length() - 1
+    no_key = topk_router.NO_KEY.value
+    assert bool(((out["vkey"] >> index_bits) > (no_key >> index_bits)).all()), "a value key at NO_KEY's upper bits"
     folded = torch.where(x == 0, 0.0, x)  # -0 back as +0
     decoded = out["vvalue"]
     assert torch.equal(decoded.isnan(), x.isnan())
@@ -153,8 +169,7 @@ def test_value_and_packed_keys_order_as_rank_pair(backend, dtype):
     p, q = packed[order], pair[order]
     assert bool((p[1:] >= p[:-1]).all()), "packed keys out of rank order"
     assert torch.equal(p[1:] == p[:-1], q[1:] == q[:-1]), "packed keys tie unlike rank pairs"
-    retired_end = topk_router.RETIRED.value + topk_router.RANKS.value
-    assert bool((packed >= retired_end).all()), "a packed key at NO_KEY or among the retired"
+    assert bool((packed > no_key).all()), "a packed key at NO_KEY, which the sorted runs shift in"
     assert torch.equal(out["index"], cols)
     value = out["value"]
     assert torch.equal(value.isnan(), x.isnan())
@@ -181,3 +196,35 @@ def test_take_best_key_rounds_pick_as_rank_pairs(backend, width):
     xs = x.cpu()
     picked = xs.gather(1, by_key.long())
     assert torch.equal(best == 2147483647, picked.isnan()), "a NaN pick's key is not the largest"
+
+
+@pytest.mark.parametrize("rv", [1, 2, 4, 8])
+def test_sorted_runs_sort_each_run_and_take_heads_in_order(backend, rv):
+    """The router's sorted_runs sorts each thread's run of rv keys, largest first: on every 0/1
+    run (a comparator network that sorts them sorts every input) and on runs of few values
+    (ties, NO_KEY, the largest key). Rounds of take_head over rows of unique keys give the row's
+    keys in descending order, NO_KEY once all are taken."""
+    if "triton" not in backend:
+        pytest.skip("a Triton helper")
+    no_key = topk_router.NO_KEY.value
+    g = torch.Generator().manual_seed(rv)
+    binary = ((torch.arange(2**rv)[:, None] >> torch.arange(rv)) & 1).int()  # every 0/1 run
+    few = torch.tensor([no_key, -5, 0, 3, 2**31 - 1], dtype=torch.int32)[torch.randint(0, 5, (64, rv), generator=g)]
+    width = 32
+    runs = torch.cat([binary, few]).reshape(-1)
+    t = triton.next_power_of_2(triton.cdiv(runs.numel(), width))
+    keys = torch.full((t * width,), no_key, dtype=torch.int32)
+    keys[: runs.numel()] = runs
+    keys = keys.view(t, width)
+    out_runs, heads = torch.empty_like(keys), torch.empty_like(keys)
+    keys, out_runs, heads = keys.to(backend.device), out_runs.to(backend.device), heads.to(backend.device)
+    runs_kernel[(1,)](keys, out_runs, heads, BLOCK_T=t, BLOCK_E=width, RV=rv)
+    want = keys.cpu().view(t, width // rv, rv).sort(dim=2, descending=True).values.view(t, width)
+    assert torch.equal(out_runs.cpu(), want)
+    # Unique keys: each row a permutation of distinct values, NO_KEY among them.
+    unique = torch.stack([torch.randperm(1 << 20, generator=g)[:width] for _ in range(16)]).int() - (1 << 19)
+    unique[:, 5] = no_key
+    out_runs, heads = torch.empty_like(unique), torch.empty_like(unique)
+    unique, out_runs, heads = unique.to(backend.device), out_runs.to(backend.device), heads.to(backend.device)
+    runs_kernel[(1,)](unique, out_runs, heads, BLOCK_T=16, BLOCK_E=width, RV=rv)
+    assert torch.equal(heads.cpu(), unique.cpu().sort(dim=1, descending=True).values)
