@@ -119,6 +119,15 @@ def packed_key(raw, x, cols):
     """int32 keys ordering (value, index) of float16 / bfloat16 values `raw` (x: their float32
     widening) exactly as rank_pair orders x (each format's order is its float32 value's): the
     16-bit value_key in the upper half, 65535 - index in the lower. Every key is above NO_KEY."""
+    if raw.dtype == tl.bfloat16:
+        # x's bits are the bfloat16's over 16 zeros: value_key's sign flip (as a shift and one
+        # three-input logic op, not a compare and a select) leaves the 16-bit key in the upper
+        # half and 0 or 0xFFFF below, which the index replaces; about 6 instructions an entry
+        # where the 16-bit form below took 10 (sm_90 SASS).
+        bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 folds -0 into +0
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = tl.where(x != x, 0x7FFFFFFF, key)
+        return (key & -65536) | (65535 - cols)
     bits = raw.to(tl.int16, bitcast=True).to(tl.int32)  # sign-extended
     bits = tl.where(bits == -32768, 0, bits)  # -0 -> +0
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFF)

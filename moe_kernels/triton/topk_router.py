@@ -437,10 +437,13 @@ def topk_router_kernel(
     PICKS_ONLY: tl.constexpr = RANKS_LOGITS and not SIGMOID and RENORMALIZE
 
     if RANKS_LOGITS:
+        # Entries outside the row were loaded as -inf: their keys rank below every entry of the
+        # row with the same value (a higher index), so they are never among its k <= E picks,
+        # and need no mask to NO_KEY (rows past T are never stored).
         if PACKED:
-            keys = tl.where(valid, packed_key(raw, x, cols), NO_KEY)
+            keys = packed_key(raw, x, cols)
         else:
-            keys = tl.where(valid, value_key(x), NO_KEY)
+            keys = value_key(x)
     else:
         if SIGMOID:
             scores = tl.where(valid, sigmoid_accurate(x), 0.0)
