@@ -129,7 +129,8 @@ def test_hot_path_reads_how_often_an_unrolled_loop_runs():
 
     ne = "ISETP.NE.U32.AND P5, PT, R17, {}, PT;"
     step = ["VIADD R17, R17, 0x1;"]
-    # RETIRED + 2 up to RETIRED + 16 by 7: two trips (the k = 16 forward's 14 picks after 2 peeled).
+    # 3 - 2^31 up to 17 - 2^31 by 7: two trips (the k = 16 forward's 14 picks after 2 peeled, when
+    # its counter was the retired key RETIRED + s of the ranks in the keys).
     counts = triton_sass.hot_path(
         _counted_loop("IMAD.MOV.U32 R17, RZ, RZ, -0x7ffffffd;", ["VIADD R17, R17, 0x7;"], ne.format("-0x7fffffef")),
         trips=15,
