@@ -292,8 +292,9 @@ def packed_rounds(
         least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
         previous = best
         store_pick(experts_ptr, rows, row_ok, K, s, LOW - (best & LOW), BLOCK_E // ROW_VECTOR)
-    # The (K + 1)-th key, below every pick (in a row of K real keys a padded or NO_KEY one, whose
-    # upper bits no real key shares).
+    # The (K + 1)-th key, below every pick. In a row of K real keys a padded one: NO_KEY, whose
+    # upper bits no real key shares, or -inf for logits ranked by themselves, which agrees only
+    # with a -inf pick: an exact tie the index orders, kept by the caller's low-bits check.
     best = tl.max(run[0], axis=1)
     least_step = tl.minimum(least_step, (previous >> INDEX_BITS) - (best >> INDEX_BITS))
     return (least_step == 0).to(tl.int32)
