@@ -367,7 +367,7 @@ ASSIGNMENT_SHAPES = ((8192, 64), (16384, 128))
 
 
 def assignment_rows(kind: str, smoke: bool = False) -> list[dict]:
-    """balanced_assignment's CUDA solver (exact, opt-in) against the C++ CPU solver on the same
+    """balanced_assignment's CUDA solver (exact, the default for CUDA tensors) against the C++ CPU solver on the same
     randn scores, on this machine's cores: `ms` the CUDA solve (eager calls between two events: the
     solve reads its done flag on the host, so no graph), `vs_torch` the CPU solver's median time
     over it; `method` says whether the objectives agree (each is exactly optimal, so equal values

@@ -186,7 +186,8 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
 }  // namespace moe_kernels
 
 // Exact balanced assignment (csrc/cuda/balanced_assignment.cu). float16 / bfloat16 scores are
-// solved in float32 (exact), as on the CPU. Synchronises the stream (the solver's done flag).
+// solved in float32 (exact), as on the CPU. Synchronises the stream (the finiteness check, the
+// solver's done flag).
 namespace moe_kernels {
 namespace {
 
@@ -199,6 +200,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at:
   const int64_t n = scores.size(0), k = scores.size(1);
   const bool f64 = scores.scalar_type() == at::kDouble;
   const at::Tensor x = f64 ? scores.contiguous() : scores.to(at::kFloat).contiguous();
+  // The solver does not reject NaN / inf itself (its auction would run to the iteration guard):
+  // checked here, inside the op, where the solve reads its done flag on the host anyway, so a
+  // compiled caller sees no host read of its own (torch.compile(fullgraph=True)).
+  const bool finite = n == 0 || x.isfinite().all().item<bool>();
+  TORCH_CHECK_VALUE(finite, "balanced_assignment: scores must be finite (no NaN or inf)");
   auto experts = at::empty({n}, scores.options().dtype(at::kLong));
   auto value = at::zeros({}, scores.options().dtype(at::kDouble));
   auto dist = at::full({k, k}, INFINITY, scores.options().dtype(at::kDouble)).fill_diagonal_(0.0);

@@ -79,14 +79,31 @@ def test_environment_override(name):
 
 
 def test_opt_in_backend_runs_only_when_forced(monkeypatch):
-    # balanced_assignment's CUDA solver never ran on a GPU: it must not be the default for CUDA
-    # tensors even where the extension has the kernel, but a forced "cuda" gets it.
+    # A kernel registered opt-in is never the default for its device, even where the extension has
+    # it, but a forced backend gets it. No op is opt-in at present: a stand-in op is registered.
+    import types
+
     monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)
     monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
-    assert backends.choose("balanced_assignment", "cuda") == "torch"
+    monkeypatch.setitem(backends._REGISTRY, "opt_in_stand_in", None)
+    backends.register("opt_in_stand_in", torch=lambda: "torch", cuda=lambda: "cuda", opt_in=("cuda",))
+    assert backends.choose("opt_in_stand_in", "cuda") == "torch"
+    cuda_tensor = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)  # no GPU needed
+    assert backends.fallback("opt_in_stand_in", "triton", cuda_tensor) is backends._REGISTRY["opt_in_stand_in"].torch
     with moe_kernels.use_backend("cuda"):
-        assert backends.choose("balanced_assignment", "cuda") == "cuda"
+        assert backends.choose("opt_in_stand_in", "cuda") == "cuda"
     assert backends.choose("topk_router", "cuda") in ("triton", "cuda")  # not opt-in
+
+
+def test_balanced_assignment_takes_the_cuda_solver_by_default(monkeypatch):
+    """The CUDA solver ran exact on an H100 and an H200 and is far faster than the reference's
+    Python auction there (ops/balanced_assignment.py): CUDA tensors take it unforced."""
+    if not _extension.defines("balanced_assignment"):
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)  # a CUDA build
+    monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
+    assert backends.choose("balanced_assignment", "cuda") == "cuda"
+    assert "cuda" not in backends._REGISTRY["balanced_assignment"].opt_in
 
 
 def test_register_rejects_unknown_opt_in():
@@ -139,7 +156,8 @@ def test_fallback_past_a_kernels_limits(monkeypatch):
     f64 = cuda_tensor(torch.float64)  # load_probabilities' CUDA kernel has no float64 path; topk_router's has
     assert backends.fallback("load_probabilities", "triton", f64) is backends._REGISTRY["load_probabilities"].torch
     assert backends.fallback("topk_router", "triton", f64) is backends._REGISTRY["topk_router"].cuda
-    assert backends.fallback("balanced_assignment", "triton", cuda_tensor()) is reference.balanced_assignment  # opt-in
+    solver = backends._REGISTRY["balanced_assignment"].cuda or reference.balanced_assignment  # no Triton kernel
+    assert backends.fallback("balanced_assignment", "triton", cuda_tensor()) is solver
     with moe_kernels.use_backend("triton"):  # forced or not
         assert backends.fallback("topk_router", "triton", cuda_tensor()) is backends._REGISTRY["topk_router"].cuda
 

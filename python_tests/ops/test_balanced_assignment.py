@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from devices import gpu_skip_reason
 from scipy.optimize import linear_sum_assignment
 from shapes import ASSIGNMENT_SHAPES
 
@@ -193,6 +194,28 @@ def test_compile_fullgraph(kernel_backend):
             fn(bad)
     e_ref, v_ref, d_ref = run(kernel_backend, scores, 4, return_distances=True)
     assert torch.equal(e, e_ref) and torch.equal(v, v_ref) and torch.equal(d, d_ref)
+
+
+GPU_SKIP = gpu_skip_reason(moe_kernels.backends.triton_interpreting())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
+def test_cuda_default_compiles_fullgraph():
+    """CUDA tensors take the CUDA solver unforced, and it checks finiteness inside the op
+    (csrc/cuda_ops.cpp): a fullgraph compile, its result the C++ solver's on the same scores."""
+    assert moe_kernels.backends.choose("balanced_assignment", "cuda") == "cuda"
+    fn = torch.compile(lambda s: balanced_assignment(s, 4, return_distances=True), fullgraph=True)
+    scores = instance(0, 16, 4, "randn")
+    e, v, d = fn(scores.cuda())
+    bad = scores.clone()
+    bad[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        fn(bad.cuda())
+    e_cpu, v_cpu, d_cpu = run("cpu", scores, 4, return_distances=True)
+    assert torch.equal(e.cpu(), e_cpu)
+    torch.testing.assert_close(v.cpu(), v_cpu, rtol=1e-12, atol=0)
+    torch.testing.assert_close(d.cpu(), d_cpu, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])

@@ -195,7 +195,7 @@ CASES: dict[str, dict[str, Callable[[], Case]]] = {
 
 # Registered ops with no Triton kernel: the reason each is skipped rather than silently left out.
 NO_TRITON = {
-    "balanced_assignment": "no Triton kernel (C++ CPU solver; the CUDA solver is opt-in and syncs by design)",
+    "balanced_assignment": "no Triton kernel (C++ CPU solver; the CUDA solver syncs by design)",
     "sinkhorn": "no Triton kernel (reference and C++ CPU only)",
     "skip_sample": "no Triton kernel (a few reference tensor ops on every device)",
 }
