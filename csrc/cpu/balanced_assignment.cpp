@@ -31,7 +31,7 @@ constexpr int64_t kMinParallelWork = int64_t(1) << 18;
 using Holder = std::pair<double, int64_t>;  // (bid, -token): a min-heap evicts the lowest bid,
                                             // the higher token index on equal bids.
 
-// ba::best_two written branch-free so that it vectorises, with the same values and expert: v1 =
+// ba::top2_of written branch-free so that it vectorises, with the same values and expert: v1 =
 // the max of s[j] - price[j], j1 = its first index, v2 = the max over j != j1 (a max is exact in
 // any order; a -0.0 / +0.0 tie changes no bid). `values` is [k] scratch.
 template <typename scalar_t>

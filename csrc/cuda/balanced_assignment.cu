@@ -2,7 +2,8 @@
 // cancelling with Floyd-Warshall over the experts + the free-slot node) with the device doing
 // every round. The phases live in moe_kernels/balanced_assignment_steps.h (run on the host by the
 // emulation test); this file supplies the block executor, the kernels and the host loop.
-//   auction_kernel       1 block: score range, parallel (Jacobi) auction phases, token grouping
+//   auction_kernel       1 block: score range, parallel (Jacobi) auction phases (a warp's lanes
+//                        share a bidder's row where bidders are few), token grouping
 //   move_costs_kernel    k blocks: row j of d, a min-reduction over the tokens of expert j
 //   cancel_cycles_kernel 1 block: Floyd-Warshall (N steps of N x N relaxations), cycles, moves
 //   finish_kernel        1 block: experts (int64) and the value
@@ -25,10 +26,13 @@ constexpr int kMoveThreads = 256;    // move_costs_kernel: lanes of tokens x col
 constexpr int kMaxWarps = kSolverThreads / kWarp;
 // __launch_bounds__(threads, 1) everywhere: without the minimum of one block per SM, ptxas 13 for
 // sm_90 caps the registers of move_costs / auction (float) low enough to spill.
-// Rounds enqueued between two reads of the done flag: 4, then doubling up to 64. Randn scores
-// take 1-6 rounds at the benchmark sizes, tens with many free slots (30-90 seen in the host
-// emulation), so one to five reads; at most about half the enqueued rounds are no-ops.
+// Rounds enqueued between two reads of the done flag: 4, then doubling up to 64. The emulation's
+// inputs take 1-7 rounds at the benchmark sizes (docs/balanced_assignment.md), so one or two
+// reads; at most about half the enqueued rounds are no-ops.
 constexpr int kFirstBatch = 4, kMaxBatch = 64;
+// The auction's prices go to shared memory up to this size (k = 4096), within the 48 KB a launch
+// gets without opting in to more (with the kernel's static shared memory).
+constexpr int64_t kSharedPricesBytes = 32 * 1024;
 // A guard against a solver bug, far above any count seen.
 constexpr int64_t kMaxRounds = int64_t(1) << 16;
 
@@ -76,6 +80,28 @@ struct BlockExec {
     return reduce(v, 0.0, [](double a, double b) { return a + b; });
   }
 
+  // Groups of `lanes` consecutive threads (a power of two <= kWarp, so a group never straddles a
+  // warp; count = groups * lanes and blockDim.x are multiples of lanes, so a stride of the loop
+  // holds whole groups) each merge their partials by xor shuffles among the group's lanes only.
+  template <class Partial, class Out>
+  __device__ void for_each_top2(int64_t groups, int64_t lanes, Partial&& partial, Out&& out) const {
+    const int64_t count = groups * lanes;
+    const int base = (int)(threadIdx.x % kWarp) & ~(int)(lanes - 1);
+    const unsigned mask = lanes == kWarp ? 0xffffffffu : ((1u << lanes) - 1u) << base;
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
+      const int64_t g = i / lanes, lane = i % lanes;
+      ba::Top2 t = partial(g, lane);
+      for (int offset = (int)lanes / 2; offset > 0; offset /= 2) {
+        ba::Top2 o;
+        o.v1 = __shfl_xor_sync(mask, t.v1, offset);
+        o.v2 = __shfl_xor_sync(mask, t.v2, offset);
+        o.j1 = (int64_t)__shfl_xor_sync(mask, (long long)t.j1, offset);
+        t = ba::merge_top2(t, o);
+      }
+      if (lane == 0) out(g, t);
+    }
+  }
+
   // out[0..n] = exclusive prefix sums of in[0..n) (out[n] = total), blockDim.x entries at a time:
   // a warp scan, then a scan of the warp totals, plus the carry of the previous chunks.
   __device__ void exclusive_scan(const int32_t* in, int32_t* out, int64_t n) const {
@@ -116,11 +142,27 @@ struct BlockExec {
   __shared__ int32_t scan_shared[kMaxWarps + 1]; \
   const BlockExec ex{red_shared, scan_shared}
 
+// The auction's flags and counters, and its prices where they fit (shared_prices: k doubles of
+// dynamic shared memory), live in shared memory while it runs: most bidding iterations have a
+// handful of bidders, so their time is the latency of the block's steps, not bandwidth. Copied
+// back to the workspace at the end (the host and the later kernels read the flags there).
 template <typename scalar_t>
-__global__ void __launch_bounds__(kSolverThreads, 1) auction_kernel(ba::Problem<scalar_t> P, ba::Workspace W) {
+__global__ void __launch_bounds__(kSolverThreads, 1)
+    auction_kernel(ba::Problem<scalar_t> P, ba::Workspace W, bool shared_prices) {
   MK_BLOCK_EXEC;
-  ba::score_stats(ex, P, W);
-  ba::auction(ex, P, W);
+  extern __shared__ double prices_shared[];  // [k] if shared_prices
+  __shared__ int32_t ints_shared[ba::kNumInts];
+  ba::score_stats(ex, P, W);  // ends with a barrier: the flags and prices are initialised
+  ba::Workspace local = W;
+  local.ints = ints_shared;
+  if (shared_prices) local.prices = prices_shared;
+  for (int64_t f = threadIdx.x; f < ba::kNumInts; f += blockDim.x) ints_shared[f] = W.ints[f];
+  if (shared_prices)
+    for (int64_t j = threadIdx.x; j < P.k; j += blockDim.x) prices_shared[j] = W.prices[j];
+  __syncthreads();
+  ba::auction(ex, P, local);
+  __syncthreads();
+  for (int64_t f = threadIdx.x; f < ba::kNumInts; f += blockDim.x) W.ints[f] = ints_shared[f];
 }
 
 template <typename scalar_t>
@@ -154,7 +196,8 @@ cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity
   const ba::Problem<scalar_t> P{scores, n, k, capacity};
   ba::Workspace W;
   ba::workspace_layout(n, k, capacity, workspace, &W);
-  auction_kernel<scalar_t><<<1, kSolverThreads, 0, stream>>>(P, W);
+  const bool shared_prices = k * (int64_t)sizeof(double) <= kSharedPricesBytes;
+  auction_kernel<scalar_t><<<1, kSolverThreads, shared_prices ? k * sizeof(double) : 0, stream>>>(P, W, shared_prices);
   int32_t flags[2] = {0, 0};  // kDone, kFailed
   for (int64_t round = 0, batch = kFirstBatch; round < kMaxRounds && !flags[ba::kDone];
        batch = batch < kMaxBatch ? 2 * batch : batch) {

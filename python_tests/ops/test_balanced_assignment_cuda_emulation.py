@@ -44,9 +44,10 @@ def emulator(tmp_path_factory):
     return exe
 
 
-def emulate(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0):
+def emulate(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0, restarted=False):
     """Runs the device algorithm on the host. Returns (experts [n] int64, value float,
-    distances [k, k] float64, rounds, auction iterations)."""
+    distances [k, k] float64, rounds, auction iterations), and with `restarted` whether the
+    auction's first attempt ran past its bid budget (the column-mean restart ran)."""
     n, k = scores.shape
     x = scores.numpy()
     f64 = x.dtype == np.float64
@@ -58,12 +59,13 @@ def emulate(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=
     out = subprocess.run([str(exe), str(path), str(result)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     raw = result.read_bytes()
-    converged, rounds, iterations = np.frombuffer(raw[:24], dtype=np.int64)
+    converged, rounds, iterations, second = np.frombuffer(raw[:32], dtype=np.int64)
     assert converged == 1, "a guard tripped (auction iterations or rounds)"
-    experts = np.frombuffer(raw[24 : 24 + 8 * n], dtype=np.int64)
-    value = float(np.frombuffer(raw[24 + 8 * n : 32 + 8 * n], dtype=np.float64)[0])
-    dist = np.frombuffer(raw[32 + 8 * n :], dtype=np.float64).reshape(k, k)
-    return torch.from_numpy(experts.copy()), value, torch.from_numpy(dist.copy()), int(rounds), int(iterations)
+    experts = np.frombuffer(raw[32 : 32 + 8 * n], dtype=np.int64)
+    value = float(np.frombuffer(raw[32 + 8 * n : 40 + 8 * n], dtype=np.float64)[0])
+    dist = np.frombuffer(raw[40 + 8 * n :], dtype=np.float64).reshape(k, k)
+    out = (torch.from_numpy(experts.copy()), value, torch.from_numpy(dist.copy()), int(rounds), int(iterations))
+    return (*out, bool(second)) if restarted else out
 
 
 def check_optimal(scores, capacity, experts, value):
@@ -144,4 +146,27 @@ def test_independent_of_item_order_and_width(emulator, n, k, capacity):
         for e, v, d, r, it in runs[1:]:
             assert torch.equal(e, experts) and torch.equal(d, dist)
             assert (r, it) == (rounds, iterations)
+            assert math.isclose(v, value, rel_tol=1e-15, abs_tol=1e-12)  # summation order only
+
+
+@pytest.mark.parametrize("n,k,extra", [(100, 5, 0), (200, 8, 0), (300, 16, 3)])
+def test_bid_budget_restart(emulator, n, k, extra):
+    """Experts that differ in popularity run the auction past its bid budget: without free slots it
+    restarts from the column means (its second attempt), with free slots it runs on from zero
+    prices (column means would leave a free slot above the lowest price). Optimal, and the same
+    result whatever the order of the items and the width, either way."""
+    for seed in range(3):
+        scores = instance(seed, n, k, "bias")
+        capacity = math.ceil(n / k) + extra
+        runs = [
+            emulate(emulator, scores, capacity, width=width, order=order, seed=seed, restarted=True)
+            for width in (1, 7, DEVICE_WIDTH)
+            for order in (FORWARDS, SHUFFLED)
+        ]
+        experts, value, dist, rounds, iterations, restarted = runs[0]
+        assert restarted == (extra == 0)
+        check_optimal(scores, capacity, experts, value)
+        for e, v, d, r, it, again in runs[1:]:
+            assert torch.equal(e, experts) and torch.equal(d, dist)
+            assert (r, it, again) == (rounds, iterations, restarted)
             assert math.isclose(v, value, rel_tol=1e-15, abs_tol=1e-12)  # summation order only

@@ -16,26 +16,39 @@ namespace balanced_assignment {
 // +inf without <limits> (usable in device code).
 MK_HD double inf() { return __builtin_huge_val(); }
 
-// The auction's bidding step for one token: over the experts, the best value s[j] - price[j]
-// (ties to the lower j), its expert, and the second best value (-inf when k = 1).
+// The auction's bidding step for one token over the experts first, first + step, ...: the best
+// value s[j] - price[j] (ties to the lower j), its expert (-1 if none), and the second best value
+// (-inf when there is none): the best of the values other than the best's own.
+struct Top2 {
+  double v1, v2;
+  int64_t j1;
+};
 template <typename scalar_t>
-MK_HD void best_two(const scalar_t* row, const double* prices, int64_t k, int64_t* j1, double* v1,
-                    double* v2) {
-  int64_t best = -1;
-  double b1 = -inf(), b2 = -inf();
-  for (int64_t j = 0; j < k; ++j) {
+MK_HD Top2 top2_of(const scalar_t* row, const double* prices, int64_t k, int64_t first, int64_t step) {
+  Top2 t{-inf(), -inf(), -1};
+  for (int64_t j = first; j < k; j += step) {
     const double v = (double)row[j] - prices[j];
-    if (v > b1) {
-      best = j;
-      b2 = b1;
-      b1 = v;
-    } else if (v > b2) {
-      b2 = v;
+    if (v > t.v1) {
+      t.j1 = j;
+      t.v2 = t.v1;
+      t.v1 = v;
+    } else if (v > t.v2) {
+      t.v2 = v;
     }
   }
-  *j1 = best;
-  *v1 = b1;
-  *v2 = b2;
+  return t;
+}
+
+// The Top2 of the union of two disjoint sets of experts from each one's: the better best (ties to
+// the lower expert; an empty set's j1 = -1 loses only to a higher value, and values are finite),
+// and the second best is the better of the winner's second and the loser's best. Commutative
+// and associative, so lanes that each scan a share of a row and merge in any order find
+// top2_of of the whole row: the same expert and values.
+MK_HD Top2 merge_top2(const Top2& a, const Top2& b) {
+  const bool a_wins = a.v1 > b.v1 || (a.v1 == b.v1 && (b.j1 < 0 || (a.j1 >= 0 && a.j1 < b.j1)));
+  const Top2& w = a_wins ? a : b;
+  const Top2& l = a_wins ? b : a;
+  return Top2{w.v1, w.v2 > l.v1 ? w.v2 : l.v1, w.j1};
 }
 
 // The bid of a token whose best value is v1 and second best v2 for an expert priced `price`.

@@ -15,6 +15,11 @@
 //   atomic_add(int32_t* p, v)   returns the old value
 //   exclusive_scan(in, out, n)  out[0..n] = exclusive prefix sums of in[0..n), out[n] = total;
 //                               ends with a barrier
+//   for_each_top2(groups, lanes, partial, out)
+//                               for each group g in [0, groups): Top2 partials partial(g, lane)
+//                               of `lanes` lanes (a power of two <= kMaxLanes) merged by
+//                               merge_top2 in the xor-butterfly order, then out(g, merged) once;
+//                               no barrier (the device: a group is `lanes` threads of one warp)
 // Results never depend on the order of the items of a for_each: scatters with atomic_add produce
 // lists in arbitrary order, and everything read from them is a min / max / set under a strict
 // total order (better_move, holder_worse), so the device's output is deterministic.
@@ -35,14 +40,35 @@
 namespace moe_kernels {
 namespace balanced_assignment {
 
-// The auction's epsilon schedule: the CPU kernel's earlier two-phase schedule, not retuned for the
-// parallel auction (no GPU here to time it). The CPU kernel has since moved to one fine phase
-// with a column-mean restart (docs/balanced_assignment.md), chosen by sequential-auction timings
-// that say nothing of a Jacobi auction; the two-phase schedule's price wars on heavily tied scores
-// (hundreds of bids per token on the CPU) may hit the device too. Tune on a GPU.
-constexpr double kDeviceEpsStartDiv = 16.0;
-constexpr double kDeviceEpsFactor = 512.0;
-constexpr int kDeviceEpsPhases = 2;
+// The auction's schedule, the CPU kernel's shape (docs/balanced_assignment.md): one phase at
+// eps = spread / kDeviceEpsDiv (the CPU's divisor) from zero prices; past kDeviceBidsPerToken * n
+// bids (without free slots: auction()), a restart from the column means with no budget. Jacobi
+// bidding makes more bids than the CPU's sequential auction: integer scores took 5-8 a token,
+// which the CPU's budget of 4 would restart into a price war (column means are tied there too).
+// The two-phase schedule it replaced (spread / 16, then / 8192, every token re-bidding) fought
+// price wars on tied scores: 39k-82k bidding iterations and 5-11 million bids on integer scores
+// in {0, 1, 2} at (8192, 64) and (16384, 128), where this one takes 17-28 iterations. Chosen by
+// the host emulation's counts of iterations and cycle-cancelling passes, not by a GPU's times:
+// a larger eps takes fewer iterations and more passes (spread / 4096: 4-12 passes on randn).
+#ifndef MK_DEVICE_EPS_DIV  // a compile-time override for the emulation's sweeps of the schedule
+#define MK_DEVICE_EPS_DIV 32768.0
+#endif
+constexpr double kDeviceEpsDiv = MK_DEVICE_EPS_DIV;
+constexpr int64_t kDeviceBidsPerToken = 8;
+// Lanes that share one bid's scan of its row (a warp at most: the device merges them by shuffles).
+constexpr int64_t kMaxLanes = 32;
+// Bidding iterations with at most this many bidders (most of them: chains of evictions, docs/
+// balanced_assignment.md) skip grouping the bids by expert (a count, a scan and a scatter, five
+// barriers and two rounds of global atomics): each expert scans the whole list of bids instead.
+// Not tuned on a GPU.
+constexpr int64_t kFewBids = 32;
+// The lanes of one bid: the most (a power of two, at most kMaxLanes) that let every bidder of the
+// iteration scan at once, one bid a thread when there are as many bidders as threads.
+MK_HD_STEP int64_t bid_lanes(int64_t threads, int64_t bidders) {
+  int64_t lanes = 1;
+  while (lanes < kMaxLanes && 2 * lanes * bidders <= threads) lanes *= 2;
+  return lanes;
+}
 // A guard, not a tuning knob: a phase of the parallel auction that has not placed every token
 // after this many bidding iterations reports failure instead of hanging the device.
 constexpr int64_t kMaxAuctionIterations = int64_t(1) << 20;
@@ -56,8 +82,9 @@ enum Int : int {
   kNextQueued = 3,  // auction: tokens evicted this iteration (the next queue)
   kCycles = 4,      // cycles taken in this pass
   kCycleNodes = 5,  // their nodes, in total
-  kIterations = 6,  // auction: bidding iterations over all phases (for the emulation's report)
-  kNumInts = 7
+  kIterations = 6,  // auction: bidding iterations over both attempts (for the emulation's report)
+  kRestarted = 7,   // auction: 1 if the first attempt ran past its bid budget (for the emulation)
+  kNumInts = 8
 };
 
 template <typename scalar_t>
@@ -190,17 +217,25 @@ MK_HD_STEP void score_stats(const Exec& ex, const Problem<scalar_t>& P, const Wo
   ex.barrier();
 }
 
-// One block. Epsilon-scaled auction (kDeviceEpsPhases phases, prices carried over) with parallel
-// Jacobi bidding: every unassigned token bids at once with the prices of the iteration's start
-// (best_two, bid), then every expert takes its bids (holders kept by holder_worse), the evicted
-// tokens bid in the next iteration. Ends with every token placed (z) and grouped by expert, every
-// row of d dirty; sets kFailed (and kDone) if a phase hits kMaxAuctionIterations.
+// One block. The auction (one epsilon, from zero prices, restarted once from the column means past
+// the bid budget) with parallel Jacobi bidding: every unassigned token bids at once with the
+// prices of the iteration's start (top2_of over lanes, bid), then every expert takes its bids
+// (holders kept by holder_worse), the evicted tokens bid in the next iteration. Ends with every
+// token placed (z) and grouped by expert, every row of d dirty; sets kFailed (and kDone) if an
+// attempt hits kMaxAuctionIterations.
 template <class Exec, typename scalar_t>
 MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
   const int64_t n = P.n, k = P.k, capacity = P.capacity;
-  const double tol = W.reals[kTol];
-  double eps = auction_epsilon(W.reals[kSpread] / kDeviceEpsStartDiv, tol);
-  for (int phase = 0; phase < kDeviceEpsPhases; ++phase) {
+  const double eps = auction_epsilon(W.reals[kSpread] / kDeviceEpsDiv, W.reals[kTol]);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (attempt == 1) {
+      // prices[j] = mean over i of s[i][j], summed in token order in float64 (the CPU's).
+      ex.for_each(k, [&](int64_t j) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; ++i) sum += (double)P.s[i * k + j];
+        W.prices[j] = sum / (double)n;
+      });
+    }
     int32_t* queue = W.queue[0];
     int32_t* next = W.queue[1];
     ex.for_each(n, [&](int64_t i) {
@@ -210,34 +245,55 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
     ex.for_each(k, [&](int64_t j) { W.heap_size[j] = 0; });
     if (ex.leader()) W.ints[kQueued] = (int32_t)n;
     ex.barrier();
+    // Every thread counts the bids (each reads every iteration's count), so all of them decide
+    // the restart alike. No budget where there are free slots (capacity * k > n): an expert left
+    // with one is optimal only at the lowest price, which zero prices keep (prices only rise)
+    // and column means do not. Restarted there, per-expert-bias scores took 60-320 cycle-
+    // cancelling passes where the unbudgeted auction took 1-4 (and 0.4k-13k bidding iterations).
+    const int64_t budget = attempt == 0 && n >= capacity * k ? kDeviceBidsPerToken * n : -1;
+    int64_t bids_made = 0;
+    bool over_budget = false;
     for (int64_t iteration = 0;; ++iteration) {
       const int64_t queued = W.ints[kQueued];
       if (queued == 0) break;
+      if (budget >= 0 && bids_made >= budget) {
+        over_budget = true;
+        if (ex.leader()) W.ints[kRestarted] = 1;
+        break;
+      }
       if (iteration == kMaxAuctionIterations) {
         if (ex.leader()) W.ints[kFailed] = W.ints[kDone] = 1;
         ex.barrier();
         return;
       }
-      ex.for_each(k, [&](int64_t j) { W.count[j] = 0; });
-      ex.barrier();
-      // Bids, with the prices as they were at the start of the iteration.
-      ex.for_each(queued, [&](int64_t q) {
-        const int64_t i = queue[q];
-        int64_t j1;
-        double v1, v2;
-        best_two(P.s + i * k, W.prices, k, &j1, &v1, &v2);
-        W.target[q] = (int32_t)j1;
-        W.bid[q] = bid(W.prices[j1], v1, v2, k, eps);
-        ex.atomic_add(&W.count[j1], 1);
-      });
+      bids_made += queued;
+      // Few bidders: each expert finds its bids in the whole list; else they are grouped by expert.
+      const bool few = queued <= kFewBids;
+      if (!few) {
+        ex.for_each(k, [&](int64_t j) { W.count[j] = 0; });
+        ex.barrier();
+      }
       if (ex.leader()) W.ints[kNextQueued] = 0;
+      // Bids, with the prices as they were at the start of the iteration; `lanes` threads scan a
+      // bidder's row together where there are fewer bidders than threads.
+      const int64_t lanes = bid_lanes(ex.threads(), queued);
+      ex.for_each_top2(
+          queued, lanes,
+          [&](int64_t q, int64_t lane) { return top2_of(P.s + queue[q] * k, W.prices, k, lane, lanes); },
+          [&](int64_t q, const Top2& t) {
+            W.target[q] = (int32_t)t.j1;
+            W.bid[q] = bid(W.prices[t.j1], t.v1, t.v2, k, eps);
+            if (!few) ex.atomic_add(&W.count[t.j1], 1);
+          });
       ex.barrier();
-      // Bids grouped by expert.
-      ex.exclusive_scan(W.count, W.start, k);
-      ex.for_each(k, [&](int64_t j) { W.cursor[j] = W.start[j]; });
-      ex.barrier();
-      ex.for_each(queued, [&](int64_t q) { W.bucket[ex.atomic_add(&W.cursor[W.target[q]], 1)] = (int32_t)q; });
-      ex.barrier();
+      if (!few) {
+        // Bids grouped by expert.
+        ex.exclusive_scan(W.count, W.start, k);
+        ex.for_each(k, [&](int64_t j) { W.cursor[j] = W.start[j]; });
+        ex.barrier();
+        ex.for_each(queued, [&](int64_t q) { W.bucket[ex.atomic_add(&W.cursor[W.target[q]], 1)] = (int32_t)q; });
+        ex.barrier();
+      }
       // Every expert takes its bids: each joins the bounded heap of holders; while it holds more
       // than `capacity`, the worst holder is evicted to the next queue. The kept set is the
       // `capacity` best of (holders + bids) under holder_worse whatever the order of the bids. A
@@ -246,8 +302,8 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
         double* bids = W.heap_bid + j * W.heap_stride;
         int32_t* holders = W.heap_token + j * W.heap_stride;
         int64_t size = W.heap_size[j];
-        for (int64_t p = W.start[j]; p < W.start[j + 1]; ++p) {
-          const int32_t q = W.bucket[p], i = queue[q];
+        auto take = [&](int64_t q) {
+          const int32_t i = queue[q];
           size = heap_push(bids, holders, size, W.bid[q], i);
           W.z[i] = (int32_t)j;
           if (size > capacity) {
@@ -256,6 +312,12 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
             W.z[out] = -1;
             next[ex.atomic_add(&W.ints[kNextQueued], 1)] = out;
           }
+        };
+        if (few) {
+          for (int64_t q = 0; q < queued; ++q)
+            if (W.target[q] == j) take(q);
+        } else {
+          for (int64_t p = W.start[j]; p < W.start[j + 1]; ++p) take(W.bucket[p]);
         }
         if (size == capacity) W.prices[j] = bids[0];
         W.heap_size[j] = (int32_t)size;
@@ -270,10 +332,9 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
       }
       ex.barrier();
     }
-    // Every thread has read kQueued = 0 before the leader sets it for the next phase.
+    // Every thread has read kQueued before the leader sets it for the restart.
     ex.barrier();
-    eps /= kDeviceEpsFactor;
-    eps = auction_epsilon(eps, tol);
+    if (!over_budget) break;
   }
   group_tokens(ex, P, W);
   ex.for_each(k, [&](int64_t j) { W.dirty[j] = 1; });

@@ -8,7 +8,8 @@
 // Usage: balanced_assignment_cuda <in> <out>
 //   in:  int64 n, k, capacity, float64 (1) or float32 (0), width, order (0 forwards,
 //        1 backwards, 2 shuffled), seed; then n * k scores of that type, row-major.
-//   out: int64 converged, rounds, auction iterations; int64 experts [n]; float64 value;
+//   out: int64 converged, rounds, auction iterations, restarted (the auction's second attempt ran);
+//        int64 experts [n]; float64 value;
 //        float64 distances [k, k].
 #include <stdint.h>
 #include <stdio.h>
@@ -59,6 +60,20 @@ struct HostExec {
   void for_each(int64_t count, F&& f) const {
     for (int64_t i : items(count)) f(i);
   }
+  // The device's shuffles in the same order: at each offset every lane merges its value with its
+  // xor partner's (lane ^ offset), the merged value of lane 0 goes out.
+  template <class Partial, class Out>
+  void for_each_top2(int64_t groups, int64_t lanes, Partial&& partial, Out&& out) const {
+    std::vector<ba::Top2> v(lanes), w(lanes);
+    for (int64_t g : items(groups)) {
+      for (int64_t lane : items(lanes)) v[lane] = partial(g, lane);
+      for (int64_t offset = lanes / 2; offset > 0; offset /= 2) {
+        for (int64_t lane = 0; lane < lanes; ++lane) w[lane] = ba::merge_top2(v[lane], v[lane ^ offset]);
+        std::swap(v, w);
+      }
+      out(g, v[0]);
+    }
+  }
 };
 
 template <typename scalar_t>
@@ -89,8 +104,8 @@ int run(FILE* in, FILE* out, int64_t n, int64_t k, int64_t capacity, int64_t wid
   const int64_t converged = W.ints[ba::kDone] && !W.ints[ba::kFailed];
   if (converged) ba::finish(ex, P, W, experts.data(), &value);  // finish_kernel
 
-  const int64_t head[3] = {converged, rounds, W.ints[ba::kIterations]};
-  fwrite(head, sizeof(int64_t), 3, out);
+  const int64_t head[4] = {converged, rounds, W.ints[ba::kIterations], W.ints[ba::kRestarted]};
+  fwrite(head, sizeof(int64_t), 4, out);
   fwrite(experts.data(), sizeof(int64_t), n, out);
   fwrite(&value, sizeof(double), 1, out);
   fwrite(distances.data(), sizeof(double), k * k, out);
