@@ -5,7 +5,8 @@
 //   auction_kernel       1 block: score range, parallel (Jacobi) auction phases (a warp's lanes
 //                        share a bidder's row where bidders are few), token grouping
 //   move_costs_kernel    k blocks: row j of d, a min-reduction over the tokens of expert j
-//   cancel_cycles_kernel 1 block: Floyd-Warshall (N steps of N x N relaxations), cycles, moves
+//   cancel_cycles_kernel 1 block: Floyd-Warshall (N steps of N x N relaxations; its state in
+//                        shared memory where it fits), cycles, moves
 //   finish_kernel        1 block: experts (int64) and the value
 // A round is move_costs + cancel_cycles; both return at once when the done flag (device memory)
 // is set, so the host enqueues rounds in batches (4, 8, 16, ...) and reads the flag once per
@@ -33,6 +34,9 @@ constexpr int kFirstBatch = 4, kMaxBatch = 64;
 // The auction's prices go to shared memory up to this size (k = 4096), within the 48 KB a launch
 // gets without opting in to more (with the kernel's static shared memory).
 constexpr int64_t kSharedPricesBytes = 32 * 1024;
+// Room left for a kernel's static shared memory (the block executor's: about 200 bytes) beside
+// its dynamic shared memory.
+constexpr size_t kStaticSharedBytes = 1024;
 // A guard against a solver bug, far above any count seen.
 constexpr int64_t kMaxRounds = int64_t(1) << 16;
 
@@ -173,10 +177,30 @@ __global__ void __launch_bounds__(kMoveThreads, 1) move_costs_kernel(ba::Problem
   ba::move_costs_row(ex, P, W, blockIdx.x, part_cost, part_token);
 }
 
+// The Floyd-Warshall state of a pass for up to N nodes: dist [N, N], col and row [N] (double),
+// nxt [N, N], col_nxt [N] (int32), blocked [N] (char), in that order. A pass rebuilds all of it
+// from the residual graph, and nothing after the pass reads it (d* goes to `distances`).
+size_t graph_bytes(int64_t N) { return (size_t)N * N * 12 + (size_t)N * 21; }
+
+__device__ void place_graph(ba::Workspace& W, int64_t N, char* base) {
+  W.dist = reinterpret_cast<double*>(base);
+  W.col = W.dist + N * N;
+  W.row = W.col + N;
+  W.nxt = reinterpret_cast<int32_t*>(W.row + N);
+  W.col_nxt = W.nxt + N * N;
+  W.blocked = reinterpret_cast<char*>(W.col_nxt + N);
+}
+
+// With shared_graph the pass's Floyd-Warshall state lives in dynamic shared memory (graph_bytes(k
+// + 1)): each of its N steps relaxes N x N cells, a thread's cells one after the other, and from
+// global memory each cell waited on the last one's store (the compiler cannot tell them apart).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSolverThreads, 1)
-    cancel_cycles_kernel(ba::Problem<scalar_t> P, ba::Workspace W, double* __restrict__ distances) {  // [k, k]
+    cancel_cycles_kernel(ba::Problem<scalar_t> P, ba::Workspace W, double* __restrict__ distances,  // [k, k]
+                         bool shared_graph) {
   MK_BLOCK_EXEC;
+  extern __shared__ double graph_shared[];
+  if (shared_graph) place_graph(W, P.k + 1, reinterpret_cast<char*>(graph_shared));
   ba::cancel_cycles(ex, P, W, distances);
 }
 
@@ -198,14 +222,27 @@ cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity
   ba::workspace_layout(n, k, capacity, workspace, &W);
   const bool shared_prices = k * (int64_t)sizeof(double) <= kSharedPricesBytes;
   auction_kernel<scalar_t><<<1, kSolverThreads, shared_prices ? k * sizeof(double) : 0, stream>>>(P, W, shared_prices);
+  // The pass's graph in shared memory where the device's opt-in limit holds it (k + 1 = 129
+  // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes).
+  int device = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const size_t graph = graph_bytes(k + 1);
+  const bool shared_graph = graph + kStaticSharedBytes <= (size_t)optin;
+  if (shared_graph) {
+    err = cudaFuncSetAttribute(cancel_cycles_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)graph);
+    if (err != cudaSuccess) return err;
+  }
   int32_t flags[2] = {0, 0};  // kDone, kFailed
   for (int64_t round = 0, batch = kFirstBatch; round < kMaxRounds && !flags[ba::kDone];
        batch = batch < kMaxBatch ? 2 * batch : batch) {
     for (int64_t r = 0; r < batch; ++r, ++round) {
       move_costs_kernel<scalar_t><<<(unsigned)k, kMoveThreads, 0, stream>>>(P, W);
-      cancel_cycles_kernel<scalar_t><<<1, kSolverThreads, 0, stream>>>(P, W, distances);
+      cancel_cycles_kernel<scalar_t><<<1, kSolverThreads, shared_graph ? graph : 0, stream>>>(P, W, distances,
+                                                                                          shared_graph);
     }
-    cudaError_t err = cudaGetLastError();
+    err = cudaGetLastError();
     if (err == cudaSuccess) err = cudaMemcpyAsync(flags, W.ints, sizeof(flags), cudaMemcpyDeviceToHost, stream);
     if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) return err;
