@@ -362,22 +362,29 @@ def grid(kind: str, smoke: bool = False) -> list[Case]:
     return cases + gate_math(65536, 64, 2)
 
 
-# balanced_assignment's shapes (issue 33: the CUDA solver against the CPU solver on the same machine).
-ASSIGNMENT_SHAPES = ((8192, 64), (16384, 128))
+# balanced_assignment's cases (issue 33: the CUDA solver against the CPU solver on the same machine):
+# randn scores at the goal's shapes, and all-equal scores (a router's zero logits at initialisation,
+# where the device auction's earlier two-phase schedule fought a price war: 31,872 bidding
+# iterations by the host emulation's count).
+ASSIGNMENT_SHAPES = ((8192, 64, "randn"), (16384, 128, "randn"), (8192, 64, "equal"))
 
 
 def assignment_rows(kind: str, smoke: bool = False) -> list[dict]:
-    """balanced_assignment's CUDA solver (exact, the default for CUDA tensors) against the C++ CPU solver on the same
-    randn scores, on this machine's cores: `ms` the CUDA solve (eager calls between two events: the
-    solve reads its done flag on the host, so no graph), `vs_torch` the CPU solver's median time
-    over it; `method` says whether the objectives agree (each is exactly optimal, so equal values
-    up to float64 rounding of the sum). No bytes model: gbps and copy_gbps stay empty. --smoke
-    runs the rows' code with the CPU solver in the CUDA solver's place, on a small shape."""
-    shapes = ((256, 8),) if smoke else ASSIGNMENT_SHAPES[:1] if kind == "quick" else ASSIGNMENT_SHAPES
+    """balanced_assignment's CUDA solver (exact, the default for CUDA tensors) against the C++ CPU
+    solver on the same scores (ASSIGNMENT_SHAPES), on this machine's cores: `ms` the CUDA solve
+    (eager calls between two events: the solve reads its done flag on the host, so no graph),
+    `vs_torch` the CPU solver's median time over it; `method` says whether the objectives agree
+    (each is exactly optimal, so equal values up to float64 rounding of the sum). No bytes model:
+    gbps and copy_gbps stay empty. --smoke runs the rows' code with the CPU solver in the CUDA
+    solver's place, on a small shape."""
+    shapes = ((256, 8, "randn"),) if smoke else ASSIGNMENT_SHAPES[:1] if kind == "quick" else ASSIGNMENT_SHAPES
     cpu = "cpu" if backends._available("balanced_assignment", "cpu", "cpu") else "torch"
     out = []
-    for n, k in shapes:
-        scores = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+    for n, k, scores_kind in shapes:
+        if scores_kind == "equal":
+            scores = torch.zeros(n, k)
+        else:
+            scores = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
         with moe_kernels.use_backend(cpu):
             _, cpu_value, _ = K.balanced_assignment(scores, return_distances=True)
             cpu_s = statistics.median(timing.timeit(lambda: K.balanced_assignment(scores), reps=5, min_time=0.5))
@@ -392,7 +399,7 @@ def assignment_rows(kind: str, smoke: bool = False) -> list[dict]:
         agree = gap <= 1e-9 * max(1.0, abs(float(cpu_value)))
         row = {
             "op": "balanced_assignment",
-            "config": f"n={n} k={k} float32 (vs: the CPU solver, {os.cpu_count()} cores)",
+            "config": f"n={n} k={k} float32 {scores_kind} (vs: the CPU solver, {os.cpu_count()} cores)",
             "backend": "cuda",
             "ms": f"{seconds * 1e3:.4f}",
             "gbps": "",
@@ -402,7 +409,8 @@ def assignment_rows(kind: str, smoke: bool = False) -> list[dict]:
             "method": f"{method}; objective {'equal' if agree else f'differs by {gap:.3g}'}",
         }
         print(
-            f"  balanced_assignment n={n} k={k} cuda {row['ms']} ms, x{row['vs_torch']} the CPU solver, {row['method']}"
+            f"  balanced_assignment n={n} k={k} {scores_kind} cuda {row['ms']} ms, x{row['vs_torch']} the CPU solver, "
+            f"{row['method']}"
         )
         out.append(row)
     return out

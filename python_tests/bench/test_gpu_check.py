@@ -143,7 +143,7 @@ def test_bench_smoke():
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "cases and 1 assignment row ran on CPU tensors" in run.stdout
-    assert "balanced_assignment n=256 k=8 cuda" in run.stdout and "objective equal" in run.stdout
+    assert "balanced_assignment n=256 k=8 randn cuda" in run.stdout and "objective equal" in run.stdout
 
 
 def test_device_slug():
