@@ -211,16 +211,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at:
   if (n == 0) return {experts, value, dist};
   auto workspace = at::empty({(int64_t)balanced_assignment_cuda_workspace(n, k, capacity)},
                              scores.options().dtype(at::kByte));
-  bool converged = false;
+  int status = kAssignmentGuard;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   check_launch(f64 ? balanced_assignment_cuda(x.const_data_ptr<double>(), n, k, capacity, workspace.mutable_data_ptr(),
                                               experts.mutable_data_ptr<int64_t>(), value.mutable_data_ptr<double>(),
-                                              dist.mutable_data_ptr<double>(), &converged, stream)
+                                              dist.mutable_data_ptr<double>(), &status, stream)
                    : balanced_assignment_cuda(x.const_data_ptr<float>(), n, k, capacity, workspace.mutable_data_ptr(),
                                               experts.mutable_data_ptr<int64_t>(), value.mutable_data_ptr<double>(),
-                                              dist.mutable_data_ptr<double>(), &converged, stream),
+                                              dist.mutable_data_ptr<double>(), &status, stream),
                "balanced_assignment");
-  TORCH_CHECK(converged, "balanced_assignment: the CUDA solver hit a guard (auction iterations or rounds); a bug");
+  TORCH_CHECK_VALUE(status != kAssignmentOverflow,
+                    "balanced_assignment: the CUDA solver's auction prices overflowed float64 on these scores "
+                    "(values near the float64 limit); scale them down, or solve them on the CPU");
+  TORCH_CHECK(status == kAssignmentSolved,
+              "balanced_assignment: the CUDA solver hit a guard (auction iterations or rounds); a bug");
   return {experts, value, dist};
 }
 

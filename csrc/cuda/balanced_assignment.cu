@@ -25,6 +25,8 @@ namespace ba = balanced_assignment;
 constexpr int kSolverThreads = 512;  // the single-block kernels
 constexpr int kMoveThreads = 256;    // move_costs_kernel: lanes of tokens x columns
 constexpr int kMaxWarps = kSolverThreads / kWarp;
+// Whole warps: for_each_top2's groups, reduce and exclusive_scan rely on it.
+static_assert(kSolverThreads % kWarp == 0 && kMoveThreads % kWarp == 0, "blocks of whole warps");
 // __launch_bounds__(threads, 1) everywhere: without the minimum of one block per SM, ptxas 13 for
 // sm_90 caps the registers of move_costs / auction (float) low enough to spill.
 // Rounds enqueued between two reads of the done flag: 4, then doubling up to 64. The emulation's
@@ -34,9 +36,6 @@ constexpr int kFirstBatch = 4, kMaxBatch = 64;
 // The auction's prices go to shared memory up to this size (k = 4096), within the 48 KB a launch
 // gets without opting in to more (with the kernel's static shared memory).
 constexpr int64_t kSharedPricesBytes = 32 * 1024;
-// Room left for a kernel's static shared memory (the block executor's: about 200 bytes) beside
-// its dynamic shared memory.
-constexpr size_t kStaticSharedBytes = 1024;
 // A guard against a solver bug, far above any count seen.
 constexpr int64_t kMaxRounds = int64_t(1) << 16;
 
@@ -148,8 +147,9 @@ struct BlockExec {
 
 // The auction's flags and counters, and its prices where they fit (shared_prices: k doubles of
 // dynamic shared memory), live in shared memory while it runs: most bidding iterations have a
-// handful of bidders, so their time is the latency of the block's steps, not bandwidth. Copied
-// back to the workspace at the end (the host and the later kernels read the flags there).
+// handful of bidders, so their time is the latency of the block's steps, not bandwidth. The flags
+// are copied back to the workspace at the end (the host and the later kernels read them there);
+// the prices are not (nothing after the auction reads them).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSolverThreads, 1)
     auction_kernel(ba::Problem<scalar_t> P, ba::Workspace W, bool shared_prices) {
@@ -214,26 +214,35 @@ __global__ void __launch_bounds__(kSolverThreads, 1) finish_kernel(ba::Problem<s
 
 template <typename scalar_t>
 cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity, void* workspace, int64_t* experts,
-                  double* value, double* distances, bool* converged, cudaStream_t stream) {
-  *converged = false;
-  if (n == 0) return cudaSuccess;
+                  double* value, double* distances, int* status, cudaStream_t stream) {
+  *status = kAssignmentGuard;
+  if (n == 0) {
+    *status = kAssignmentSolved;
+    return cudaSuccess;
+  }
   const ba::Problem<scalar_t> P{scores, n, k, capacity};
   ba::Workspace W;
   ba::workspace_layout(n, k, capacity, workspace, &W);
   const bool shared_prices = k * (int64_t)sizeof(double) <= kSharedPricesBytes;
   auction_kernel<scalar_t><<<1, kSolverThreads, shared_prices ? k * sizeof(double) : 0, stream>>>(P, W, shared_prices);
   // The pass's graph in shared memory where the device's opt-in limit holds it (k + 1 = 129
-  // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes).
-  int device = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
+  // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes). The kernel's
+  // limit is process-wide: it is always set to the device's most, so that a solve of another
+  // size (another host thread) never lowers it under a launch; where that fails, global memory.
   const size_t graph = graph_bytes(k + 1);
-  const bool shared_graph = graph + kStaticSharedBytes <= (size_t)optin;
-  if (shared_graph) {
-    err = cudaFuncSetAttribute(cancel_cycles_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)graph);
-    if (err != cudaSuccess) return err;
+  bool shared_graph = false;
+  int device = 0, optin = 0;
+  cudaFuncAttributes attributes{};
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+      cudaFuncGetAttributes(&attributes, cancel_cycles_kernel<scalar_t>) == cudaSuccess) {
+    const int most = optin - (int)attributes.sharedSizeBytes;
+    shared_graph = graph <= (size_t)most &&
+                   cudaFuncSetAttribute(cancel_cycles_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        most) == cudaSuccess;
   }
+  cudaGetLastError();  // a failed query above only means the graph stays in global memory
+  cudaError_t err = cudaSuccess;
   int32_t flags[2] = {0, 0};  // kDone, kFailed
   for (int64_t round = 0, batch = kFirstBatch; round < kMaxRounds && !flags[ba::kDone];
        batch = batch < kMaxBatch ? 2 * batch : batch) {
@@ -247,9 +256,10 @@ cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity
     if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) return err;
   }
-  if (!flags[ba::kDone] || flags[ba::kFailed]) return cudaSuccess;  // *converged stays false
+  if (flags[ba::kFailed] == 2) *status = kAssignmentOverflow;
+  if (!flags[ba::kDone] || flags[ba::kFailed]) return cudaSuccess;  // outputs unwritten
   finish_kernel<scalar_t><<<1, kSolverThreads, 0, stream>>>(P, W, experts, value);
-  *converged = true;
+  *status = kAssignmentSolved;
   return cudaGetLastError();
 }
 
@@ -260,15 +270,15 @@ size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity
 }
 
 cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream) {
-  return solve(scores, n, k, capacity, workspace, experts, value, distances, converged, stream);
+  return solve(scores, n, k, capacity, workspace, experts, value, distances, status, stream);
 }
 
 cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream) {
-  return solve(scores, n, k, capacity, workspace, experts, value, distances, converged, stream);
+  return solve(scores, n, k, capacity, workspace, experts, value, distances, status, stream);
 }
 
 }  // namespace moe_kernels

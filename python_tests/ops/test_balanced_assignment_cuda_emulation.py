@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "python_tests" / "ops" / "emulate" / "balanced_assignment_cuda.cpp"
 FORWARDS, BACKWARDS, SHUFFLED = 0, 1, 2
 DEVICE_WIDTH = 256  # move_costs_kernel's block size
+HEAD = 40  # the emulator's output header: converged, rounds, iterations, restarted, failed (int64)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +45,8 @@ def emulator(tmp_path_factory):
     return exe
 
 
-def emulate(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0, restarted=False):
-    """Runs the device algorithm on the host. Returns (experts [n] int64, value float,
-    distances [k, k] float64, rounds, auction iterations), and with `restarted` whether the
-    auction's first attempt ran past its bid budget (the column-mean restart ran)."""
+def emulate_raw(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0) -> bytes:
+    """The emulator's output file for one run (its layout: emulate/balanced_assignment_cuda.cpp)."""
     n, k = scores.shape
     x = scores.numpy()
     f64 = x.dtype == np.float64
@@ -58,12 +57,20 @@ def emulate(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=
         x.astype(np.float64 if f64 else np.float32).tofile(f)
     out = subprocess.run([str(exe), str(path), str(result)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    raw = result.read_bytes()
-    converged, rounds, iterations, second = np.frombuffer(raw[:32], dtype=np.int64)
-    assert converged == 1, "a guard tripped (auction iterations or rounds)"
-    experts = np.frombuffer(raw[32 : 32 + 8 * n], dtype=np.int64)
-    value = float(np.frombuffer(raw[32 + 8 * n : 40 + 8 * n], dtype=np.float64)[0])
-    dist = np.frombuffer(raw[40 + 8 * n :], dtype=np.float64).reshape(k, k)
+    return result.read_bytes()
+
+
+def emulate(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0, restarted=False):
+    """Runs the device algorithm on the host. Returns (experts [n] int64, value float,
+    distances [k, k] float64, rounds, auction iterations), and with `restarted` whether the
+    auction's first attempt ran past its bid budget (the column-mean restart ran)."""
+    n, k = scores.shape
+    raw = emulate_raw(exe, scores, capacity, width, order, seed)
+    converged, rounds, iterations, second, failed = np.frombuffer(raw[:HEAD], dtype=np.int64)
+    assert converged == 1, f"the solve failed (kFailed = {failed}: 1 a guard tripped, 2 a token without a finite bid)"
+    experts = np.frombuffer(raw[HEAD : HEAD + 8 * n], dtype=np.int64)
+    value = float(np.frombuffer(raw[HEAD + 8 * n : HEAD + 8 + 8 * n], dtype=np.float64)[0])
+    dist = np.frombuffer(raw[HEAD + 8 + 8 * n :], dtype=np.float64).reshape(k, k)
     out = (torch.from_numpy(experts.copy()), value, torch.from_numpy(dist.copy()), int(rounds), int(iterations))
     return (*out, bool(second)) if restarted else out
 
@@ -170,3 +177,16 @@ def test_bid_budget_restart(emulator, n, k, extra):
             assert torch.equal(e, experts) and torch.equal(d, dist)
             assert (r, it, again) == (rounds, iterations, restarted)
             assert math.isclose(v, value, rel_tol=1e-15, abs_tol=1e-12)  # summation order only
+
+
+def test_a_token_without_a_finite_bid_stops_the_auction(emulator):
+    """A token whose every value s - price is -inf has no expert to bid for: the auction stops with
+    kFailed = 2 (the op raises a ValueError from it) rather than index the prices with expert -1.
+    The op rejects non-finite scores before the solve, and from zero prices a token always has a
+    non-full expert at price 0, so with finite scores only prices that overflow to inf (float64
+    scores near the float64 limit) could bring it about; the -inf row here reaches it directly."""
+    inf = float("inf")
+    scores = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-inf, -inf]], dtype=torch.float64)
+    for width in (1, DEVICE_WIDTH):
+        converged, *_, failed = np.frombuffer(emulate_raw(emulator, scores, 2, width=width)[:HEAD], dtype=np.int64)
+        assert (converged, failed) == (0, 2)

@@ -77,7 +77,7 @@ constexpr int64_t kMaxAuctionIterations = int64_t(1) << 20;
 enum Real : int { kTol = 0, kSpread = 1, kNumReals = 2 };
 enum Int : int {
   kDone = 0,        // 1 once a cycle-cancelling pass found no negative cycle (or on failure)
-  kFailed = 1,      // 1 if the auction hit kMaxAuctionIterations
+  kFailed = 1,      // 1 if the auction hit kMaxAuctionIterations, 2 if a token had no finite bid
   kQueued = 2,      // auction: tokens in the current queue
   kNextQueued = 3,  // auction: tokens evicted this iteration (the next queue)
   kCycles = 4,      // cycles taken in this pass
@@ -282,10 +282,20 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
           [&](int64_t q, int64_t lane) { return top2_of(P.s + queue[q] * k, W.prices, k, lane, lanes); },
           [&](int64_t q, const Top2& t) {
             W.target[q] = (int32_t)t.j1;
+            if (t.j1 < 0) {  // every value -inf: prices overflowed (float64 scores near its limit)
+              W.ints[kFailed] = 2;
+              return;
+            }
             W.bid[q] = bid(W.prices[t.j1], t.v1, t.v2, k, eps);
             if (!few) ex.atomic_add(&W.count[t.j1], 1);
           });
       ex.barrier();
+      if (W.ints[kFailed]) {  // read by every thread after the barrier: all of them return
+        ex.barrier();
+        if (ex.leader()) W.ints[kDone] = 1;
+        ex.barrier();
+        return;
+      }
       if (!few) {
         // Bids grouped by expert.
         ex.exclusive_scan(W.count, W.start, k);

@@ -61,13 +61,16 @@ namespace moe_kernels {
 // experts [n] int64, value 0-dim float64, distances [k, k] float64 (written only on success);
 // workspace: balanced_assignment_cuda_workspace(n, k, capacity) bytes. Requires n, k < 2^31,
 // capacity * k >= n, finite scores. Synchronises `stream` once per few rounds (the done flag).
-// *converged = false (outputs unwritten) if a guard tripped: the auction or the round cap.
+// *status: kAssignmentSolved, or (outputs unwritten) kAssignmentOverflow where a token had no
+// finite bid (the auction's prices overflowed: float64 scores near the float64 limit),
+// kAssignmentGuard where a guard tripped (the auction's iterations or the round cap: a bug).
+enum AssignmentStatus : int { kAssignmentSolved = 0, kAssignmentGuard = 1, kAssignmentOverflow = 2 };
 size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity);
 cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream);
 cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, bool* converged,
+                                     int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream);
 
 }  // namespace moe_kernels

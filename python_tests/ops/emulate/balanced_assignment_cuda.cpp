@@ -8,8 +8,9 @@
 // Usage: balanced_assignment_cuda <in> <out>
 //   in:  int64 n, k, capacity, float64 (1) or float32 (0), width, order (0 forwards,
 //        1 backwards, 2 shuffled), seed; then n * k scores of that type, row-major.
-//   out: int64 converged, rounds, auction iterations, restarted (the auction's second attempt ran);
-//        int64 experts [n]; float64 value;
+//   out: int64 converged, rounds, auction iterations, restarted (the auction's second attempt ran),
+//        failed (kFailed: 0, 1 a guard, 2 a token without a finite bid); int64 experts [n];
+//        float64 value;
 //        float64 distances [k, k].
 #include <stdint.h>
 #include <stdio.h>
@@ -104,8 +105,8 @@ int run(FILE* in, FILE* out, int64_t n, int64_t k, int64_t capacity, int64_t wid
   const int64_t converged = W.ints[ba::kDone] && !W.ints[ba::kFailed];
   if (converged) ba::finish(ex, P, W, experts.data(), &value);  // finish_kernel
 
-  const int64_t head[4] = {converged, rounds, W.ints[ba::kIterations], W.ints[ba::kRestarted]};
-  fwrite(head, sizeof(int64_t), 4, out);
+  const int64_t head[5] = {converged, rounds, W.ints[ba::kIterations], W.ints[ba::kRestarted], W.ints[ba::kFailed]};
+  fwrite(head, sizeof(int64_t), 5, out);
   fwrite(experts.data(), sizeof(int64_t), n, out);
   fwrite(&value, sizeof(double), 1, out);
   fwrite(distances.data(), sizeof(double), k * k, out);
