@@ -177,22 +177,26 @@ __global__ void __launch_bounds__(kMoveThreads, 1) move_costs_kernel(ba::Problem
   ba::move_costs_row(ex, P, W, blockIdx.x, part_cost, part_token);
 }
 
-// The Floyd-Warshall state of a pass for up to N nodes: dist [N, N], col and row [N] (double),
-// nxt [N, N], col_nxt [N] (int32), blocked [N] (char), in that order. A pass rebuilds all of it
-// from the residual graph, and nothing after the pass reads it (d* goes to `distances`).
-size_t graph_bytes(int64_t N) { return (size_t)N * N * 12 + (size_t)N * 21; }
-
-__device__ void place_graph(ba::Workspace& W, int64_t N, char* base) {
-  W.dist = reinterpret_cast<double*>(base);
-  W.col = W.dist + N * N;
-  W.row = W.col + N;
-  W.nxt = reinterpret_cast<int32_t*>(W.row + N);
-  W.col_nxt = W.nxt + N * N;
-  W.blocked = reinterpret_cast<char*>(W.col_nxt + N);
+// The Floyd-Warshall state of a pass for up to N nodes, one block of bytes: dist [N, N], col and
+// row [N] (double), nxt [N, N], col_nxt [N] (int32), blocked [N] (char), in that order. Returns
+// its size; with W also points W's arrays into `base`. A pass rebuilds all of it from the residual
+// graph, and nothing after the pass reads it (d* goes to `distances`).
+__host__ __device__ size_t graph_layout(int64_t N, char* base, ba::Workspace* W) {
+  const size_t col = sizeof(double) * N * N, row = col + sizeof(double) * N, nxt = row + sizeof(double) * N;
+  const size_t col_nxt = nxt + sizeof(int32_t) * N * N, blocked = col_nxt + sizeof(int32_t) * N;
+  if (W != nullptr) {
+    W->dist = reinterpret_cast<double*>(base);
+    W->col = reinterpret_cast<double*>(base + col);
+    W->row = reinterpret_cast<double*>(base + row);
+    W->nxt = reinterpret_cast<int32_t*>(base + nxt);
+    W->col_nxt = reinterpret_cast<int32_t*>(base + col_nxt);
+    W->blocked = base + blocked;
+  }
+  return blocked + N;
 }
 
-// With shared_graph the pass's Floyd-Warshall state lives in dynamic shared memory (graph_bytes(k
-// + 1)): each of its N steps relaxes N x N cells, a thread's cells one after the other, and from
+// With shared_graph the pass's Floyd-Warshall state lives in dynamic shared memory (graph_layout
+// of k + 1 nodes): each of its N steps relaxes N x N cells, a thread's cells one after the other, and from
 // global memory each cell waited on the last one's store (the compiler cannot tell them apart).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSolverThreads, 1)
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(kSolverThreads, 1)
                          bool shared_graph) {
   MK_BLOCK_EXEC;
   extern __shared__ double graph_shared[];
-  if (shared_graph) place_graph(W, P.k + 1, reinterpret_cast<char*>(graph_shared));
+  if (shared_graph) graph_layout(P.k + 1, reinterpret_cast<char*>(graph_shared), &W);
   ba::cancel_cycles(ex, P, W, distances);
 }
 
@@ -229,7 +233,7 @@ cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity
   // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes). The kernel's
   // limit is process-wide: it is always set to the device's most, so that a solve of another
   // size (another host thread) never lowers it under a launch; where that fails, global memory.
-  const size_t graph = graph_bytes(k + 1);
+  const size_t graph = graph_layout(k + 1, nullptr, nullptr);
   bool shared_graph = false;
   int device = 0, optin = 0;
   cudaFuncAttributes attributes{};
