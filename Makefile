@@ -185,8 +185,9 @@ test-installed:
 	cd $(INSTALLED_VENV)/src && MOE_KERNELS_CUDA=$(INSTALLED_CUDA) MOE_KERNELS_REQUIRE_EXTENSION=1 $(INSTALLED_PY) -m pytest python_tests -p no:cacheprovider $(if $(INSTALLED_MARKS),-m "$(INSTALLED_MARKS)")
 
 # INSTALLED_MARKS: a pytest -m expression for that pass. test-newest leaves out the tests marked
-# torch_free (nvcc on the .cu files, which include no torch header: the same on every torch), which
-# `make test` runs; CI runs both.
+# torch_free (the same on every torch: nvcc on the .cu files and g++ on the instruction-set builds,
+# which include no torch header, and the pinned triton's ahead-of-time compiles), which `make test`
+# runs; CI runs both.
 NEWEST_TORCH := $(shell sed -n 's/^torch==//p' requirements-newest.txt)
 NEWEST_TRANSFORMERS := $(shell sed -n 's/^transformers==//p' requirements-newest.txt)
 test-newest:

@@ -179,7 +179,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fuzz: property-based fuzzing against the reference (ops/test_fuzz.py)")
     config.addinivalue_line(
         "markers",
-        "torch_free: the same on every torch (nvcc on the .cu files, which include no torch header); "
+        "torch_free: the same on every torch (nvcc on the .cu files and g++ on the instruction-set builds, "
+        "which include no torch header; the pinned triton's ahead-of-time compiles); "
         "make test-newest leaves these to make test",
     )
 

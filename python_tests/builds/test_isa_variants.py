@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# g++ on our C++ alone (no torch header): the same on every torch
+pytestmark = pytest.mark.torch_free
 # (name, driver, the sources it checks under csrc/cpu, the least count of rows or columns a run
 # must report checked)
 CHECKS = [
