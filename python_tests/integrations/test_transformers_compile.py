@@ -20,8 +20,8 @@ def tokens(seed=0, shape=(2, 12)):
     return torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def patched(family, dtype=torch.float32):
-    model = tiny_model(family, dtype=dtype)
+def patched(family, dtype=torch.float32, layers=2):
+    model = tiny_model(family, dtype=dtype, layers=layers)
     report = apply_moe_kernels(model)
     assert report["experts"] == "moe_kernels" and not report["skipped"], report
     return model
@@ -53,8 +53,10 @@ def forward_and_grads(fn, model, ids):
 @pytest.mark.parametrize("family", COMPILED)
 def test_fullgraph_compile_matches_eager(family):
     # inductor, the default backend: an inference forward and a training step (float32, where
-    # torch._grouped_mm's fake refuses the dtype and our grouped matmul op runs instead).
-    model = patched(family)
+    # torch._grouped_mm's fake refuses the dtype and our grouped matmul op runs instead). One decoder
+    # layer: inductor generates and compiles each layer's kernels anew (about 14 s a layer on 2 cores,
+    # twice a CI run); test_one_graph_no_breaks traces the two-layer model as one graph.
+    model = patched(family, layers=1)
     ids = tokens()
     torch._dynamo.reset()
     compiled = torch.compile(lambda ids: model(ids).logits, fullgraph=True)
@@ -141,7 +143,7 @@ def test_dynamic_shapes_one_compile(family):
     # dynamic=True: one graph serves every batch and sequence length (no recompile), as in decoding.
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    model = patched(family)
+    model = patched(family, layers=1)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda ids: model(ids).logits, fullgraph=True, dynamic=True, backend=counter)

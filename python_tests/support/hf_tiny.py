@@ -147,21 +147,28 @@ SHRINK = {
 }
 
 
-def _multimodal_config(model_type: str):
+def shrink_to(layers: int) -> dict:
+    """SHRINK with `layers` decoder layers."""
+    return SHRINK | {"num_hidden_layers": layers, "n_layers": layers}
+
+
+def _multimodal_config(model_type: str, layers: int):
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
     # Sub-configs passed as dicts, so that their __post_init__ derives what depends on the sizes.
-    text = {k: v for k, v in SHRINK.items() if hasattr(default.text_config, k)} | FAMILIES[model_type]
+    text = {k: v for k, v in shrink_to(layers).items() if hasattr(default.text_config, k)} | FAMILIES[model_type]
     vision = {k: v for k, v in VISION.items() if hasattr(default.vision_config, k)}
     return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **MULTIMODAL[model_type][1])
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, layers: int = SHRINK["num_hidden_layers"]):
+    """A config of `model_type` at SHRINK's sizes with `layers` decoder layers."""
     from transformers import AutoConfig
 
     if model_type in MULTIMODAL:
-        return _multimodal_config(model_type)
+        return _multimodal_config(model_type, layers)
+    shrink = shrink_to(layers)
     config = AutoConfig.for_model(model_type)
     if model_type == "gemma4_text":  # per-layer attributes (head_dim, ...): shrink them globally
         config.allow_global_per_layer_attribute_access = True
@@ -169,11 +176,11 @@ def tiny_config(model_type: str):
     for target in (config, sub):
         if target is None:
             continue
-        layers = getattr(target, "num_hidden_layers", None)
+        default_layers = getattr(target, "num_hidden_layers", None)
         for key, value in list(vars(target).items()):  # per-layer lists follow the shrunk layer count
-            if isinstance(value, list) and layers and len(value) == layers and layers > SHRINK["num_hidden_layers"]:
-                setattr(target, key, value[: SHRINK["num_hidden_layers"]])
-        for key, value in SHRINK.items():
+            if isinstance(value, list) and default_layers and len(value) == default_layers > layers:
+                setattr(target, key, value[:layers])
+        for key, value in shrink.items():
             if hasattr(target, key):
                 setattr(target, key, value)
         for key, value in FAMILIES[model_type].items():
@@ -234,11 +241,11 @@ def keep_fp32_strict(model):
     return model
 
 
-def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0):
+def tiny_model(model_type: str, dtype=torch.float32, seed: int = 0, layers: int = SHRINK["num_hidden_layers"]):
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, layers)
     name = MULTIMODAL[model_type][0] if model_type in MULTIMODAL else MODEL_CLASSES.get(model_type)
     if name is not None:
         model = getattr(transformers, name)(config).to(dtype)
