@@ -3,9 +3,9 @@ all and runs the next one no process has claimed (MOE_KERNELS_TEST_CLAIMS, conft
 pytest_runtestloop), with one intra-op thread. Prints each process's output when it ends; exits
 non-zero if any failed, or if between them they did not run every collected test once. The
 Makefile's interpreter pass runs this way: the Triton interpreter is single-threaded Python, so
-a 2-core machine runs two processes in about half the time. (Not the first pass: on its own it
-keeps about 1.9 of 2 cores busy with torch's threads and the C++ and nvcc builds; two processes
-took 768 s where one took 802.)
+a 2-core machine runs two processes in about half the time. (Not the first pass: on its own its
+user and system time is about 1.1 times its wall time on 2 cores, yet two processes, each with
+torch's threads, took 849 s where one took 893, and 768 s where one took 802 before.)
 
     python python_tests/run_shards.py N -- python -m pytest python_tests -m triton ...
 """
