@@ -186,8 +186,8 @@ test-installed:
 
 # INSTALLED_MARKS: a pytest -m expression for that pass. test-newest leaves out the tests marked
 # torch_free (the same on every torch: nvcc on the .cu files and g++ on the instruction-set builds,
-# which include no torch header, and the pinned triton's ahead-of-time compiles), which `make test`
-# runs; CI runs both.
+# which include no torch header), which `make test` runs; CI runs both. Triton's ahead-of-time
+# compiles stay in both passes: each venv has its torch's pinned triton (torch-pins.txt).
 NEWEST_TORCH := $(shell sed -n 's/^torch==//p' requirements-newest.txt)
 NEWEST_TRANSFORMERS := $(shell sed -n 's/^transformers==//p' requirements-newest.txt)
 test-newest:

@@ -180,7 +180,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "torch_free: the same on every torch (nvcc on the .cu files and g++ on the instruction-set builds, "
-        "which include no torch header; the pinned triton's ahead-of-time compiles); "
+        "which include no torch header; not Triton's compiles: test-newest installs the newest torch's triton); "
         "make test-newest leaves these to make test",
     )
 

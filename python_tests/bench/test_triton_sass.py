@@ -11,8 +11,6 @@ import pytest
 from moe_kernels import backends
 
 ROOT = Path(__file__).resolve().parents[2]
-# triton (pinned) compiles our kernels: the same on every torch
-pytestmark = pytest.mark.torch_free
 
 compiles = pytest.mark.skipif(
     backends.triton_interpreting() or not backends.triton_importable(),

@@ -16,13 +16,10 @@ import pytest
 
 from moe_kernels import backends
 
-pytestmark = [
-    pytest.mark.skipif(
-        backends.triton_interpreting() or not backends.triton_importable(),
-        reason="AOT compile needs triton without TRITON_INTERPRET",
-    ),
-    pytest.mark.torch_free,  # triton (pinned) compiles our kernels: the same on every torch
-]
+pytestmark = pytest.mark.skipif(
+    backends.triton_interpreting() or not backends.triton_importable(),
+    reason="AOT compile needs triton without TRITON_INTERPRET",
+)
 
 
 def aot_kernels():
