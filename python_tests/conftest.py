@@ -31,6 +31,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 import interpreter_device_calls
+import interpreter_reductions
 import poisoned_empty
 import pytest
 from collection import COLLECTED
@@ -41,6 +42,7 @@ from moe_kernels import _extension, backends
 INTERPRETING = backends.triton_interpreting()
 if INTERPRETING:
     interpreter_device_calls.install()  # the interpreter's no-op repatching skipped (see there)
+    interpreter_reductions.install()  # bitwise and max combines in numpy, not element by element (see there)
 
 
 def kernel_backends():
