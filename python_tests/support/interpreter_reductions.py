@@ -20,6 +20,8 @@ against (CHECKED); ops/test_interpreter_reductions.py checks it against the gene
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 CHECKED = ("3.7.1",)  # the pinned triton (Makefile's TRITON), whose interpreter this follows
@@ -86,5 +88,18 @@ def install() -> bool:
 
     interpreter.ReduceOps.apply_impl = reduce_apply_impl
     interpreter.ScanOps.apply_impl = scan_apply_impl
-    interpreter._moe_kernels_reductions = True
+    interpreter._moe_kernels_reductions = (reduce_impl, scan_impl)
     return True
+
+
+@contextlib.contextmanager
+def generic_only():
+    """Inside, the interpreter's own reductions and scans (what the test compares with)."""
+    from triton.runtime import interpreter
+
+    fast = interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl
+    interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl = interpreter._moe_kernels_reductions
+    try:
+        yield
+    finally:
+        interpreter.ReduceOps.apply_impl, interpreter.ScanOps.apply_impl = fast
