@@ -19,7 +19,7 @@ tl = triton.language
 
 
 def test_installed_under_this_triton():
-    # Fails under a triton this was not checked against (interpreter_reductions.CHECKED): the
+    # Fails under a triton this was not checked against (interpreter_device_calls.CHECKED): the
     # pass is still right there, only slower. Read that triton's ReduceOps / ScanOps and add it.
     from triton.runtime import interpreter
 

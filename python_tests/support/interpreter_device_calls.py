@@ -36,20 +36,27 @@ def _language_modules(fn) -> frozenset[int]:
     return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
 
-def install() -> bool:
-    """Installs the wrapper into triton's interpreter; False (and nothing changed) where its
-    internals are not the ones this was written against."""
+def pinned_interpreter(names):
+    """triton's interpreter module where triton is the release these patches were checked against
+    (CHECKED) and the module has every one of `names`; else None (nothing gets patched)."""
     try:
         import triton
         from triton.runtime import interpreter
     except ImportError:
-        return False
-    if triton.__version__ not in CHECKED:
+        return None
+    if triton.__version__ not in CHECKED or not all(hasattr(interpreter, n) for n in names):
+        return None
+    return interpreter
+
+
+def install() -> bool:
+    """Installs the wrapper into triton's interpreter; False (and nothing changed) where its
+    internals are not the ones this was written against."""
+    interpreter = pinned_interpreter(("_patch_lang", "_LangPatchScope", "GridExecutor"))
+    if interpreter is None:
         return False
     if getattr(interpreter, "_moe_kernels_installed", False):
         return True
-    if not all(hasattr(interpreter, n) for n in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
-        return False
     original_patch = interpreter._patch_lang
     original_launch = interpreter.GridExecutor.__call__
     running: list[dict] = []  # the kernels being interpreted (one at a time): what their patch covered

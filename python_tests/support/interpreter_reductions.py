@@ -13,9 +13,10 @@ router's `value_at` or-reduces a row's bits the same way, and the sorted blocks 
 xor and or (`np.bitwise_xor` / `np.bitwise_or`, exact on integers in any order: associative and
 commutative), and an integer max scan (`np.maximum.accumulate`; a float max is left to the
 generic scan, whose NaN handling is tl.maximum's). The combines are named by module and name
-(COMBINES), so a kernel's own combine of another meaning is never taken for one. Everything else
-runs as before. Installed only under the triton releases whose interpreter this was checked
-against (CHECKED); ops/test_interpreter_reductions.py checks it against the generic loop.
+(REDUCE_COMBINES, SCAN_COMBINES), so a kernel's own combine of another meaning is never taken for
+one. Everything else runs as before. Installed only under the triton releases whose interpreter
+this was checked against (interpreter_device_calls.CHECKED, as that patch);
+ops/test_interpreter_reductions.py checks it against the generic loop.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+from interpreter_device_calls import pinned_interpreter  # the same pinned triton (its CHECKED)
 
-CHECKED = ("3.7.1",)  # the pinned triton (Makefile's TRITON), whose interpreter this follows
 STATS = {"reduce": 0, "scan": 0}  # reductions and scans done in numpy (the test reads it)
 
 # (module, name) of a combine function -> the numpy ufunc of the same elementwise operation.
@@ -49,17 +50,11 @@ def _ufunc(combine_fn, table, data):
 def install() -> bool:
     """Installs the numpy paths into triton's interpreter; False (and nothing changed) where its
     internals are not the ones this was written against."""
-    try:
-        import triton
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    if triton.__version__ not in CHECKED:
+    interpreter = pinned_interpreter(("ReduceOps", "ScanOps"))
+    if interpreter is None:
         return False
     if getattr(interpreter, "_moe_kernels_reductions", False):
         return True
-    if not all(hasattr(interpreter, n) for n in ("ReduceOps", "ScanOps")):
-        return False
     reduce_impl = interpreter.ReduceOps.apply_impl
     scan_impl = interpreter.ScanOps.apply_impl
 
