@@ -9,7 +9,9 @@ into <out>/gpu-<device>.csv (and a markdown table, <out>/bench.md): `ms` the ker
 call, `gbps` the op's bytes-moved model (below, per case) over `ms`, `copy_gbps` torch's copy_ of
 the same number of bytes (half read, half written: the practical limit for that much traffic,
 measured in the same run), `vs_torch` / `vs_compile` the time of the op's torch sequence (its
-reference, moe_kernels.reference) eager / compiled (dynamic=False) over ours.
+reference, moe_kernels.reference) eager / compiled (dynamic=False) over ours, `kernels` where the
+call's device time goes (moe_kernels.bench.kernel_times: each kernel's time a call in a
+torch.profiler run of a few eager calls, its share, and its launches a call where not one).
 
 Timing (time_gpu in moe_kernels/bench/timing.py): `calls` calls captured in one CUDA graph and
 replayed between two CUDA events, the median over rounds, so a kernel of a few microseconds is timed
@@ -40,11 +42,11 @@ from common import time_gpu  # noqa: E402
 import moe_kernels  # noqa: E402
 from moe_kernels import backends, reference  # noqa: E402
 from moe_kernels import ops as K  # noqa: E402
-from moe_kernels.bench import timing  # noqa: E402
+from moe_kernels.bench import kernel_times, timing  # noqa: E402
 
 # Where the cases' tensors live: "cuda", or "cpu" for --smoke (each case called once, untimed).
 DEV = "cuda"
-COLUMNS = ["op", "config", "backend", "ms", "gbps", "copy_gbps", "vs_torch", "vs_compile", "method"]
+COLUMNS = ["op", "config", "backend", "ms", "gbps", "copy_gbps", "vs_torch", "vs_compile", "method", "kernels"]
 SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
@@ -443,9 +445,10 @@ def copy_gbps(nbytes: int, cache: dict) -> float:
     return cache[n]
 
 
-def run_case(case: Case, chosen: list[str] | None, copies: dict) -> list[dict]:
-    """One row per backend of `case`: ours, the torch sequence eager, copy_ of the same bytes
-    (the torch.compile ratio is added by add_compiled, in a second pass)."""
+def run_case(case: Case, chosen: list[str] | None, copies: dict, *, profiled: bool = True) -> list[dict]:
+    """One row per backend of `case`: ours, the torch sequence eager, copy_ of the same bytes, and
+    (`profiled`) the kernels of a call, profiled after every backend is timed (the torch.compile
+    ratio is added by add_compiled, in a second pass)."""
     args = case.make()
     torch_s, torch_method = time_gpu(lambda: case.torch_seq(*args))
     copy = copy_gbps(case.bytes_moved, copies)
@@ -471,6 +474,7 @@ def run_case(case: Case, chosen: list[str] | None, copies: dict) -> list[dict]:
             "vs_torch": f"{torch_s / seconds:.2f}",
             "vs_compile": "",
             "method": method if method == torch_method else f"{method} (torch: {torch_method})",
+            "kernels": "",
         }
         print(
             f"  {case.op:<20} {case.config:<44} {backend:<7} {row['ms']:>9} ms {row['gbps']:>8} GB/s "
@@ -478,7 +482,21 @@ def run_case(case: Case, chosen: list[str] | None, copies: dict) -> list[dict]:
             flush=True,
         )
         out.append(row)
+    for row in out if profiled else ():
+        row["kernels"] = profile_row(under(row["backend"], case.ours), args)
+        print(f"  {case.op:<20} {case.config:<44} {row['backend']:<7} {row['kernels']}", flush=True)
     return out
+
+
+def profile_row(fn: Callable, args: tuple) -> str:
+    """kernel_times' summary of fn(*args) on DEV; a profile that fails says why in its place (the
+    timing stands without it)."""
+    try:
+        return kernel_times.summary(kernel_times.kernel_times(lambda: fn(*args), device=DEV))
+    except Exception as exc:
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        return f"profile failed: {type(exc).__name__}: {str(exc)[:200]}"
 
 
 def add_compiled(case: Case, rows: list[dict]) -> None:
@@ -514,13 +532,21 @@ def markdown(rows: list[dict], device: str) -> str:
             f"| {r['op']} | {r['config']} | {r['backend']} | {r['ms']} | {r['gbps'] or '-'} | "
             f"{r['copy_gbps'] or '-'} | {frac} | {r['vs_torch']} | {r['vs_compile'] or '-'} | {r['method']} |"
         )
+    profiled = [r for r in rows if r.get("kernels")]
+    if profiled:
+        lines += [
+            "\n### Where the time goes\n",
+            "Device time a call by kernel (torch.profiler over eager calls; the total can exceed the "
+            "table's `ms`, which a CUDA graph's replay times without the launch gaps):\n",
+        ]
+        lines += [f"- {r['op']} {r['config']} [{r['backend']}]: {r['kernels']}" for r in profiled]
     return "\n".join(lines) + "\n"
 
 
 def smoke() -> int:
     """Every case of a tiny grid called once on CPU tensors (ours with this process's backend, and
-    the torch sequence): the cases' inputs, signatures and gradients hold together
-    (python_tests/bench/test_gpu_check.py)."""
+    the torch sequence) and profiled as a GPU run profiles its rows (the CPU's operators here):
+    the cases' inputs, signatures and gradients hold together (python_tests/bench/test_gpu_check.py)."""
     global DEV
     DEV = "cpu"
     cases = grid("full", smoke=True)
@@ -529,6 +555,9 @@ def smoke() -> int:
         args = case.make()
         case.ours(*args)
         case.torch_seq(*args)
+        kernels = profile_row(case.ours, args)
+        if kernels.startswith("profile failed"):
+            raise RuntimeError(f"{case.op} {case.config}: {kernels}")
     rows = assignment_rows("full", smoke=True)
     markdown(rows, "smoke")
     print(f"gpu_bench --smoke: {len(cases)} cases and {len(rows)} assignment row ran on CPU tensors")
@@ -566,6 +595,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", action="append", choices=("triton", "cuda"), help="time only this backend")
     parser.add_argument("--ops", nargs="*", help="only these ops")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--no-profile", action="store_true", help="leave the kernels column empty (no torch.profiler)")
     parser.add_argument(
         "--compile-budget", type=float, default=1e9, help="seconds into the run after which no more compiles start"
     )
@@ -604,7 +634,7 @@ def main(argv=None) -> int:
     cases = [c for c in grid(kind) if not args.ops or c.op in args.ops]
     for case in cases:
         try:
-            case_rows = run_case(case, args.backend, copies)
+            case_rows = run_case(case, args.backend, copies, profiled=not args.no_profile)
         except Exception as exc:  # one case's failure (e.g. out of memory) must not lose the others
             failed += 1
             print(f"  {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
