@@ -31,6 +31,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 import interpreter_device_calls
+import interpreter_dtypes
 import interpreter_reductions
 import poisoned_empty
 import pytest
@@ -43,6 +44,7 @@ INTERPRETING = backends.triton_interpreting()
 if INTERPRETING:
     interpreter_device_calls.install()  # the interpreter's no-op repatching skipped (see there)
     interpreter_reductions.install()  # bitwise and max combines in numpy, not element by element (see there)
+    interpreter_dtypes.install()  # numpy dtypes of Triton types from a table built once (see there)
 
 
 def kernel_backends():
