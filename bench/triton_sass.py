@@ -40,6 +40,10 @@ ROUTERS = {
     "qwen3": ("bf16", 128, 8, {}),
     "qwen3-fp32": ("fp32", 128, 8, {}),
     "deepseek-v3": ("bf16", 256, 8, dict(sigmoid=True, bias=True, groups=8, topk_groups=4)),
+    # DeepSeek-V3 without its group limit, and without its bias too (its logits then rank the
+    # experts, and only the picks' scores are computed): what each part of its count costs.
+    "deepseek-v3-no-groups": ("bf16", 256, 8, dict(sigmoid=True, bias=True)),
+    "sigmoid-256": ("bf16", 256, 8, dict(sigmoid=True)),
 }
 _ALIGNED = [["tt.divisibility", 16]]
 
