@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_goals  # noqa: E402
 from common import time_gpu  # noqa: E402
 
 import moe_kernels  # noqa: E402
@@ -445,10 +446,10 @@ def copy_gbps(nbytes: int, cache: dict) -> float:
     return cache[n]
 
 
-def run_case(case: Case, chosen: list[str] | None, copies: dict, *, profiled: bool = True) -> list[dict]:
-    """One row per backend of `case`: ours, the torch sequence eager, copy_ of the same bytes, and
-    (`profiled`) the kernels of a call, profiled after every backend is timed (the torch.compile
-    ratio is added by add_compiled, in a second pass)."""
+def run_case(case: Case, chosen: list[str] | None, copies: dict) -> list[dict]:
+    """One row per backend of `case`: ours, the torch sequence eager, copy_ of the same bytes (the
+    torch.compile ratio is added by add_compiled, in a second pass, and the kernels column by
+    add_profile, in a third)."""
     args = case.make()
     torch_s, torch_method = time_gpu(lambda: case.torch_seq(*args))
     copy = copy_gbps(case.bytes_moved, copies)
@@ -482,10 +483,17 @@ def run_case(case: Case, chosen: list[str] | None, copies: dict, *, profiled: bo
             flush=True,
         )
         out.append(row)
-    for row in out if profiled else ():
+    return out
+
+
+def add_profile(case: Case, rows: list[dict]) -> None:
+    """The kernels column of `rows` (the case's rows), each backend's call profiled on new inputs.
+    Last of the passes: every timing is taken before the profiler first starts (CUPTI attached to
+    the process, or started and stopped beside captured CUDA graphs, must not touch them)."""
+    args = case.make()
+    for row in rows:
         row["kernels"] = profile_row(under(row["backend"], case.ours), args)
         print(f"  {case.op:<20} {case.config:<44} {row['backend']:<7} {row['kernels']}", flush=True)
-    return out
 
 
 def profile_row(fn: Callable, args: tuple) -> str:
@@ -494,8 +502,6 @@ def profile_row(fn: Callable, args: tuple) -> str:
     try:
         return kernel_times.summary(kernel_times.kernel_times(lambda: fn(*args), device=DEV))
     except Exception as exc:
-        if DEV == "cuda":
-            torch.cuda.synchronize()
         return f"profile failed: {type(exc).__name__}: {str(exc)[:200]}"
 
 
@@ -536,17 +542,19 @@ def markdown(rows: list[dict], device: str) -> str:
     if profiled:
         lines += [
             "\n### Where the time goes\n",
-            "Device time a call by kernel (torch.profiler over eager calls; the total can exceed the "
-            "table's `ms`, which a CUDA graph's replay times without the launch gaps):\n",
+            "Device time a call by kernel (torch.profiler over eager calls): the kernels' time alone, so "
+            "the table's `ms` less the total is about the gaps between them:\n",
         ]
         lines += [f"- {r['op']} {r['config']} [{r['backend']}]: {r['kernels']}" for r in profiled]
+    lines += gpu_goals.markdown(rows)
     return "\n".join(lines) + "\n"
 
 
 def smoke() -> int:
     """Every case of a tiny grid called once on CPU tensors (ours with this process's backend, and
-    the torch sequence) and profiled as a GPU run profiles its rows (the CPU's operators here):
-    the cases' inputs, signatures and gradients hold together (python_tests/bench/test_gpu_check.py)."""
+    the torch sequence), and ours profiled (kernel_times on the CPU's operators, where a GPU run
+    profiles each backend's kernels): the cases' inputs, signatures and gradients hold together
+    (python_tests/bench/test_gpu_check.py)."""
     global DEV
     DEV = "cpu"
     cases = grid("full", smoke=True)
@@ -634,7 +642,7 @@ def main(argv=None) -> int:
     cases = [c for c in grid(kind) if not args.ops or c.op in args.ops]
     for case in cases:
         try:
-            case_rows = run_case(case, args.backend, copies, profiled=not args.no_profile)
+            case_rows = run_case(case, args.backend, copies)
         except Exception as exc:  # one case's failure (e.g. out of memory) must not lose the others
             failed += 1
             print(f"  {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -658,6 +666,17 @@ def main(argv=None) -> int:
             print(f"  compile budget ({args.compile_budget:.0f} s) spent: the remaining rows have no vs_compile")
             break
         add_compiled(case, case_rows)
+        torch.cuda.empty_cache()
+        save()
+    # The kernels of each call last (add_profile): every timing above is taken before the profiler
+    # first starts.
+    for case, case_rows in by_case:
+        if args.no_profile or not case_rows:
+            continue
+        try:
+            add_profile(case, case_rows)
+        except Exception as exc:  # e.g. out of memory for new inputs: the rows keep their times
+            print(f"  profile of {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         torch.cuda.empty_cache()
         save()
     print(f"{len(rows)} rows in {time.monotonic() - start:.0f} s -> {csv_path}; {failed} cases failed")

@@ -41,7 +41,8 @@ def short_name(name: str) -> str:
     if i == 0 or name[i - 1] == " ":  # "Memset (Device)": a label, not a parameter list
         return name
     depth, kept = 0, []
-    for ch in name[:i].removeprefix("void "):  # template arguments, however nested
+    head = name[:i].removeprefix("void ").replace("->", "")  # an arrow's '>' closes no bracket
+    for ch in head:  # template arguments, however nested
         depth += ch == "<"
         if depth == 0:
             kept.append(ch)
@@ -65,13 +66,18 @@ def kernel_times(fn: Callable[[], object], *, device: str, calls: int = 3) -> li
         for _ in range(calls):
             fn()
         sync()
-    out = []
+    # By short name: kernels whose full names differ only in their template arguments (torch's
+    # elementwise kernels of fill and copy) add up under one.
+    by_name: dict[str, list[float]] = {}
     for event in prof.key_averages():
         us = event.self_device_time_total if cuda else event.self_cpu_time_total
         # On the GPU only the device's own events: a host event (a launch, an operator where the
         # CPU is profiled too) may carry its kernels' time again.
         if us > 0 and (not cuda or event.device_type != DeviceType.CPU):
-            out.append(KernelTime(short_name(event.key), us / 1e3 / calls, event.count / calls))
+            total = by_name.setdefault(short_name(event.key), [0.0, 0])
+            total[0] += us
+            total[1] += event.count
+    out = [KernelTime(name, us / 1e3 / calls, count / calls) for name, (us, count) in by_name.items()]
     return sorted(out, key=lambda t: (-t.ms, t.name))
 
 

@@ -1,9 +1,14 @@
 """moe_kernels.bench.kernel_times (gpu_bench's `kernels` column): the names it shortens, the summary
 it writes, and a profile on CPU tensors (the CPU's operators: the same code as a GPU run's)."""
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.autograd import DeviceType
 
+from moe_kernels.bench import kernel_times as kt
 from moe_kernels.bench.kernel_times import KernelTime, kernel_times, short_name, summary
 from python_tests.bench.test_gpu_check import load
 
@@ -34,6 +39,7 @@ COPY = (
         ("aten::mm", "aten::mm"),
         ("Memset (Device)", "Memset (Device)"),  # a label in parentheses, not parameters
         ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD (Device -> Device)"),
+        ("void ns::apply<ns::F<a->b>, 2>(int)", "apply"),  # an arrow closes no template bracket
     ],
 )
 def test_short_name(name, short):
@@ -52,11 +58,49 @@ def test_cpu_profile_finds_the_operators_of_a_call():
     times = kernel_times(lambda: (x @ x).relu_(), device="cpu", calls=3)
     names = [t.name for t in times]
     assert "aten::mm" in names and "aten::relu_" in names, names
-    assert all(t.ms > 0 for t in times)
     assert [t.ms for t in times] == sorted((t.ms for t in times), reverse=True)
     mm = next(t for t in times if t.name == "aten::mm")
     assert mm.launches == 1  # averaged over the profiled calls, the unprofiled first one left out
     assert summary(times).endswith(")") and "aten::mm" in summary(times)
+
+
+def test_gpu_profile_counts_device_events_once(monkeypatch):
+    """The CUDA branch on a recorded profile (no GPU here): only device events count (a launch on
+    the host carries its kernel's time again), kernels of one short name add up, times and
+    launches are a call's (three calls profiled)."""
+
+    def event(key, device_us, count, device_type=DeviceType.CUDA):
+        return SimpleNamespace(
+            key=key, self_device_time_total=device_us, self_cpu_time_total=5.0, count=count, device_type=device_type
+        )
+
+    events = [
+        event(FILL, 30.0, 3),
+        event(FILL.replace("FillFunctor<float>", "FillFunctor<double>"), 60.0, 3),  # the same short name
+        event(COPY, 15.0, 3),
+        event("topk_router_kernel", 300.0, 3),
+        event("Memset (Device)", 3.0, 3),
+        event("cudaLaunchKernel", 408.0, 15, DeviceType.CPU),
+        event("cudaDeviceSynchronize", 0.0, 1, DeviceType.CPU),
+    ]
+    asked = []
+
+    @contextlib.contextmanager
+    def recorded(activities):
+        asked.append(activities)
+        yield SimpleNamespace(key_averages=lambda: events)
+
+    monkeypatch.setattr(kt, "profile", recorded)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    times = kernel_times(lambda: calls.append(1), device="cuda", calls=3)
+    assert asked == [[kt.ProfilerActivity.CUDA]] and len(calls) == 4  # one unprofiled call first
+    assert [(t.name, round(t.ms, 9), t.launches) for t in times] == [
+        ("topk_router_kernel", 0.1, 1),
+        ("vectorized_elementwise_kernel", 0.03, 2),
+        ("elementwise_kernel", 0.005, 1),
+        ("Memset (Device)", 0.001, 1),
+    ]
 
 
 def test_gpu_bench_markdown_lists_where_the_time_goes():

@@ -38,6 +38,22 @@ def test_installed_under_this_triton():
     assert interpreter._get_np_dtype.__qualname__ == "install.<locals>.np_dtype"
 
 
+def test_dtypes_as_the_interpreter_stores_them():
+    """Independent of the original: bool for int1, the integer and float types as themselves,
+    bfloat16 as uint16 and the float8 types as uint8 (their bits), pointers as uint64."""
+    import numpy as np
+
+    interpreter, _ = _original()
+    expected = {tl.int1: np.bool_, tl.bfloat16: np.uint16, tl.float16: np.float16, tl.float32: np.float32}
+    expected.update({tl.float64: np.float64, tl.int8: np.int8, tl.uint32: np.uint32, tl.int64: np.int64})
+    expected.update(dict.fromkeys(SCALARS[-5:], np.uint8))  # the float8 types
+    for tt, np_type in expected.items():
+        for t in (tt, tl.block_type(tt, [8])):
+            assert interpreter._get_np_dtype(t) == np.dtype(np_type), t
+        assert interpreter._get_np_dtype(tl.pointer_type(tt)) == np.dtype(np.uint64)
+        assert interpreter._get_np_dtype(tl.block_type(tl.pointer_type(tt), [8])) == np.dtype(np.uint64)
+
+
 @pytest.mark.parametrize("scalar", SCALARS, ids=str)
 def test_same_dtype_as_the_original(scalar):
     interpreter, original = _original()

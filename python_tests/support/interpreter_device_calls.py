@@ -24,18 +24,20 @@ kernel at a time, in one thread, as triton's own patching of the shared modules 
 from __future__ import annotations
 
 import inspect
+import weakref
 
 STATS = {"skipped": 0}  # helper calls whose patch was skipped (the test reads it)
 CHECKED = ("3.7.1",)  # the pinned triton (Makefile's TRITON), whose interpreter this follows
 
 
-_MODULES: dict = {}  # fn -> _language_modules(fn): a helper's module sees the same ones every call
+# fn -> _language_modules(fn). It assumes what a module imports of triton.language does not change
+# after its first kernel or helper call (imports at the top); weak, so kernels defined in a test go.
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _language_modules(fn) -> frozenset[int]:
-    """The triton.language modules `fn` sees among its globals, which `_patch_lang` patches. Read
-    once a function, where the batchwise fuzz test scanned a module's globals at 68,292 helper
-    calls."""
+    """The triton.language modules `fn` sees among its globals, which `_patch_lang` patches: read
+    once a function, not at every helper call."""
     modules = _MODULES.get(fn)
     if modules is None:
         import triton.language as tl

@@ -2,7 +2,7 @@
 interpreter pass only: conftest installs it when TRITON_INTERPRET=1).
 
 triton's interpreter asks `_get_np_dtype(tt_dtype)` at every splat, cast and masked load, and
-each call builds its table of 19 numpy dtypes anew, hashing 19 Triton dtypes (536,412 calls in the
+each call builds its table of 18 numpy dtypes anew, hashing 18 Triton dtypes (536,412 calls in the
 batchwise fuzz test). Six batchwise_mask calls on [300, 37] scores took 7.2 s of process time
 with the table against 8.0 s without (the Triton op at m = 20, the best of three runs each, the other
 interpreter patches installed in both). `install()` puts a
