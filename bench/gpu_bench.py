@@ -533,10 +533,10 @@ def markdown(rows: list[dict], device: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        frac = f"{float(r['gbps']) / float(r['copy_gbps']):.0%}" if r["gbps"] else "-"
         lines.append(
             f"| {r['op']} | {r['config']} | {r['backend']} | {r['ms']} | {r['gbps'] or '-'} | "
-            f"{r['copy_gbps'] or '-'} | {frac} | {r['vs_torch']} | {r['vs_compile'] or '-'} | {r['method']} |"
+            f"{r['copy_gbps'] or '-'} | {gpu_goals.share_text(r)} | {r['vs_torch']} | "
+            f"{r['vs_compile'] or '-'} | {r['method']} |"
         )
     profiled = [r for r in rows if r.get("kernels")]
     if profiled:

@@ -37,6 +37,12 @@ def share_of_copy(row: dict) -> float | None:
     return float(row["gbps"]) / float(row["copy_gbps"])
 
 
+def share_text(row: dict) -> str:
+    """share_of_copy as the reports print it: "92%", or "-" without a bytes model."""
+    share = share_of_copy(row)
+    return "-" if share is None else f"{share:.0%}"
+
+
 def verdict(row: dict) -> tuple[str, str] | None:
     """(the goal, "met" / "not met" / "not measured: ...") of a gpu_bench row (its CSV columns as
     strings), or None where issue 33 sets no goal for the row."""
@@ -92,7 +98,5 @@ def markdown(rows: list[dict]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for r, (goal, result) in judged:
-        share = share_of_copy(r)
-        shown = "-" if share is None else f"{share:.0%}"
-        lines.append(f"| {r['op']} | {r['config']} | {r['backend']} | {shown} | {goal} | {result} |")
+        lines.append(f"| {r['op']} | {r['config']} | {r['backend']} | {share_text(r)} | {goal} | {result} |")
     return lines
