@@ -77,11 +77,14 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("load_probabilities", &load_pr
 
 }  // namespace moe_kernels
 
-// Capacity routing (csrc/cuda/dispatch.cu): capacity_positions, dispatch, combine and the two
-// backward ops the autograd formulas of moe_kernels/ops call. float64 is CPU-only here.
+// Capacity routing (csrc/cuda/capacity_positions.cu, dispatch.cu): capacity_positions, dispatch,
+// combine and the two backward ops the autograd formulas of moe_kernels/ops call. float64 is
+// CPU-only here.
 #include <ATen/ops/arange.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/sort.h>
+
+#include "moe_kernels/capacity_segments.h"
 
 namespace moe_kernels {
 namespace {
@@ -92,16 +95,38 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& expe
   const c10::cuda::CUDAGuard guard(experts_in.device());
   const at::Tensor experts = experts_in.contiguous();
   const int64_t T = experts.size(0), k = experts.size(1);
-  // Fill order: s-major by default; by descending priority (stable, NaN last) otherwise.
-  at::Tensor order = at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1});
-  if (priority.has_value())
-    order = order.index_select(0, std::get<1>(at::sort(priority->t().reshape({-1}).to(at::kFloat).neg(), true, 0, false)));
-  auto positions = at::full({T, k}, -1, experts.options());
+  // Fill order: s-major by default (computed in the kernels); by descending priority (stable,
+  // NaN last) otherwise, as an array of flat indices.
+  std::optional<at::Tensor> order;
+  if (priority.has_value()) {
+    const at::Tensor by_priority =
+        std::get<1>(at::sort(priority->t().reshape({-1}).to(at::kFloat).neg(), true, 0, false));
+    order = at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1}).index_select(0, by_priority);
+  }
   auto counts = at::empty({num_experts}, experts.options());
-  check_launch(capacity_positions_cuda(experts.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(), T * k,
-                                       num_experts, capacity, positions.mutable_data_ptr<int64_t>(),
-                                       counts.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
-               "capacity_positions");
+  at::Tensor positions;
+  if (capacity_segments::supported(num_experts, T * k)) {
+    positions = at::empty({T, k}, experts.options());
+    auto table = at::empty({capacity_positions_table_size(T, k, num_experts, order.has_value())},
+                           experts.options().dtype(at::kInt));
+    if (T * k > 0)
+      check_launch(capacity_positions_segments_cuda(experts.const_data_ptr<int64_t>(),
+                                                    order ? order->const_data_ptr<int64_t>() : nullptr, T, k,
+                                                    num_experts, capacity, table.mutable_data_ptr<int32_t>(),
+                                                    positions.mutable_data_ptr<int64_t>(),
+                                                    counts.mutable_data_ptr<int64_t>(),
+                                                    c10::cuda::getCurrentCUDAStream()),
+                   "capacity_positions");
+    else
+      counts.zero_();
+  } else {
+    if (!order) order = at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1});
+    positions = at::full({T, k}, -1, experts.options());
+    check_launch(capacity_positions_cuda(experts.const_data_ptr<int64_t>(), order->const_data_ptr<int64_t>(), T * k,
+                                         num_experts, capacity, positions.mutable_data_ptr<int64_t>(),
+                                         counts.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+                 "capacity_positions");
+  }
   return {positions, counts};
 }
 

@@ -1,7 +1,7 @@
-// Capacity routing on CUDA: capacity_positions (one block per expert scanning the fill order),
-// dispatch (a slot -> choice map, then one block per buffer row), combine (one block per token:
-// the block owns its token's sum, so no atomics), and the backward pieces (weighted dispatch to
-// the buffer, one warp per choice for the weight gradients). All deterministic.
+// Capacity routing on CUDA (capacity_positions is in capacity_positions.cu): dispatch (a slot ->
+// choice map, then one block per buffer row), combine (one block per token: the block owns its
+// token's sum, so no atomics), and the backward pieces (weighted dispatch to the buffer, one warp
+// per choice for the weight gradients). All deterministic.
 #include <cuda_runtime.h>
 
 #include "convert.cuh"
@@ -12,52 +12,7 @@
 namespace moe_kernels {
 namespace {
 
-constexpr int kScanThreads = 1024;  // choices per scan step of capacity_positions
-constexpr int kRowThreads = 128;    // threads along d for the row kernels
-
-// Rank of every hit among the block's hits (exclusive), and the block's total, by warp ballots.
-__device__ __forceinline__ int block_exclusive_rank(bool hit, int* warp_totals, int* total) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const unsigned ballot = __ballot_sync(0xffffffffu, hit);
-  const int in_warp = __popc(ballot & ((1u << lane) - 1u));
-  if (lane == 0) warp_totals[warp] = __popc(ballot);
-  __syncthreads();
-  if (warp == 0) {
-    const int n_warps = blockDim.x / kWarp;
-    int v = lane < n_warps ? warp_totals[lane] : 0;
-    int inclusive = v;
-    for (int offset = 1; offset < kWarp; offset *= 2) {
-      const int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
-      if (lane >= offset) inclusive += up;
-    }
-    if (lane < n_warps) warp_totals[lane] = inclusive - v;  // exclusive prefix over warps
-    if (lane == kWarp - 1) *total = inclusive;
-  }
-  __syncthreads();
-  const int rank = warp_totals[warp] + in_warp;
-  return rank;
-}
-
-__global__ void capacity_positions_kernel(const int64_t* __restrict__ experts,  // [n] flat t*k+s
-                                          const int64_t* __restrict__ order,    // [n] fill order
-                                          int64_t n, int64_t C,
-                                          int64_t* __restrict__ positions,  // [n], prefilled -1
-                                          int64_t* __restrict__ counts) {   // [E]
-  __shared__ int warp_totals[kScanThreads / kWarp];
-  __shared__ int total;
-  const int64_t e = blockIdx.x;
-  int64_t running = 0;
-  for (int64_t start = 0; start < n; start += blockDim.x) {
-    const int64_t i = start + threadIdx.x;
-    const int64_t j = i < n ? order[i] : -1;
-    const bool hit = j >= 0 && experts[j] == e;
-    const int rank = block_exclusive_rank(hit, warp_totals, &total);
-    if (hit) positions[j] = dispatch::position_or_drop(running + rank, C);
-    running += total;
-    __syncthreads();  // warp_totals / total are rewritten by the next step
-  }
-  if (threadIdx.x == 0) counts[e] = running;
-}
+constexpr int kRowThreads = 128;  // threads along d for the row kernels
 
 // source[e * C + p] = j for every kept choice j (slots are unique: one writer each).
 __global__ void slot_sources_kernel(const int64_t* __restrict__ experts, const int64_t* __restrict__ positions,
@@ -124,13 +79,6 @@ __global__ void row_dots_kernel(const scalar_t* __restrict__ grad_y, const scala
 }
 
 }  // namespace
-
-cudaError_t capacity_positions_cuda(const int64_t* experts, const int64_t* order, int64_t n, int64_t E, int64_t C,
-                                    int64_t* positions, int64_t* counts, cudaStream_t stream) {
-  if (E == 0) return cudaSuccess;
-  capacity_positions_kernel<<<(unsigned)E, kScanThreads, 0, stream>>>(experts, order, n, C, positions, counts);
-  return cudaGetLastError();
-}
 
 cudaError_t dispatch_cuda(const void* x, DType dtype, int64_t T, int64_t d, int64_t k, const int64_t* experts,
                           const int64_t* positions, int64_t E, int64_t C, const float* weights, int64_t* source,

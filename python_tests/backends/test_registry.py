@@ -113,9 +113,10 @@ def test_register_rejects_unknown_opt_in():
 
 @pytest.mark.parametrize("op", ["capacity_positions", "dispatch", "combine"])
 def test_dispatch_family_reaches_its_cuda_kernels(op, monkeypatch):
-    """The kernels of csrc/cuda/dispatch.cu are the "cuda" backend of their ops (a CUDA build
-    faked here): chosen when forced, next after triton by default, not opt-in; dispatch and
-    combine have no float64 CUDA path, so float64 data on CUDA runs the reference."""
+    """The kernels of csrc/cuda/capacity_positions.cu and dispatch.cu are the "cuda" backend of
+    their ops (a CUDA build faked here): chosen when forced, next after triton by default, not
+    opt-in; dispatch and combine have no float64 CUDA path, so float64 data on CUDA runs the
+    reference."""
     if not _extension.defines(op):
         pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
     import types

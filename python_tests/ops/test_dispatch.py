@@ -154,6 +154,36 @@ def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, E, k, m
     assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
 
 
+@pytest.mark.parametrize(
+    "T, E, k",
+    [(300_000, 16, 2), (900, 8192, 10), (1000, 9000, 2), (2049, 1, 1)],
+    ids=["scan-row-blocks", "one-warp-a-block", "per-expert-fallback", "one-expert"],
+)
+def test_cuda_positions_segments_and_wide_fallback(backend, T, E, k):
+    """The CUDA kernels' paths (csrc/cuda/capacity_positions.cu): segments of 2048 choices over
+    more than one block of the scan's 256 rows (294 segments), ragged last segments, k = 10 slots
+    a token block (more than a block's 8 warps), E = 8192 (a warp a block: its counters fill the
+    block's shared memory), and past it the per-expert scan; ids outside [0, E) dropped on each.
+    Their layout is checked on the host too (test_capacity_positions_cuda_emulation.py)."""
+    if backend != "cuda":
+        pytest.skip("the CUDA kernels' own paths")
+    g = torch.Generator().manual_seed(T + E)
+    experts = torch.randint(-1, E, (T, k), generator=g)
+    wild = experts.clone()
+    wild[::7, 0] = E + 3  # out of range: no slot, not counted
+    kept = torch.where(wild == E + 3, -1, wild)
+    for p in (None, priorities("ties", T, k)):
+        # The reference once a fill order (its one-hot is [T k, E]); a capacity keeps the ranks below it.
+        ranks, ref_counts = reference.capacity_positions(kept, E, T * k, priority=p)
+        for C in (0, 1, capacity_for(T, E, k, 1.0), T * k):
+            with use(backend):
+                positions, counts = capacity_positions(
+                    wild.to(backend.device), E, C, priority=None if p is None else p.to(backend.device)
+                )
+            expected = torch.where(ranks < C, ranks, -1)
+            assert torch.equal(positions.cpu(), expected) and torch.equal(counts.cpu(), ref_counts), (p is None, C)
+
+
 @pytest.mark.parametrize("E", [8, 13, 16])
 def test_triton_packed_scan_full_fields(backend, E):
     """Every choice of whole 128-choice segments to one expert: its 8-bit field of the packed

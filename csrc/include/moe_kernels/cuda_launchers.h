@@ -34,11 +34,20 @@ cudaError_t load_probabilities_cuda(const void* clean, const void* noisy, const 
 
 namespace moe_kernels {
 
-// Capacity routing (csrc/cuda/dispatch.cu). experts / positions: [T, k] contiguous int64.
-// capacity_positions: order [n = T*k] is the fill order (flat indices t*k+s); positions [n] must be
-// prefilled with -1; counts [E].
+// capacity_positions (csrc/cuda/capacity_positions.cu). experts / positions: [T, k] contiguous
+// int64; counts [E] int64. The segment kernels, where capacity_segments::supported(E, T k):
+// order is the fill order [T k] (flat indices t*k+s) or null for the default s-major one; table:
+// scratch of capacity_positions_table_size int32; every position is written.
+int64_t capacity_positions_table_size(int64_t T, int64_t k, int64_t E, bool given);
+cudaError_t capacity_positions_segments_cuda(const int64_t* experts, const int64_t* order, int64_t T, int64_t k,
+                                             int64_t E, int64_t C, int32_t* table, int64_t* positions,
+                                             int64_t* counts, cudaStream_t stream);
+// Any E and n = T k: a block per expert scans the whole fill order `order` [n]; positions [n]
+// must be prefilled with -1.
 cudaError_t capacity_positions_cuda(const int64_t* experts, const int64_t* order, int64_t n, int64_t E, int64_t C,
                                     int64_t* positions, int64_t* counts, cudaStream_t stream);
+
+// Capacity routing (csrc/cuda/dispatch.cu). experts / positions: [T, k] contiguous int64.
 // out [E, C, d] = x rows (times weights [T*k] float32 if not null) at the kept slots, zero elsewhere;
 // source: scratch of E*C int64.
 cudaError_t dispatch_cuda(const void* x, DType dtype, int64_t T, int64_t d, int64_t k, const int64_t* experts,
