@@ -99,13 +99,15 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& expe
   // NaN last) otherwise, as an array of flat indices.
   std::optional<at::Tensor> order;
   if (priority.has_value()) {
+    // The order array must hold every choice: the kernels write each one once and read no other.
+    TORCH_CHECK(priority->sizes() == experts.sizes(), "capacity_positions: priority must have experts' shape");
     const at::Tensor by_priority =
         std::get<1>(at::sort(priority->t().reshape({-1}).to(at::kFloat).neg(), true, 0, false));
     order = at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1}).index_select(0, by_priority);
   }
   auto counts = at::empty({num_experts}, experts.options());
   at::Tensor positions;
-  if (capacity_segments::supported(num_experts, T * k)) {
+  if (capacity_segments::supported(num_experts, T, k)) {
     positions = at::empty({T, k}, experts.options());
     auto table = at::empty({capacity_positions_table_size(T, k, num_experts, order.has_value())},
                            experts.options().dtype(at::kInt));

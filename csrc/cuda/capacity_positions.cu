@@ -8,8 +8,9 @@
 // expert, the lowest of them (the leader) reads and advances the expert's counter in the warp's
 // shared row, and a lane's place is the counter plus its lower peers. Chunks go in fill order,
 // so the places are in fill order. No atomics; deterministic.
-// Past capacity_segments::supported (E > 8192 or T k >= 2^31), one block per expert scans the
-// whole fill order (O(E T k)).
+// Past capacity_segments::supported (E > 8192, T k >= 2^31, or segments past the scan's grid),
+// one block per expert scans the whole fill order (O(E T k)). The 1024-thread kernels are bounded
+// to 64 registers a thread (sm_75 gave the scan 72 unbounded: a launch the device refuses).
 #include <cuda_runtime.h>
 
 #include "warp.cuh"
@@ -97,7 +98,7 @@ __device__ __forceinline__ int block_rows_sum(const int32_t* __restrict__ table,
   return total;
 }
 
-__global__ void column_partials_kernel(const int32_t* __restrict__ table, int64_t G, int64_t E,
+__global__ void __launch_bounds__(cs::kScanWarps * kWarp) column_partials_kernel(const int32_t* __restrict__ table, int64_t G, int64_t E,
                                        int32_t* __restrict__ partials) {
   __shared__ int warp_sums[cs::kScanWarps * kWarp];
   const int64_t e = (int64_t)blockIdx.x * cs::kScanColumns + threadIdx.x % kWarp;
@@ -106,7 +107,7 @@ __global__ void column_partials_kernel(const int32_t* __restrict__ table, int64_
 }
 
 // The table's exclusive sums down each column in place; counts[e] its column's total.
-__global__ void column_scan_kernel(int32_t* __restrict__ table, const int32_t* __restrict__ partials, int64_t G,
+__global__ void __launch_bounds__(cs::kScanWarps * kWarp) column_scan_kernel(int32_t* __restrict__ table, const int32_t* __restrict__ partials, int64_t G,
                                    int64_t E, int64_t* __restrict__ counts) {
   __shared__ int warp_sums[cs::kScanWarps * kWarp];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -170,7 +171,7 @@ __device__ __forceinline__ int block_exclusive_rank(bool hit, int* warp_totals, 
   return warp_totals[warp] + in_warp;
 }
 
-__global__ void expert_scan_kernel(const int64_t* __restrict__ experts,  // [n] flat t*k+s
+__global__ void __launch_bounds__(kScanThreads) expert_scan_kernel(const int64_t* __restrict__ experts,  // [n] flat t*k+s
                                    const int64_t* __restrict__ order,    // [n] fill order
                                    int64_t n, int64_t C,
                                    int64_t* __restrict__ positions,  // [n], prefilled -1

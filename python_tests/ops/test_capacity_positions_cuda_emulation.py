@@ -45,7 +45,7 @@ def emulator(tmp_path_factory):
     so.capacity_positions.restype = i64
     so.warps_per_block.argtypes = [i64]
     so.warps_per_block.restype = i64
-    so.supported.argtypes = [i64, i64]
+    so.supported.argtypes = [i64, i64, i64]
     so.supported.restype = ctypes.c_int
     return so
 
@@ -108,5 +108,7 @@ def test_widest_and_out_of_range(emulator):
         ref = reference.capacity_positions(kept, E, 2)
         assert torch.equal(positions, ref[0]) and torch.equal(counts, ref[1])
     assert [emulator.warps_per_block(E) for E in (1, 8, 1024, 1025, 4096, 8192)] == [8, 8, 8, 7, 2, 1]
-    assert emulator.supported(8192, 2**31 - 1) and not emulator.supported(8193, 10)
-    assert not emulator.supported(8, 2**31) and not emulator.supported(0, 10)
+    assert emulator.supported(8192, 2**31 - 1, 1) and not emulator.supported(8193, 10, 1)
+    assert not emulator.supported(8, 2**30, 2) and not emulator.supported(0, 10, 1)
+    # The scan's row blocks on a grid's y axis (65535 blocks of 256 segments): few tokens, many slots.
+    assert emulator.supported(8, 1, 65535 * 256) and not emulator.supported(8, 1, 65535 * 256 + 1)

@@ -38,11 +38,14 @@ constexpr int64_t kScanRows = (int64_t)kScanWarps * kScanRowsPerWarp;
 // takes (rows past the table's end are skipped).
 MK_HD int64_t scan_first_row(int64_t split, int warp) { return split * kScanRows + (int64_t)warp * kScanRowsPerWarp; }
 
-// Whether the segment kernels take E experts and n = T k choices: the counters are int32 and a
-// block holds at least one warp's row of E of them. Past it, the per-expert scan.
-MK_HD bool supported(int64_t E, int64_t n) { return E >= 1 && E <= kMaxExperts && n < ((int64_t)1 << 31); }
-
 MK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether the segment kernels take E experts and T x k choices: the counters are int32, a block
+// holds at least one warp's row of E of them, and the scan's row blocks fit a grid's y axis (the
+// default order has k * cdiv(T, kSegment) segments, a given one fewer). Past it, the per-expert scan.
+MK_HD bool supported(int64_t E, int64_t T, int64_t k) {
+  return E >= 1 && E <= kMaxExperts && T * k < ((int64_t)1 << 31) && k * ceil_div(T, kSegment) <= 65535 * kScanRows;
+}
 
 // Warps (segments) a block: as many as kMaxWarps whose rows of E counters fit kCounters.
 MK_HD int warps_per_block(int64_t E) {

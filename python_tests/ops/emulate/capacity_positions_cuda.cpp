@@ -39,7 +39,7 @@ void rank_segment(const cs::Layout& L, const int64_t* experts, const int64_t* or
 extern "C" {
 
 int64_t warps_per_block(int64_t E) { return cs::warps_per_block(E); }
-int supported(int64_t E, int64_t n) { return cs::supported(E, n); }
+int supported(int64_t E, int64_t T, int64_t k) { return cs::supported(E, T, k); }
 
 // positions [T, k] (every entry written: the caller fills a sentinel to check that), counts [E].
 // order: the fill order [T k] or null (the default). Returns the segments.
