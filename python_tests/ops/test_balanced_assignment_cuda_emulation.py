@@ -2,7 +2,7 @@
 
 csrc/cuda/balanced_assignment.cu is only compiled here (no GPU). Its phases are written once in
 csrc/include/moe_kernels/balanced_assignment_steps.h over plain arrays and an executor;
-python_tests/ops/emulate/balanced_assignment_cuda.cpp (built with g++ below) runs them with a
+python_tests/ops/emulate/balanced_assignment_cuda.cpp (host_emulation.build) runs them with a
 sequential executor in the kernels' order. What this checks: the device algorithm is exactly
 optimal (scipy on the expanded matrix), agrees with the C++ CPU kernel where the optimum is unique,
 and its result does not depend on the order of the items of any parallel phase nor on the block
@@ -11,10 +11,9 @@ What it cannot check: the CUDA execution itself (barriers, atomics, shared memor
 """
 
 import math
-import shutil
 import subprocess
-from pathlib import Path
 
+import host_emulation
 import numpy as np
 import pytest
 import torch
@@ -26,8 +25,6 @@ from moe_kernels.ops import balanced_assignment
 
 from .test_balanced_assignment import instance, optimum
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "python_tests" / "ops" / "emulate" / "balanced_assignment_cuda.cpp"
 FORWARDS, BACKWARDS, SHUFFLED = 0, 1, 2
 DEVICE_WIDTH = 256  # move_costs_kernel's block size
 HEAD = 40  # the emulator's output header: converged, rounds, iterations, restarted, failed (int64)
@@ -35,14 +32,7 @@ HEAD = 40  # the emulator's output header: converged, rounds, iterations, restar
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx is not None, "no C++ compiler found"
-    exe = tmp_path_factory.mktemp("emulate") / "balanced_assignment_cuda"
-    cmd = [cxx, "-O2", "-std=c++20", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'csrc' / 'include'}"]
-    cmd += [str(DRIVER), "-o", str(exe)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return exe
+    return host_emulation.build("balanced_assignment_cuda", tmp_path_factory.mktemp("emulate"), shared=False)
 
 
 def emulate_raw(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0) -> bytes:

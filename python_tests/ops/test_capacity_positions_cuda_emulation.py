@@ -2,7 +2,7 @@
 
 csrc/cuda/capacity_positions.cu is only compiled here (no GPU). Its layout is written once in
 csrc/include/moe_kernels/capacity_segments.h; python_tests/ops/emulate/capacity_positions_cuda.cpp
-(built with g++ below) runs its three steps with the same blocks, warps, segments, chunks and scan
+(host_emulation.build) runs its three steps with the same blocks, warps, segments, chunks and scan
 rows, the lanes of a chunk in order. What this checks: that the segments cover the fill order once,
 in order (both fill orders, ragged last segments, k > the warps of a block), the counts table's
 scan, dropped and empty choices, against the reference. What it cannot check: the CUDA execution
@@ -11,10 +11,8 @@ itself (__match_any_sync, the leader's shuffle, shared memory, __syncwarp): the 
 
 import ctypes
 import importlib
-import shutil
-import subprocess
-from pathlib import Path
 
+import host_emulation
 import pytest
 import torch
 from shapes import routing_choices
@@ -23,24 +21,17 @@ from moe_kernels import reference
 
 from .test_dispatch import priorities
 
-ROOT = Path(__file__).resolve().parents[2]
 # The reference's fill order (its module, which the package's `capacity_positions` function hides).
 fill_order = importlib.import_module("moe_kernels.reference.capacity_positions")._fill_order
-DRIVER = ROOT / "python_tests" / "ops" / "emulate" / "capacity_positions_cuda.cpp"
 SEGMENT = 2048  # capacity_segments::kSegment
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx is not None, "no C++ compiler found"
-    lib = tmp_path_factory.mktemp("emulate") / "capacity_positions_cuda.so"
-    cmd = [cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror"]
-    cmd += [f"-I{ROOT / 'csrc' / 'include'}", str(DRIVER), "-o", str(lib)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-4000:]
-    so = ctypes.CDLL(str(lib))
+    so = ctypes.CDLL(
+        str(host_emulation.build("capacity_positions_cuda", tmp_path_factory.mktemp("emulate"), shared=True))
+    )
     so.capacity_positions.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr]
     so.capacity_positions.restype = i64
     so.warps_per_block.argtypes = [i64]

@@ -2,7 +2,7 @@
 
 csrc/cuda/topk_router.cu is only compiled here (no GPU). Its row algorithm is written once in
 csrc/include/moe_kernels/topk_router_row.h over a warp executor; python_tests/ops/emulate/
-topk_router_cuda.cpp (built with g++ below) runs it with the 32 lanes in sequence and the
+topk_router_cuda.cpp (host_emulation.build) runs it with the 32 lanes in sequence and the
 device's butterfly reductions. What this checks: the device algorithm's selection (ties, NaN,
 -inf, groups, bias), weights and fused backward against the reference, and that every warp
 reduction ends uniform across lanes. What it cannot check: the CUDA execution itself (shuffles,
@@ -10,10 +10,8 @@ __syncwarp, shared memory) and the device's expf.
 """
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
 
+import host_emulation
 import pytest
 import torch
 from shapes import ADVERSARIAL_KINDS, adversarial_logits
@@ -23,8 +21,6 @@ from moe_kernels import reference
 
 from .test_topk_router import ROUTER_IDS, ROUTERS, assert_same_selection, kwargs_for
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "python_tests" / "ops" / "emulate" / "topk_router_cuda.cpp"
 SCORING = {"softmax": 0, "sigmoid": 1}
 GROUP_SCORING = {"top2_sum": 0, "max": 1}
 i64, f64, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
@@ -32,14 +28,7 @@ i64, f64, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx is not None, "no C++ compiler found"
-    lib = tmp_path_factory.mktemp("emulate") / "topk_router_cuda.so"
-    cmd = [cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror"]
-    cmd += [f"-I{ROOT / 'csrc' / 'include'}", str(DRIVER), "-o", str(lib)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-4000:]
-    so = ctypes.CDLL(str(lib))
+    so = ctypes.CDLL(str(host_emulation.build("topk_router_cuda", tmp_path_factory.mktemp("emulate"), shared=True)))
     so.router_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_int, ctypes.c_int]
     so.router_forward.argtypes += [i64, i64, ctypes.c_int, f64, ptr, ptr]
     so.router_backward.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, i64, ctypes.c_int]
