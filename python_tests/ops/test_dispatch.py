@@ -156,12 +156,12 @@ def test_triton_positions_blocks_and_wide_fallback(backend, monkeypatch, E, k, m
 
 @pytest.mark.parametrize(
     "T, E, k",
-    [(300_000, 16, 2), (900, 8192, 10), (1000, 9000, 2), (2049, 1, 1)],
+    [(110_000, 16, 10), (900, 8192, 3), (1000, 9000, 2), (2049, 1, 1)],
     ids=["scan-row-blocks", "one-warp-a-block", "per-expert-fallback", "one-expert"],
 )
 def test_cuda_positions_segments_and_wide_fallback(backend, T, E, k):
     """The CUDA kernels' paths (csrc/cuda/capacity_positions.cu): segments of 2048 choices over
-    more than one block of the scan's 256 rows (294 segments), ragged last segments, k = 10 slots
+    more than one block of the scan's 256 rows (540 segments), ragged last segments, k = 10 slots
     a token block (more than a block's 8 warps), E = 8192 (a warp a block: its counters fill the
     block's shared memory), and past it the per-expert scan; ids outside [0, E) dropped on each.
     Their layout is checked on the host too (test_capacity_positions_cuda_emulation.py)."""
