@@ -98,8 +98,8 @@ __device__ __forceinline__ int block_rows_sum(const int32_t* __restrict__ table,
   return total;
 }
 
-__global__ void __launch_bounds__(cs::kScanWarps * kWarp) column_partials_kernel(const int32_t* __restrict__ table, int64_t G, int64_t E,
-                                       int32_t* __restrict__ partials) {
+__global__ void __launch_bounds__(cs::kScanWarps * kWarp)
+    column_partials_kernel(const int32_t* __restrict__ table, int64_t G, int64_t E, int32_t* __restrict__ partials) {
   __shared__ int warp_sums[cs::kScanWarps * kWarp];
   const int64_t e = (int64_t)blockIdx.x * cs::kScanColumns + threadIdx.x % kWarp;
   const int total = block_rows_sum(table, G, E, blockIdx.y, e, warp_sums);
@@ -107,8 +107,9 @@ __global__ void __launch_bounds__(cs::kScanWarps * kWarp) column_partials_kernel
 }
 
 // The table's exclusive sums down each column in place; counts[e] its column's total.
-__global__ void __launch_bounds__(cs::kScanWarps * kWarp) column_scan_kernel(int32_t* __restrict__ table, const int32_t* __restrict__ partials, int64_t G,
-                                   int64_t E, int64_t* __restrict__ counts) {
+__global__ void __launch_bounds__(cs::kScanWarps * kWarp)
+    column_scan_kernel(int32_t* __restrict__ table, const int32_t* __restrict__ partials, int64_t G, int64_t E,
+                       int64_t* __restrict__ counts) {
   __shared__ int warp_sums[cs::kScanWarps * kWarp];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t e = (int64_t)blockIdx.x * cs::kScanColumns + lane;
@@ -171,11 +172,12 @@ __device__ __forceinline__ int block_exclusive_rank(bool hit, int* warp_totals, 
   return warp_totals[warp] + in_warp;
 }
 
-__global__ void __launch_bounds__(kScanThreads) expert_scan_kernel(const int64_t* __restrict__ experts,  // [n] flat t*k+s
-                                   const int64_t* __restrict__ order,    // [n] fill order
-                                   int64_t n, int64_t C,
-                                   int64_t* __restrict__ positions,  // [n], prefilled -1
-                                   int64_t* __restrict__ counts) {   // [E]
+__global__ void __launch_bounds__(kScanThreads)
+    expert_scan_kernel(const int64_t* __restrict__ experts,  // [n] flat t*k+s
+                       const int64_t* __restrict__ order,    // [n] fill order
+                       int64_t n, int64_t C,
+                       int64_t* __restrict__ positions,  // [n], prefilled -1
+                       int64_t* __restrict__ counts) {   // [E]
   __shared__ int warp_totals[kScanThreads / kWarp];
   __shared__ int total;
   const int64_t e = blockIdx.x;
