@@ -97,13 +97,14 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& expe
   const int64_t T = experts.size(0), k = experts.size(1);
   // Fill order: s-major by default (computed in the kernels); by descending priority (stable,
   // NaN last) otherwise, as an array of flat indices.
+  const auto s_major = [&] { return at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1}); };
   std::optional<at::Tensor> order;
   if (priority.has_value()) {
     // The order array must hold every choice: the kernels write each one once and read no other.
     TORCH_CHECK(priority->sizes() == experts.sizes(), "capacity_positions: priority must have experts' shape");
     const at::Tensor by_priority =
         std::get<1>(at::sort(priority->t().reshape({-1}).to(at::kFloat).neg(), true, 0, false));
-    order = at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1}).index_select(0, by_priority);
+    order = s_major().index_select(0, by_priority);
   }
   auto counts = at::empty({num_experts}, experts.options());
   at::Tensor positions;
@@ -122,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& expe
     else
       counts.zero_();
   } else {
-    if (!order) order = at::arange(T * k, experts.options()).view({T, k}).t().reshape({-1});
+    if (!order) order = s_major();
     positions = at::full({T, k}, -1, experts.options());
     check_launch(capacity_positions_cuda(experts.const_data_ptr<int64_t>(), order->const_data_ptr<int64_t>(), T * k,
                                          num_experts, capacity, positions.mutable_data_ptr<int64_t>(),

@@ -23,7 +23,6 @@ from .test_dispatch import priorities
 
 # The reference's fill order (its module, which the package's `capacity_positions` function hides).
 fill_order = importlib.import_module("moe_kernels.reference.capacity_positions")._fill_order
-SEGMENT = 2048  # capacity_segments::kSegment
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -38,6 +37,8 @@ def emulator(tmp_path_factory):
     so.warps_per_block.restype = i64
     so.supported.argtypes = [i64, i64, i64]
     so.supported.restype = ctypes.c_int
+    so.segment_choices.restype = i64
+    assert so.segment_choices() == 2048  # the segment size the shapes below are chosen around
     return so
 
 
@@ -79,10 +80,11 @@ def test_segments_match_reference(emulator, kind, priority):
 def test_many_scan_row_blocks(emulator):
     """More than one block of the scan's rows (256 segments each): 600 segments, a ragged last
     row block, and the counts' totals from the last one."""
-    T, E, k = 600 * SEGMENT // 4 - 17, 16, 4
+    segment = emulator.segment_choices()
+    T, E, k = 600 * segment // 4 - 17, 16, 4
     experts = torch.randint(-1, E, (T, k), generator=torch.Generator().manual_seed(1))
-    assert check(emulator, experts, E, -(-T * k // E)) == 4 * -(-T // SEGMENT)
-    assert check(emulator, experts, E, T, priorities("ties", T, k)) == -(-T * k // SEGMENT)
+    assert check(emulator, experts, E, -(-T * k // E)) == 4 * -(-T // segment)
+    assert check(emulator, experts, E, T, priorities("ties", T, k)) == -(-T * k // segment)
 
 
 def test_widest_and_out_of_range(emulator):

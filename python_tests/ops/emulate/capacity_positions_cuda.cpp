@@ -39,6 +39,7 @@ void rank_segment(const cs::Layout& L, const int64_t* experts, const int64_t* or
 extern "C" {
 
 int64_t warps_per_block(int64_t E) { return cs::warps_per_block(E); }
+int64_t segment_choices() { return cs::kSegment; }
 int supported(int64_t E, int64_t T, int64_t k) { return cs::supported(E, T, k); }
 
 // positions [T, k] (every entry written: the caller fills a sentinel to check that), counts [E].
