@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,3 +227,29 @@ def test_default_limits_fit_one_device_command():
     total = seen["build_timeout"] + seen["check_timeout"] + seen["test_timeout"] + seen["bench_timeout"]
     assert total <= 540, total
     assert seen["grid"] == "goals"
+
+
+def test_backward_timings_reuse_their_output_gradient():
+    """gpu_bench's fwd+bwd calls take the same tensor of ones as the output's gradient in every call
+    (made at the first): a fresh [E, C, d] fill in each timed call was timed as the op's."""
+    gpu_bench = load("gpu_bench")
+    seen = []
+
+    class Record(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(grad)
+            return grad * 2
+
+    run = gpu_bench._grad_of(lambda x, other: (Record.apply(x), other), wrt=0, out=0)
+    x = torch.randn(3, 4, requires_grad=True)
+    (first,) = run(x, None)
+    (second,) = run(x, None)
+    assert torch.equal(first, torch.full((3, 4), 2.0)) and torch.equal(second, first)
+    assert len(seen) == 2 and seen[0] is seen[1] and torch.equal(seen[0], torch.ones(3, 4))
+    (wider,) = run(torch.randn(2, 5, requires_grad=True), None)  # another output shape: its own ones
+    assert wider.shape == (2, 5) and seen[2].shape == (2, 5)
