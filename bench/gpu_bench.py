@@ -182,7 +182,8 @@ def rows(T: int, d: int, E: int, k: int, modes: tuple[str, ...], dtype=torch.bfl
     Models: dispatch reads x once and writes the whole [E, C, d] buffer (unfilled slots are
     zeros); combine reads the T k chosen rows and writes y; permute reads x once and writes T k
     rows; unpermute reads T k rows and writes y. The ids and weights are counted too. fwd+bwd
-    adds the backward's own minimum: the gradient read and the input gradient written."""
+    differentiates the rows (x, buffer, y_sorted) only, the weights taking no gradient, and adds
+    the backward's own minimum: the gradient read and the input gradient written."""
     s = SIZE[dtype]
     cases = []
     for mode in modes:

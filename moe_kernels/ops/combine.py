@@ -60,15 +60,21 @@ if backends.triton_importable():
             return _backward_in_graph(ctx, grad_y)
         buffer, experts, positions, weights = ctx.saved_tensors
         E, C, _ = buffer.shape
-        # To the buffer: the weighted gather of grad_y into each kept slot (a weighted dispatch).
-        grad_buffer = _triton_module.dispatch(grad_y, experts, positions, E, C, weights)
-        # To the weights: <grad_y[t], buffer[slot]> in float32 (float64 for float64) for the choices
-        # the forward kept, 0 for the others (kept_slots: an out-of-range id is dropped, never
-        # indexed); one pass over d (row_dots).
-        slot = _triton_module.kept_slots(experts, positions, E, C)
-        rows = buffer.reshape(E * C, buffer.shape[2])
-        dots = _triton_module.row_dots(grad_y, rows, slot, experts.shape[1])
-        return grad_buffer, None, None, dots.to(weights.dtype)
+        needs = ctx.needs_input_grad
+        grad_buffer = grad_weights = None
+        # Each gradient only where asked for: the weights' reads every kept row of the buffer again
+        # (as many bytes as the forward), the buffer's writes the whole [E, C, d].
+        if needs[0]:
+            # To the buffer: the weighted gather of grad_y into each kept slot (a weighted dispatch).
+            grad_buffer = _triton_module.dispatch(grad_y, experts, positions, E, C, weights)
+        if needs[3]:
+            # To the weights: <grad_y[t], buffer[slot]> in float32 (float64 for float64) for the
+            # choices the forward kept, 0 for the others (kept_slots: an out-of-range id is dropped,
+            # never indexed); one pass over d (row_dots).
+            slot = _triton_module.kept_slots(experts, positions, E, C)
+            rows = buffer.reshape(E * C, buffer.shape[2])
+            grad_weights = _triton_module.row_dots(grad_y, rows, slot, experts.shape[1]).to(weights.dtype)
+        return grad_buffer, None, None, grad_weights
 
     _triton.register_autograd(_triton_backward, setup_context=_setup_context)
 

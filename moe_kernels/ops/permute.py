@@ -83,8 +83,11 @@ if backends.triton_importable():
         y_sorted, order, weights = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: as the kernel backward's above
             return _unpermute_backward_in_graph(ctx, grad_y)
-        grad_y_sorted, grad_weights = _triton_module.unpermute_backward(grad_y, y_sorted, order, weights)
-        return grad_y_sorted, None, grad_weights, None
+        needs = ctx.needs_input_grad  # each gradient only where asked for (its kernel skipped)
+        grad_y_sorted, grad_weights = _triton_module.unpermute_backward(
+            grad_y, y_sorted, order, weights, needs[0], needs[2]
+        )
+        return (grad_y_sorted if needs[0] else None), None, (grad_weights if needs[2] else None), None
 
     def _triton_permute_setup_context(ctx, inputs, output):
         x, experts, _ = inputs

@@ -57,20 +57,39 @@ def _(y_sorted, order, weights, num_tokens):
 
 @torch.library.custom_op("moe_kernels_triton::unpermute_backward", mutates_args=())
 def unpermute_backward(
-    grad_y: torch.Tensor, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
+    grad_y: torch.Tensor,
+    y_sorted: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    rows_grad: bool = True,
+    weights_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_y_sorted[r] = weights[order[r]] * grad_y[order[r] // k] (0 where order is -1), and
-    grad_weights[t, s] = <grad_y[t], y_sorted[row of (t, s)]> in float32 (float64 for float64)."""
+    grad_weights[t, s] = <grad_y[t], y_sorted[row of (t, s)]> in float32 (float64 for float64).
+    A gradient not asked for (rows_grad / weights_grad False) is not computed: an empty [0, d] /
+    [0, k] in its place (the weights' reads all T k rows of y_sorted, as many bytes as the rows')."""
     k = weights.shape[1]
-    valid = (order >= 0) & (order < weights.numel())
     rows = rows_of_choices(order, weights.numel())
-    grad_y_sorted = _rows.scatter_rows(grad_y, rows, torch.where(valid, order, -1), k, weights)
-    return grad_y_sorted, _rows.row_dots(grad_y, y_sorted, rows, k).to(weights.dtype)
+    grad_y_sorted, grad_weights = _unasked(y_sorted, weights, rows_grad, weights_grad)
+    if rows_grad:
+        valid = (order >= 0) & (order < weights.numel())
+        grad_y_sorted = _rows.scatter_rows(grad_y, rows, torch.where(valid, order, -1), k, weights)
+    if weights_grad:
+        grad_weights = _rows.row_dots(grad_y, y_sorted, rows, k).to(weights.dtype)
+    return grad_y_sorted, grad_weights
+
+
+def _unasked(y_sorted, weights, rows_grad, weights_grad):
+    """unpermute_backward's outputs in the shapes it returns them (the fake's and the kernels'):
+    [T k, d] and [T, k] where asked for, else [0, d] and [0, k]; uninitialised."""
+    rows_shape = y_sorted.shape if rows_grad else (0, y_sorted.shape[1])
+    weights_shape = weights.shape if weights_grad else (0, weights.shape[1])
+    return y_sorted.new_empty(rows_shape), weights.new_empty(weights_shape)
 
 
 @unpermute_backward.register_fake
-def _(grad_y, y_sorted, order, weights):
-    return y_sorted.new_empty(y_sorted.shape), weights.new_empty(weights.shape)
+def _(grad_y, y_sorted, order, weights, rows_grad=True, weights_grad=True):
+    return _unasked(y_sorted, weights, rows_grad, weights_grad)
 
 
 AOT_KERNELS = []  # no kernels of its own: it launches those of capacity_positions.py and dispatch.py

@@ -312,6 +312,45 @@ def test_gradcheck_kernels(kernel_backend):
         )
 
 
+def test_triton_backward_computes_only_the_gradients_asked_for(backend, monkeypatch):
+    """combine's and unpermute's backwards launch the weights' row dots only where the weights need a
+    gradient, and the rows' scatter only where the rows do; each gradient asked for is the
+    reference's."""
+    if backend != "triton":
+        pytest.skip("the Triton backwards' launches")
+    from moe_kernels.triton import dispatch as rows_module
+
+    T, E, k, d = 9, 4, 2, 6
+    experts = routing_choices("empties", T, E, k, seed=3)
+    C = capacity_for(T, E, k, 1.0)
+    positions, _ = reference.capacity_positions(experts, E, C)
+    _, _, order = reference.permute(torch.zeros(T, 1), experts, E)
+    experts, positions, order = (t.to(backend.device) for t in (experts, positions, order))
+    launched = []
+    for name in ("row_dots", "scatter_rows"):
+        real = getattr(rows_module, name)
+        monkeypatch.setattr(rows_module, name, lambda *a, real=real, name=name: launched.append(name) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    buffer, w = torch.randn(E, C, d, generator=g).to(backend.device), torch.rand(T, k, generator=g).to(backend.device)
+    ys = torch.randn(T * k, d, generator=g).to(backend.device)
+    grad_y = torch.randn(T, d, generator=g).to(backend.device)
+    cases = [
+        (combine, buffer, (experts, positions), lambda rows, w: reference.combine(rows, experts, positions, w)),
+        (unpermute, ys, (order,), lambda rows, w: reference.unpermute(rows, order, w, T)),
+    ]
+    for op, rows, index, ref in cases:
+        for wanted in ("rows", "weights"):
+            r, ww = rows.clone().requires_grad_(wanted == "rows"), w.clone().requires_grad_(wanted == "weights")
+            launched.clear()
+            with use(backend, CAPACITY_OPS + DROPLESS_OPS):
+                args = (r, *index, ww) if op is combine else (r, *index, ww, T)
+                (got,) = torch.autograd.grad(op(*args), r if wanted == "rows" else ww, grad_y)
+            assert launched == (["scatter_rows"] if wanted == "rows" else ["row_dots"]), (op.__name__, wanted)
+            r2, w2 = rows.clone().requires_grad_(), w.clone().requires_grad_()
+            expected = torch.autograd.grad(ref(r2, w2), r2 if wanted == "rows" else w2, grad_y)[0]
+            assert_close(got, expected)
+
+
 def test_round_trip_keeps_kept_tokens(backend):
     T, E, k, d = 64, 8, 2, 6
     experts = routing_choices("one_expert", T, E, k)  # expert 0 overflows: some tokens lose every choice
@@ -489,7 +528,10 @@ def test_opcheck(kernel_backend):
             order = reference.permute(x, experts, E)[2]
             ys = torch.randn(T * k, d, requires_grad=True)
             torch.library.opcheck(ops.unpermute, (ys, order, w, T))
-            torch.library.opcheck(ops.unpermute_backward, (torch.randn(T, d), ys.detach(), order, w.detach()))
+            grads = (torch.randn(T, d), ys.detach(), order, w.detach())
+            torch.library.opcheck(ops.unpermute_backward, grads)
+            torch.library.opcheck(ops.unpermute_backward, (*grads, True, False))
+            torch.library.opcheck(ops.unpermute_backward, (*grads, False, True))
             continue
         ops = torch.ops.moe_kernels
         torch.library.opcheck(ops.capacity_positions, (experts, E, C, None))
