@@ -66,8 +66,9 @@ class Case:
     kernel_op: str = ""
 
 
-def _grad_of(fn: Callable, *, wrt: int = 0, out: int = 0) -> Callable:
-    """fwd+bwd: fn's output `out` (a tensor or a tuple member) back-propagated with ones into arg `wrt`.
+def _grad_of(fn: Callable, *, wrt: tuple[int, ...] = (0,), out: int = 0) -> Callable:
+    """fwd+bwd: fn's output `out` (a tensor or a tuple member) back-propagated with ones into the args
+    at `wrt`.
 
     The ones are made at the first call of each output shape and kept (the timing's warm-up calls
     make them), so a timed call is the op's forward and backward: a fresh tensor of ones filled in
@@ -81,7 +82,7 @@ def _grad_of(fn: Callable, *, wrt: int = 0, out: int = 0) -> Callable:
         key = (tuple(y.shape), y.dtype, y.device)
         if key not in ones:
             ones[key] = torch.ones_like(y)
-        return torch.autograd.grad(y, args[wrt], ones[key])
+        return torch.autograd.grad(y, [args[i] for i in wrt], ones[key])
 
     return run
 
@@ -182,8 +183,9 @@ def rows(T: int, d: int, E: int, k: int, modes: tuple[str, ...], dtype=torch.bfl
     Models: dispatch reads x once and writes the whole [E, C, d] buffer (unfilled slots are
     zeros); combine reads the T k chosen rows and writes y; permute reads x once and writes T k
     rows; unpermute reads T k rows and writes y. The ids and weights are counted too. fwd+bwd
-    differentiates the rows (x, buffer, y_sorted) only, the weights taking no gradient, and adds
-    the backward's own minimum: the gradient read and the input gradient written."""
+    differentiates what a training step does (x; the buffer or y_sorted and the weights) and adds
+    the backward's own minimum: the gradient read and the input gradients written, and for the
+    weights' gradient the T k chosen rows read again."""
     s = SIZE[dtype]
     cases = []
     for mode in modes:
@@ -213,11 +215,17 @@ def rows(T: int, d: int, E: int, k: int, modes: tuple[str, ...], dtype=torch.bfl
             experts, weights, C = routing(T, E, k)
             positions, _ = reference.capacity_positions(experts, E, C)
             buffer = torch.randn(E, C, d, device=DEV, dtype=dtype, requires_grad=grad)
-            return (buffer, experts, positions, weights.to(dtype))
+            return (buffer, experts, positions, weights.to(dtype).requires_grad_(grad))
 
         fwd = T * k * d * s + T * d * s + ids + T * k * s
-        moved = fwd + ((T * d * s + E * C * d * s) if grad else 0)
-        pair = (_grad_of(K.combine), _grad_of(reference.combine)) if grad else (K.combine, reference.combine)
+        # The backward also reads the kept rows again for the weights' gradient, and writes it.
+        moved = fwd + ((T * d * s + E * C * d * s + T * k * d * s + T * k * s) if grad else 0)
+        wrt = (0, 3)  # the buffer and the weights, as a training step differentiates them
+        pair = (
+            (_grad_of(K.combine, wrt=wrt), _grad_of(reference.combine, wrt=wrt))
+            if grad
+            else (K.combine, reference.combine)
+        )
         cases.append(Case("combine", config, moved, make_combine, *pair))
 
         def make_permute(grad=grad):
@@ -241,11 +249,16 @@ def rows(T: int, d: int, E: int, k: int, modes: tuple[str, ...], dtype=torch.bfl
             x = torch.randn(T, d, device=DEV, dtype=dtype)
             _, _, order = reference.permute(x, experts, E)
             y_sorted = torch.randn(T * k, d, device=DEV, dtype=dtype, requires_grad=grad)
-            return (y_sorted, order, weights.to(dtype), T)
+            return (y_sorted, order, weights.to(dtype).requires_grad_(grad), T)
 
         fwd = T * k * d * s + T * d * s + T * k * (8 + s)
-        moved = fwd + ((T * d * s + T * k * d * s) if grad else 0)
-        pair = (_grad_of(K.unpermute), _grad_of(reference.unpermute)) if grad else (K.unpermute, reference.unpermute)
+        moved = fwd + ((T * d * s + 2 * T * k * d * s + T * k * s) if grad else 0)
+        wrt = (0, 2)  # y_sorted and the weights
+        pair = (
+            (_grad_of(K.unpermute, wrt=wrt), _grad_of(reference.unpermute, wrt=wrt))
+            if grad
+            else (K.unpermute, reference.unpermute)
+        )
         cases.append(Case("unpermute", config, moved, make_unpermute, *pair))
     return cases
 

@@ -245,7 +245,7 @@ def test_backward_timings_reuse_their_output_gradient():
             seen.append(grad)
             return grad * 2
 
-    run = gpu_bench._grad_of(lambda x, other: (Record.apply(x), other), wrt=0, out=0)
+    run = gpu_bench._grad_of(lambda x, other: (Record.apply(x), other), wrt=(0,), out=0)
     x = torch.randn(3, 4, requires_grad=True)
     (first,) = run(x, None)
     (second,) = run(x, None)
