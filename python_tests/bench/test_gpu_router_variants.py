@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_kernels import backends
 
@@ -34,3 +35,22 @@ def test_smoke_runs_both_recordings_and_the_backward():
     # each shape: exactly one recording is the launcher's
     for i in range(0, 2 * shapes, 2):
         assert [r.split("|")[4].strip() for r in recordings[i : i + 2]].count("yes") == 1, recordings[i : i + 2]
+
+
+def test_a_disagreement_is_reported_not_raised():
+    """Where the recordings differ the script lists it under its tables (the device call's timings
+    kept) and main() returns 1."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_router_variants as variants
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    w, e = torch.tensor([[0.6, 0.4], [0.7, 0.3]]), torch.tensor([[3, 1], [0, 2]])
+    assert variants._difference((w, e), (w.clone(), e.clone())) == ""
+    other = e.clone()
+    other[1, 1] = 5
+    assert (
+        variants._difference((w, e), (w, other))
+        == "1 rows pick other experts (row 1: [0, 2] by the tile, [0, 5] by the runs)"
+    )
+    assert "weights apart by up to 0.01" in variants._difference((w, e), (w + 0.01, e))
