@@ -18,13 +18,15 @@ namespace {
 
 constexpr int kRowThreads = 128;  // threads along d for the row kernels
 
-// source[e * C + p] = j for every kept choice j (slots are unique: one writer each).
+// source[e * C + p] = j for every kept choice j. Valid positions name each slot once; where
+// malformed ones repeat a slot (unchecked on a GPU) the largest choice naming it fills it, as the
+// CPU's map (its last writer) and the Triton kernel do, whatever order the threads run in.
 __global__ void slot_sources_kernel(const int64_t* __restrict__ experts, const int64_t* __restrict__ positions,
                                     int64_t n, int64_t E, int64_t C, int64_t* __restrict__ source) {
   const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n) return;
   const int64_t slot = dispatch::kept_slot(experts[j], positions[j], E, C);
-  if (slot >= 0) source[slot] = j;
+  if (slot >= 0) atomicMax(reinterpret_cast<long long*>(source + slot), (long long)j);
 }
 
 // A row's elements kWidth at a time: 16-byte loads and stores where the rows allow them

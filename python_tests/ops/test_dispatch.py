@@ -524,6 +524,7 @@ def test_opcheck(kernel_backend):
             torch.library.opcheck(ops.capacity_positions, (experts, E, C, torch.rand(T, k)))
             torch.library.opcheck(ops.dispatch, (x, experts, positions, E, C, None))
             torch.library.opcheck(ops.combine, (buffer, experts, positions, w))
+            torch.library.opcheck(ops.kept_slots, (experts, positions, E, C))
             torch.library.opcheck(ops.permute, (x, experts, E))
             order = reference.permute(x, experts, E)[2]
             ys = torch.randn(T * k, d, requires_grad=True)
