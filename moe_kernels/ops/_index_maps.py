@@ -20,11 +20,13 @@ def kept_choices(experts: torch.Tensor, positions: torch.Tensor, E: int, C: int)
 
 
 def scatter_valid(index: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
-    """[n] int64 out with out[index[i]] = values[i] where valid[i], -1 elsewhere. index, values,
-    valid: one shape; index must be in [0, n) where valid."""
+    """[n] int64 out with out[index[i]] = values[i] where valid[i], -1 elsewhere. index, values
+    (>= -1), valid: one shape; index must be in [0, n) where valid. Where index repeats an entry
+    the largest value wins on every device (a plain scatter leaves that to the device), as the
+    Triton maps (triton/routing_maps.py) and the CPU's serial ones give it."""
     target = torch.where(valid, index, n).reshape(-1)
     out = torch.full((n + 1,), -1, dtype=torch.int64, device=index.device)
-    return out.scatter(0, target, values.reshape(-1))[:n]
+    return out.scatter_reduce(0, target, values.reshape(-1), reduce="amax")[:n]
 
 
 def rows_of_choices(order: torch.Tensor, n: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ if backends._extension.defines("combine"):
 _triton = None
 if backends.triton_importable():
     from moe_kernels.triton import dispatch as _triton_module
+    from moe_kernels.triton import routing_maps as _triton_maps
 
     _triton = _triton_module.combine
 
@@ -71,7 +72,7 @@ if backends.triton_importable():
             # To the weights: <grad_y[t], buffer[slot]> in float32 (float64 for float64) for the
             # choices the forward kept, 0 for the others (kept_slots: an out-of-range id is dropped,
             # never indexed); one pass over d (row_dots).
-            slot = _triton_module.kept_slots(experts, positions, E, C)
+            slot = _triton_maps.kept_slots(experts, positions, E, C)
             rows = buffer.reshape(E * C, buffer.shape[2])
             grad_weights = _triton_module.row_dots(grad_y, rows, slot, experts.shape[1]).to(weights.dtype)
         return grad_buffer, None, None, grad_weights

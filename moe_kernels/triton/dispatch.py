@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.common import on_tensor_device
+from moe_kernels.triton.routing_maps import kept_slots, slot_maps
 
 # 8 rows x 128 columns per program, 4 warps: under triton 3.7.1 (torch 2.13.0's), 16 rows made
 # ptxas spill in combine_kernel for sm_90; 8 rows need about 50 registers on sm_80 and sm_90.
@@ -171,69 +172,6 @@ def row_dots_kernel(
             acc += g * v
         # 0 for a choice not kept, not acc: inf or NaN in grad times its zero row would be NaN.
         tl.store(out_ptr + rows.to(tl.int64) * K + s, tl.where(kept, tl.sum(acc, axis=1), 0.0), mask=row_ok)
-
-
-@triton.jit
-def choice_slots_kernel(
-    experts_ptr,  # [N] int64 (N = T * K)
-    positions_ptr,  # [N] int64
-    slot_ptr,  # [N] int64 out: e * C + p of each kept choice, -1 otherwise
-    source_ptr,  # [S] int64, filled with -1 (read only if SOURCES): the choice that fills each slot
-    N,
-    E,
-    C,
-    SOURCES: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Both routing maps of dispatch in one pass over the choices (combine needs the first alone),
-    where torch ops took about fifteen launches over the [T, k] ids."""
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = j < N
-    e = tl.load(experts_ptr + j, mask=ok, other=-1)
-    p = tl.load(positions_ptr + j, mask=ok, other=-1)
-    kept = ok & (e >= 0) & (e < E) & (p >= 0) & (p < C)
-    slot = tl.where(kept, e * C + p, -1)
-    tl.store(slot_ptr + j, slot, mask=ok)
-    if SOURCES:
-        # Valid positions name each slot once. Where malformed ones repeat a slot (unchecked on a
-        # GPU), the largest choice naming it fills it, whatever order the programs run in, as the
-        # CPU's map (its last writer) does.
-        tl.atomic_max(source_ptr + tl.where(kept, slot, 0), j, mask=kept, sem="relaxed")
-
-
-_SLOTS_BLOCK = 1024
-
-
-@on_tensor_device
-def _choice_slots(experts, positions, E, C, sources: bool):
-    """(slot [T * k], source [E * C] or None) by choice_slots_kernel."""
-    N = experts.numel()
-    slot = torch.empty(N, dtype=torch.int64, device=experts.device)
-    # One spare entry: a launch never gets a pointer to an empty tensor.
-    source = torch.full((E * C + 1,), -1, dtype=torch.int64, device=experts.device) if sources else slot
-    if N:
-        choice_slots_kernel[(triton.cdiv(N, _SLOTS_BLOCK),)](
-            experts.contiguous(), positions.contiguous(), slot, source, N, E, C, SOURCES=sources, BLOCK=_SLOTS_BLOCK
-        )
-    return slot, (source[: E * C] if sources else None)
-
-
-@torch.library.custom_op("moe_kernels_triton::kept_slots", mutates_args=())
-def kept_slots(experts: torch.Tensor, positions: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
-    """[T * k] int64: e * C + p for kept choices (e in [0, E), p in [0, C)), -1 otherwise. An op of
-    its own: combine's backward calls it outside the kernels' ops, where a graph traces it."""
-    return _choice_slots(experts, positions, num_experts, capacity, sources=False)[0]
-
-
-@kept_slots.register_fake
-def _(experts, positions, num_experts, capacity):
-    return experts.new_empty(experts.numel())
-
-
-def slot_maps(experts, positions, E, C):
-    """(kept_slots [T * k], source [E * C]): source[r] the choice that fills slot r, -1 for an
-    empty slot (the largest choice naming it, where malformed positions repeat one)."""
-    return _choice_slots(experts, positions, E, C, sources=True)
 
 
 def acc_dtype(dtype):
@@ -430,15 +368,7 @@ def _aot_row_dots(dt):
     return row_dots_kernel, signature, constexprs, {"num_warps": 4}
 
 
-def _aot_choice_slots(sources):
-    signature = {"experts_ptr": "*i64", "positions_ptr": "*i64", "slot_ptr": "*i64", "source_ptr": "*i64"}
-    signature.update({"N": "i32", "E": "i32", "C": "i32", "SOURCES": "constexpr", "BLOCK": "constexpr"})
-    return choice_slots_kernel, signature, {"SOURCES": sources, "BLOCK": _SLOTS_BLOCK}, {"num_warps": 4}
-
-
 AOT_KERNELS = [
-    _aot_choice_slots(True),
-    _aot_choice_slots(False),
     _aot_row_dots("bf16"),
     _aot_row_dots("fp32"),
     _aot_scatter_rows("fp32", False),

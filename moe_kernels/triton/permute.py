@@ -3,14 +3,15 @@
   its rank within its expert; row = offsets[expert] + rank; each token row is read once and written
   to its k rows by dispatch.py's scatter_rows.
 - unpermute: the inverse of `order` gives each choice its row; combine_kernel sums them per token.
-No atomics: every output row / token has one writer."""
+The maps are routing_maps.py's kernels. No atomics on the rows: every output row / token has one
+writer."""
 
 import torch
 
-from moe_kernels.ops._index_maps import rows_of_choices, scatter_valid
 from moe_kernels.triton import capacity_positions as _positions
 from moe_kernels.triton import dispatch as _rows
 from moe_kernels.triton.common import on_tensor_device
+from moe_kernels.triton.routing_maps import expert_rows, inverse_map
 
 
 @torch.library.custom_op("moe_kernels_triton::permute", mutates_args=())
@@ -22,19 +23,16 @@ def permute(
     T, k = experts.shape
     n = T * k
     experts = experts.contiguous()
-    flat = torch.arange(n, device=x.device)
     if n and num_experts:
         rank, counts = _positions.ranks(experts, num_experts, n + 1, _positions.FLAT)
     else:
         rank = torch.full_like(experts, -1)
         counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    e = experts.reshape(-1)
-    # An id outside [0, E) matches no expert's scan (rank -1): dropped like an empty choice,
-    # without indexing offsets out of range (docs/reliability.md).
-    valid = (e >= 0) & (e < num_experts)
-    row = torch.where(valid, offsets[e.clamp(0, max(num_experts - 1, 0))] + rank.reshape(-1), -1)
-    order = scatter_valid(row, flat, valid, n)
+    offsets = counts.new_zeros(num_experts + 1)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    # An id outside [0, E) matches no expert's scan: dropped like an empty choice (row -1), without
+    # indexing offsets out of range (docs/reliability.md).
+    row, order = expert_rows(experts, rank, offsets)
     return _rows.scatter_rows(x, row, order, k, None), offsets, order
 
 
@@ -47,7 +45,7 @@ def _(x, experts, num_experts):
 @torch.library.custom_op("moe_kernels_triton::unpermute", mutates_args=())
 def unpermute(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Triton launch; arguments as moe_kernels.ops.unpermute (validated there)."""
-    return _rows.gather_sum(y_sorted, rows_of_choices(order, weights.numel()), weights)
+    return _rows.gather_sum(y_sorted, inverse_map(order, weights.numel()), weights)
 
 
 @unpermute.register_fake
@@ -69,11 +67,11 @@ def unpermute_backward(
     A gradient not asked for (rows_grad / weights_grad False) is not computed: an empty [0, d] /
     [0, k] in its place (the weights' reads all T k rows of y_sorted, as many bytes as the rows')."""
     k = weights.shape[1]
-    rows = rows_of_choices(order, weights.numel())
+    rows = inverse_map(order, weights.numel())
     grad_y_sorted, grad_weights = _unasked(y_sorted, weights, rows_grad, weights_grad)
     if rows_grad:
-        valid = (order >= 0) & (order < weights.numel())
-        grad_y_sorted = _rows.scatter_rows(grad_y, rows, torch.where(valid, order, -1), k, weights)
+        # order as each row's source: the row kernels ignore a source outside [0, T k).
+        grad_y_sorted = _rows.scatter_rows(grad_y, rows, order, k, weights)
     if weights_grad:
         grad_weights = _rows.row_dots(grad_y, y_sorted, rows, k).to(weights.dtype)
     return grad_y_sorted, grad_weights

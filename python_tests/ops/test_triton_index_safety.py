@@ -162,7 +162,7 @@ def test_dispatch_one_writer_per_slot_when_positions_repeat(weighted):
     # no value to check them. Each token row is scattered to its slots, but a slot is written only
     # by the choice the slot -> choice map names, so the buffer is what the gather from that map
     # gives: one writer per slot, whatever order the programs run in; empty slots are zeros.
-    from moe_kernels.triton import dispatch as rows
+    from moe_kernels.triton import routing_maps as maps
 
     ops = _ops()
     # Slot (3, 0) is claimed by choices 1 (token 0, s = 1) and 6 (token 3, s = 0): the map names 6,
@@ -172,7 +172,7 @@ def test_dispatch_one_writer_per_slot_when_positions_repeat(weighted):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(T, d, generator=g), torch.rand(T, k, generator=g)
     buffer = ops.dispatch(x, experts, positions, E, C, w if weighted else None).reshape(E * C, d)
-    _, source = rows.slot_maps(experts, positions, E, C)
+    _, source = maps.slot_maps(experts, positions, E, C)
     assert source[3 * C] == 6, "the largest choice naming a repeated slot fills it"
     for slot, choice in enumerate(source.tolist()):
         if choice < 0:
@@ -197,9 +197,11 @@ def test_unpermute_backward_writes_every_row_when_order_repeats():
         torch.full((64 * T * k * d,), float("nan"))  # reused memory must not leak into the result
         grad_rows, _ = ops.unpermute_backward(g, y_sorted, bad, w)
         assert torch.equal(grad_rows, ys.grad)
-    from moe_kernels.triton.permute import rows_of_choices
+    from moe_kernels.triton.routing_maps import inverse_map
 
-    read = set(rows_of_choices(bad, T * k).tolist())
+    rows = inverse_map(bad, T * k)
+    assert rows[bad[0]] == 1, "the largest row naming a repeated choice reads it"
+    read = set(rows.tolist())
     unread = [r for r in range(T * k) if r not in read]
     assert unread and all(torch.equal(ys.grad[r], torch.zeros(d)) for r in unread)
 
