@@ -66,23 +66,38 @@ class Case:
     kernel_op: str = ""
 
 
+# The output gradient of the latest fwd+bwd shape (_grad_of): one tensor at a time, so a case's
+# ones are freed when the next case's shape comes.
+_ONES: dict[tuple, torch.Tensor] = {}
+
+
+@torch.compiler.disable
+def _ones_for(y: torch.Tensor) -> torch.Tensor:
+    """A tensor of ones like y, made at the first call of y's shape and kept. Outside torch.compile's
+    graphs (a graph break, where the backward's autograd.grad breaks anyway): a graph of the torch
+    sequence is then the same whether the ones exist yet or not, so gpu-check's warm compiles in
+    another process fill the caches the timed compile pass reads."""
+    key = (tuple(y.shape), y.dtype, y.device)
+    if key not in _ONES:
+        _ONES.clear()
+        _ONES[key] = torch.ones_like(y)
+    return _ONES[key]
+
+
 def _grad_of(fn: Callable, *, wrt: tuple[int, ...] = (0,), out: int = 0) -> Callable:
     """fwd+bwd: fn's output `out` (a tensor or a tuple member) back-propagated with ones into the args
     at `wrt`.
 
-    The ones are made at the first call of each output shape and kept (the timing's warm-up calls
-    make them), so a timed call is the op's forward and backward: a fresh tensor of ones filled in
-    every call would be timed with them, an extra write of the whole output that the bytes-moved
-    models do not count (at dispatch's [E, C, d] buffer, as many bytes as the backward's own)."""
-    ones: dict[tuple, torch.Tensor] = {}
+    The ones are made at the first call of an output shape and kept (the timing's warm-up calls
+    make them; _ones_for), so a timed call is the op's forward and backward: a fresh tensor of ones
+    filled in every call would be timed with them, an extra write of the whole output that the
+    bytes-moved models do not count (at dispatch's [E, C, d] buffer, as many bytes as the
+    backward's own)."""
 
     def run(*args):
         result = fn(*args)
         y = result[out] if isinstance(result, tuple) else result
-        key = (tuple(y.shape), y.dtype, y.device)
-        if key not in ones:
-            ones[key] = torch.ones_like(y)
-        return torch.autograd.grad(y, [args[i] for i in wrt], ones[key])
+        return torch.autograd.grad(y, [args[i] for i in wrt], _ones_for(y))
 
     return run
 

@@ -60,7 +60,8 @@ def _copy_seconds(nbytes: int, device: str) -> float:
     return time_gpu(lambda: dst.copy_(src))[0]
 
 
-def run(tokens: int, device: str, timed: bool) -> list[str]:
+def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
+    """The report's lines, and whether the two recordings agreed at every shape."""
     device_name = torch.cuda.get_device_name() if timed else "smoke"
     lines = [
         f"Triton topk_router forward by pick recording, T = {tokens} ({device_name}), {len(SHAPES)} shapes",

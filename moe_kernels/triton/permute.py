@@ -68,7 +68,9 @@ def unpermute_backward(
     [0, k] in its place (the weights' reads all T k rows of y_sorted, as many bytes as the rows')."""
     k = weights.shape[1]
     rows = inverse_map(order, weights.numel())
-    grad_y_sorted, grad_weights = _unasked(y_sorted, weights, rows_grad, weights_grad)
+    # The empties stand only for the gradients not asked for (full-size ones would sit beside the
+    # kernels' outputs at the backward's peak).
+    grad_y_sorted, grad_weights = _unasked(y_sorted, weights, False, False)
     if rows_grad:
         # order as each row's source: the row kernels ignore a source outside [0, T k).
         grad_y_sorted = _rows.scatter_rows(grad_y, rows, order, k, weights)
@@ -90,4 +92,4 @@ def _(grad_y, y_sorted, order, weights, rows_grad=True, weights_grad=True):
     return _unasked(y_sorted, weights, rows_grad, weights_grad)
 
 
-AOT_KERNELS = []  # no kernels of its own: it launches those of capacity_positions.py and dispatch.py
+AOT_KERNELS = []  # no kernels of its own: it launches capacity_positions.py's, dispatch.py's, routing_maps.py's

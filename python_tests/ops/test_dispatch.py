@@ -351,6 +351,29 @@ def test_triton_backward_computes_only_the_gradients_asked_for(backend, monkeypa
             assert_close(got, expected)
 
 
+def test_repeated_slot_goes_to_the_largest_choice(backend):
+    """Malformed maps naming one slot (one row) from thousands of choices, which the device kernels
+    do not check: the largest choice fills the slot (the last row naming a choice reads it) whatever
+    order the device's writers run in, as the CPU's serial maps give it (whose ops refuse such
+    maps up front)."""
+    if backend in ("cpu", "torch"):
+        pytest.skip("the host backends refuse repeated positions before any kernel runs")
+    T, E, C, d = 4096, 2, 3, 8
+    dev = backend.device
+    experts = torch.zeros(T, 1, dtype=torch.int64, device=dev)
+    x = torch.randn(T, d, generator=torch.Generator().manual_seed(0)).to(dev)
+    with use(backend):
+        buffer = dispatch(x, experts, torch.zeros_like(experts), E, C)
+    assert torch.equal(buffer[0, 0], x[-1]) and not buffer[0, 1:].any() and not buffer[1].any()
+    k = 2
+    order = torch.zeros(T * k, dtype=torch.int64, device=dev)  # every row names choice 0
+    y_sorted = torch.arange(T * k, dtype=torch.float32, device=dev)[:, None].expand(T * k, d).contiguous()
+    w = torch.ones(T, k, device=dev)
+    with use(backend, DROPLESS_OPS):
+        y = unpermute(y_sorted, order, w, T)
+    assert torch.equal(y[0], torch.full((d,), float(T * k - 1), device=dev)) and not y[1:].any()
+
+
 def test_round_trip_keeps_kept_tokens(backend):
     T, E, k, d = 64, 8, 2, 6
     experts = routing_choices("one_expert", T, E, k)  # expert 0 overflows: some tokens lose every choice
