@@ -600,26 +600,31 @@ def row_vector(block_e: int, itemsize: int) -> int:
 
 
 def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
-    """SORTED_RUNS, where the sm_90 SASS counts it fewer warp instructions a row
-    (bench/triton_sass.py: the [rows, k] tile against the runs, each loop counted as often as it
-    runs, a program without near ties). With the keys sorted in each thread's run once
+    """SORTED_RUNS, where the runs timed faster on the H200 (bench/gpu_router_variants.py at
+    T = 262,144, bench/results/gpu-nvidia-h200.md), else where the sm_90 SASS counts them fewer
+    warp instructions a row (bench/triton_sass.py). With the keys sorted in each thread's run once
     (sorted_runs), a round is the row max of the runs' heads and a compare and a select an entry
     of the thread holding it, each pick's expert stored in its round; the barrier and the choice
-    tile cost a fixed amount. A round of the tile computes and records the pick's weight. The
-    runs from k = 3 (bf16 E = 16 27 -> 23, E = 64 110 -> 69, E = 128 193 -> 120, E = 256 272 ->
-    227, float32 E = 2048 3328 -> 2408; at k = 8 E = 32 114 -> 65, E = 64 236 -> 127,
-    DeepSeek-V3 1044 -> 636); at k = 2 with 4 entries a thread from E = 32 (E = 32 37 -> 29,
-    E = 128 138 -> 108, float32 E = 512 738 -> 580; E = 16 18 / 18), not with 8 (bf16 E = 256
-    205 / 211, E = 1024 900 / 1008); not at k = 1 (E = 256 157 / 173, float32 E = 128 101 /
-    114). A row in one thread (16 bytes or less): the runs from k = 4 (bf16 E = 8 k = 3 10 /
-    12, k = 4 10 / 9, k = 8 18 / 17)."""
-    if k >= 4:
-        return True
+    tile cost a fixed amount. A round of the tile computes and records the pick's weight.
+
+    Timed (ms, tile / runs): from k = 5 the runs everywhere (bf16 E = 32 k = 8 0.042 / 0.028,
+    Qwen3-MoE 0.145 / 0.086, E = 256 k = 5 0.163 / 0.139, E = 512 k = 10 0.807 / 0.407,
+    DeepSeek-V3 0.414 / 0.275); at k = 4 the runs from E = 32 (E = 128 0.0667 / 0.0640; E = 16
+    0.0110 / 0.0125); at k = 3 the runs with 4 entries a thread (float32 E = 128 0.082 / 0.070),
+    the tile with 8 (bf16 E = 256 0.104 / 0.121); at k = 2 the tile (bf16 E = 64 0.026 / 0.029,
+    E = 256 0.078 / 0.103), where the counts had favoured the runs with 4 entries a thread (E = 64
+    110 -> 69 instructions a row: the instruction counts do not rank these shapes). A row in one
+    thread (16 bytes or less, untimed): the runs from k = 4 (bf16 E = 8 k = 3 10 / 12, k = 4
+    10 / 9, k = 8 18 / 17 instructions)."""
     if block_e <= vector:
-        return False
-    if k == 3:
+        return k >= 4
+    if k >= 5:
         return True
-    return k == 2 and vector == 4 and block_e >= 32
+    if k == 4:
+        return block_e >= 32
+    if k == 3:
+        return vector == 4
+    return False
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
