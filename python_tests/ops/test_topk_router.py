@@ -586,7 +586,12 @@ def test_triton_backward_drops_out_of_range_experts(backend):
 def test_triton_backward_sums_repeated_experts(backend, E, k, dtype):
     """A raw call of the Triton backward with an expert repeated in a row (no forward gives one)
     sums the repeats' gradients, as the reference's scatter_add (the torch formula here); with
-    distinct_experts the caller promises there is none, and on distinct experts both agree."""
+    distinct_experts the caller promises there is none, and on distinct experts both agree with
+    the formula and with each other within float32 rounding. Not bitwise: on a GPU the two
+    variants compile differently (in the promised one the compiler may contract scaling * g - shift
+    into one FMA; at large k the repeats' tile takes fewer rows a program, so the row sums run in
+    another order), and the H200 gave them last-bit differences; the interpreter computes them
+    alike."""
     if backend != "triton":
         pytest.skip("the Triton op")
     from moe_kernels.ops.topk_router import _backward_from_logits
@@ -604,7 +609,8 @@ def test_triton_backward_sums_repeated_experts(backend, E, k, dtype):
             expected = _backward_from_logits(logits, repeated, grad_w, scoring, renormalize, 1.5)
             assert_close(got.double(), expected.double(), dtype=torch.float32)
             promised = op(grad_w, logits, distinct, scoring, renormalize, 1.5, True)
-            assert torch.equal(promised, op(grad_w, logits, distinct, scoring, renormalize, 1.5, False))
+            unpromised = op(grad_w, logits, distinct, scoring, renormalize, 1.5, False)
+            assert_close(promised.double(), unpromised.double(), dtype=torch.float32)
             expected = _backward_from_logits(logits, distinct, grad_w, scoring, renormalize, 1.5)
             assert_close(promised.double(), expected.double(), dtype=torch.float32)
 
