@@ -352,10 +352,9 @@ def test_triton_backward_computes_only_the_gradients_asked_for(backend, monkeypa
 
 
 def test_repeated_slot_goes_to_the_largest_choice(backend):
-    """Malformed maps naming one slot (one row) from thousands of choices, which the device kernels
-    do not check: the largest choice fills the slot (the last row naming a choice reads it) whatever
-    order the device's writers run in, as the CPU's serial maps give it (whose ops refuse such
-    maps up front)."""
+    """A malformed map naming one slot from thousands of choices, which the device kernels do not
+    check: the largest choice fills the slot whatever order the device's writers run in, as the
+    CPU's serial maps give it (whose ops refuse such maps up front)."""
     if backend in ("cpu", "torch"):
         pytest.skip("the host backends refuse repeated positions before any kernel runs")
     T, E, C, d = 4096, 2, 3, 8
@@ -365,12 +364,21 @@ def test_repeated_slot_goes_to_the_largest_choice(backend):
     with use(backend):
         buffer = dispatch(x, experts, torch.zeros_like(experts), E, C)
     assert torch.equal(buffer[0, 0], x[-1]) and not buffer[0, 1:].any() and not buffer[1].any()
-    k = 2
+
+
+def test_repeated_row_goes_to_the_largest_choice(backend):
+    """The same for unpermute's rows: a test of its own, so that a backend without permute kernels
+    (CUDA) skips only this half."""
+    if backend in ("cpu", "torch"):
+        pytest.skip("the host backends refuse repeated positions before any kernel runs")
+    T, d, k = 4096, 8, 2
+    dev = backend.device
     order = torch.zeros(T * k, dtype=torch.int64, device=dev)  # every row names choice 0
     y_sorted = torch.arange(T * k, dtype=torch.float32, device=dev)[:, None].expand(T * k, d).contiguous()
     w = torch.ones(T, k, device=dev)
     with use(backend, DROPLESS_OPS):
         y = unpermute(y_sorted, order, w, T)
+    # The last row naming choice 0 is the one it reads.
     assert torch.equal(y[0], torch.full((d,), float(T * k - 1), device=dev)) and not y[1:].any()
 
 
