@@ -123,15 +123,27 @@ def fit_to_call(one: float, calls: int, rounds: int, min_time: float, budget: fl
 
 
 def timeit_cuda(
-    fn: Callable[[], object], *, calls: int = 20, rounds: int = 15, min_time: float = 0.05, graph: bool = True
+    fn: Callable[[], object],
+    *,
+    calls: int = 20,
+    rounds: int = 15,
+    min_time: float = 0.05,
+    graph: bool = True,
+    single_call: float = 0.25,
 ) -> tuple[list[float], str]:
     """GPU seconds of one call of fn, one figure per round, and how they were taken: "graph" (`calls`
     calls captured in one CUDA graph, replayed between two CUDA events) or "loop" (`calls` eager
     calls between the events, where fn cannot be captured). One event pair around many calls:
     around a single call of a kernel of a few microseconds, the events time the launch, not the
     kernel. `calls` grows until a round takes `min_time` / rounds; for a slow call (a torch
-    baseline of tens of ms) `calls` and `rounds` shrink so that the timing takes about a second."""
-    calls, rounds = fit_to_call(_one_call(fn), calls, rounds, min_time)
+    baseline of tens of ms) `calls` and `rounds` shrink so that the timing takes about a second.
+    A call of `single_call` seconds or more (a torch baseline thousands of times slower than the
+    kernel it is set against) is timed once, after its first call ("one call"): the median of
+    three rounds would take seven calls, tens of seconds of a GPU run's fixed budget."""
+    one = _one_call(fn)
+    if one >= single_call:
+        return [one], "one call"
+    calls, rounds = fit_to_call(one, calls, rounds, min_time)
     captured = _capture(fn, calls) if graph else None
 
     def one_round() -> float:

@@ -183,6 +183,21 @@ def test_slow_calls_take_fewer_calls_and_rounds():
     assert fit_to_call(3.0, 20, 15, 0.05) == (1, 3)  # at least 3 rounds: a median
 
 
+def test_a_call_of_seconds_is_timed_once(monkeypatch):
+    """capacity_positions' torch sequence takes ~3 s a call at T = 1M on the H200: its median of
+    three rounds took seven calls; a call of 0.25 s or more is timed by the one after its first."""
+    from moe_kernels.bench import timing
+
+    calls = []
+    monkeypatch.setattr(timing, "_one_call", lambda fn: 3.0)
+    assert timing.timeit_cuda(lambda: calls.append(1)) == ([3.0], "one call")
+    assert not calls, "no call beyond _one_call's"
+    monkeypatch.setattr(timing, "_one_call", lambda fn: 0.1)
+    monkeypatch.setattr(timing, "_capture", lambda fn, n: (_ for _ in ()).throw(RuntimeError("timed")))
+    with pytest.raises(RuntimeError, match="timed"):
+        timing.timeit_cuda(lambda: None)  # a faster call goes on to the rounds
+
+
 def test_warm_compile_compiles_each_case_once(monkeypatch, capsys):
     """gpu_bench --warm-compile (run beside gpu-check's tests): each case's torch sequence compiled
     and called once; a case torch.compile cannot take is reported and the others go on."""
