@@ -52,14 +52,12 @@ from moe_kernels import _extension
 BACKENDS = ("torch", "cpu", "triton", "cuda")
 _ORDER = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda", "torch")}
 # Ops whose CUDA kernel measured faster than their Triton one on a GPU take it first there. None
-# does: in the goals run of bench/results/gpu-nvidia-h200.md (CUDA-graph replay) the Triton
-# kernels led wherever both exist (capacity_positions at T = 1M, k = 8, E = 256: Triton 3.4 ms,
-# CUDA 11.3 ms; batchwise_mask at T = 1M, E = 256, bf16: 7.4 ms and 23.3 ms; the routers, dispatch
-# and combine by 1.25x to 45x), except capacity_positions at E = 8 (Triton 31.5 ms, CUDA 11.9 ms),
-# where torch.cumsum down its block table took 31.2 ms and its kernels 0.38 ms: it sums the table
-# flat now (triton/running_sums.py). The entries the older kernels had are gone with them. The
-# CUDA capacity_positions has since been rewritten in O(T k) (csrc/cuda/capacity_positions.cu), and
-# is not yet timed: the next GPU run's goals grid times it beside the Triton kernels.
+# does at every size its goal names: in the goals run of 2026-11-29 (bench/results/gpu-nvidia-h200.md,
+# CUDA-graph replay) the Triton kernels led wherever both exist (batchwise_mask at T = 1M, E = 256,
+# bf16: 1.23 ms and 23.1 ms; the routers by 8x to 53x; dispatch and combine forward by 1.0x to
+# 1.4x; only combine's fwd+bwd ran faster on CUDA, by 1.07x and 1.09x), except
+# capacity_positions at E = 256 (T = 1M, k = 8: Triton 0.713 ms, CUDA 0.228 ms), where at E = 8
+# the Triton kernels are the faster (0.112 ms, 0.145 ms). The order takes no shape, so it stays.
 _MEASURED_ORDER: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
