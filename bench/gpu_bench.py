@@ -561,6 +561,25 @@ def add_compiled(case: Case, rows: list[dict]) -> None:
         print(f"  {case.op:<20} {case.config:<44} {row['backend']:<7} x{row['vs_compile']} compile", flush=True)
 
 
+def compile_pass(by_case: list, deadline: float, warmed: set[str] | None, save: Callable[[], None]) -> None:
+    """torch.compile baselines, after every case has its row: add_compiled of each case with rows
+    until `deadline` (time.monotonic()) passes. Beside a warm-up (`warmed`), only the cases it
+    compiled: they come from torch's caches in seconds, where a cold compile took from 15 s to
+    more than 130 s a case on the H200 beside the tests, and one left the profile pass no time."""
+    for case, case_rows in by_case:
+        if not case_rows:
+            continue
+        if warmed is not None and case_key(case) not in warmed:
+            print(f"  {case.op} {case.config}: not compiled by the warm-up: no vs_compile", flush=True)
+            continue
+        if time.monotonic() > deadline:
+            print("  compile budget spent: the remaining rows have no vs_compile", flush=True)
+            break
+        add_compiled(case, case_rows)
+        torch.cuda.empty_cache()
+        save()
+
+
 def markdown(rows: list[dict], device: str) -> str:
     lines = [
         f"## Benchmarks on {device}\n",
@@ -610,10 +629,24 @@ def smoke() -> int:
     return 0
 
 
-def warm_compile(kind: str, ops: list[str] | None) -> int:
+def case_key(case: Case) -> str:
+    """A case's line in the --warmed file."""
+    return f"{case.op} {case.config}"
+
+
+def warmed_cases(path: str | None) -> set[str] | None:
+    """The cases a --warm-compile run listed in `path` as compiled (None: no list, compile all)."""
+    if path is None:
+        return None
+    file = Path(path)
+    return set(file.read_text().splitlines()) if file.exists() else set()
+
+
+def warm_compile(kind: str, ops: list[str] | None, warmed: str | None = None) -> int:
     """torch.compile of each case's torch sequence, called once, in the order the compile pass
     takes them: torch's on-disk caches then hold the compiled graphs for that pass (make
-    gpu-check runs this beside its tests). Untimed; a case torch.compile cannot take is skipped."""
+    gpu-check runs this beside its tests). Untimed; a case torch.compile cannot take is skipped.
+    Each case compiled is appended to `warmed` (case_key), which the compile pass reads."""
     if not torch.cuda.is_available():
         print("gpu_bench --warm-compile: no CUDA device: nothing to compile")
         return 0
@@ -624,6 +657,9 @@ def warm_compile(kind: str, ops: list[str] | None) -> int:
             args = case.make()
             torch.compile(case.torch_seq, dynamic=False)(*args)
             print(f"  compiled {case.op} {case.config} in {time.monotonic() - began:.1f} s", flush=True)
+            if warmed is not None:
+                with open(warmed, "a") as f:
+                    f.write(case_key(case) + "\n")
         except Exception as exc:  # the compile pass reports it; here it only costs the cache
             print(f"  {case.op} {case.config}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         finally:
@@ -649,12 +685,17 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--warm-compile", action="store_true", help="compile each case's torch sequence once, into torch's caches"
     )
+    parser.add_argument(
+        "--warmed",
+        metavar="FILE",
+        help="the cases --warm-compile compiled, one a line (it appends; the compile pass takes only these)",
+    )
     args = parser.parse_args(argv)
     kind = "quick" if args.quick else args.grid
     if args.smoke:
         return smoke()
     if args.warm_compile:
-        return warm_compile(kind, args.ops)
+        return warm_compile(kind, args.ops, args.warmed)
     if not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (torch.cuda.is_available() is False): nothing to time")
         return 0
@@ -696,16 +737,8 @@ def main(argv=None) -> int:
             failed += 1
             print(f"  balanced_assignment: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         save()
-    # torch.compile baselines second (each compiles for seconds): every case has its row first.
-    for case, case_rows in by_case:
-        if args.no_compile or not case_rows:
-            continue
-        if time.monotonic() - start > args.compile_budget:
-            print(f"  compile budget ({args.compile_budget:.0f} s) spent: the remaining rows have no vs_compile")
-            break
-        add_compiled(case, case_rows)
-        torch.cuda.empty_cache()
-        save()
+    if not args.no_compile:
+        compile_pass(by_case, start + args.compile_budget, warmed_cases(args.warmed), save)
     # The kernels of each call last (add_profile): every timing above is taken before the profiler
     # first starts.
     for case, case_rows in by_case:

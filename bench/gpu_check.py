@@ -356,12 +356,17 @@ def bench_env() -> dict:
     return env
 
 
+def warmed(run: Run) -> Path:
+    """The warm-up's list of the cases it compiled, which the benchmark step's compile pass takes."""
+    return run.out / "compile-warmed.txt"
+
+
 def start_compile_warmup(run: Run, *, grid: str) -> subprocess.Popen:
     """torch.compile of every benchmark case's torch sequence, in the background while the tests
     run: it fills torch's on-disk compile caches (FX graph, AOT autograd, Triton), so that the
     benchmark step's compile pass, which compiles the same graphs, finds them there (~20 s a case
     compiled cold on the H200). Nothing of it is timed."""
-    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--warm-compile", "--grid", grid]
+    cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--warm-compile", "--grid", grid, "--warmed", str(warmed(run))]
     log = (run.out / "compile-warmup.log").open("w")
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
@@ -380,9 +385,11 @@ def stop_compile_warmup(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def benchmarks(run: Run, *, timeout: float, grid: str) -> bool:
+def benchmarks(run: Run, *, timeout: float, grid: str, warmed: Path | None = None) -> bool:
     env = bench_env()
     cmd = [sys.executable, str(HERE / "gpu_bench.py"), "--out", str(run.out), "--grid", grid]
+    if warmed is not None:
+        cmd += ["--warmed", str(warmed)]
     # The compile pass gets what the eager pass leaves; compiles start until 60 s before the limit
     # (the budget counts from gpu_bench's start, after its imports; each compile takes seconds),
     # which leaves the last compile and the profile pass after it (a few eager calls a row) time.
@@ -447,6 +454,7 @@ def main(argv=None) -> int:
         ok = quick_check(run, timeout=args.check_timeout) and ok
     bench = not args.no_bench and run.info.get("gpu")
     grid = "full" if args.full_bench else args.grid
+    warmed(run).unlink(missing_ok=True)
     warmup = start_compile_warmup(run, grid=grid) if bench else None
     try:
         ok = (
@@ -466,7 +474,7 @@ def main(argv=None) -> int:
     if not bench:
         run.step("benchmarks", "skipped", 0, "--no-bench" if args.no_bench else "no GPU")
     else:
-        ok = benchmarks(run, timeout=args.bench_timeout, grid=grid) and ok
+        ok = benchmarks(run, timeout=args.bench_timeout, grid=grid, warmed=warmed(run)) and ok
     slug = device_slug(run.info.get("name", "cpu"))
     print(f"report: {run.out / 'report.md'} (device {slug})")
     return 0 if ok else 1

@@ -198,7 +198,7 @@ def test_a_call_of_seconds_is_timed_once(monkeypatch):
         timing.timeit_cuda(lambda: None)  # a faster call goes on to the rounds
 
 
-def test_warm_compile_compiles_each_case_once(monkeypatch, capsys):
+def test_warm_compile_compiles_each_case_once(monkeypatch, capsys, tmp_path):
     """gpu_bench --warm-compile (run beside gpu-check's tests): each case's torch sequence compiled
     and called once; a case torch.compile cannot take is reported and the others go on."""
     gpu_bench = load("gpu_bench")
@@ -226,6 +226,32 @@ def test_warm_compile_compiles_each_case_once(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert calls == [torch.Size([4])]
     assert "compiled smooth_step a" in out and "smooth_step b: RuntimeError: cannot" in out and " c " not in out
+    warmed = tmp_path / "warmed.txt"
+    assert gpu_bench.warm_compile("quick", None, str(warmed)) == 0
+    assert gpu_bench.warmed_cases(str(warmed)) == {"smooth_step a", "dselect_k c"}, "the compiled ones only"
+    assert gpu_bench.warmed_cases(str(tmp_path / "none.txt")) == set() and gpu_bench.warmed_cases(None) is None
+
+
+def test_compile_pass_takes_the_warmed_cases_until_its_deadline(monkeypatch):
+    """Beside a warm-up the compile pass compiles only what the warm-up compiled (a cold compile of
+    minutes would leave the profile pass no time); without one, every case until the deadline."""
+    import time
+
+    gpu_bench = load("gpu_bench")
+    cases = [gpu_bench.Case("smooth_step", name, 8, None, None, None) for name in "abcd"]
+    by_case = [(c, [{"ms": "1"}]) for c in cases[:3]] + [(cases[3], [])]  # d: no rows to add to
+    compiled = []
+    monkeypatch.setattr(gpu_bench, "add_compiled", lambda case, rows: compiled.append(case.config))
+    monkeypatch.setattr(gpu_bench.torch.cuda, "empty_cache", lambda: None)
+    later = time.monotonic() + 1e6
+    gpu_bench.compile_pass(by_case, later, {"smooth_step b", "smooth_step d"}, lambda: None)
+    assert compiled == ["b"]
+    compiled.clear()
+    gpu_bench.compile_pass(by_case, later, None, lambda: None)
+    assert compiled == ["a", "b", "c"]
+    compiled.clear()
+    gpu_bench.compile_pass(by_case, time.monotonic() - 1, None, lambda: None)
+    assert compiled == []
 
 
 def test_grids_name_their_cases():
