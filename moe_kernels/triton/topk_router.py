@@ -613,7 +613,7 @@ def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
     0.0110 / 0.0125); at k = 3 the runs with 4 entries a thread (float32 E = 128 0.082 / 0.070),
     the tile with 8 (bf16 E = 256 0.104 / 0.121); at k = 2 the tile (bf16 E = 64 0.026 / 0.029,
     E = 256 0.078 / 0.103), where the counts had favoured the runs with 4 entries a thread (E = 64
-    110 -> 69 instructions a row: the instruction counts do not rank these shapes). A row in one
+    82 -> 60 instructions a row: the instruction counts do not rank these shapes). A row in one
     thread (16 bytes or less, untimed): the runs from k = 4 (bf16 E = 8 k = 3 10 / 12, k = 4
     10 / 9, k = 8 18 / 17 instructions)."""
     if block_e <= vector:
