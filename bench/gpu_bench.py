@@ -380,6 +380,7 @@ def grid(kind: str, smoke: bool = False) -> list[Case]:
             routers(262144, torch.bfloat16, ("fwd", "fwd+bwd"))
             + routers(262144, torch.float32, ("fwd",))
             + maps(1048576, 8, 8)
+            + maps(1048576, 64, 8)
             + maps(1048576, 256, 8)
             + rows(16384, 7168, 64, 8, ("fwd", "fwd+bwd"))
             + rows(65536, 2048, 64, 2, ("fwd", "fwd+bwd"))

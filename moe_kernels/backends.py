@@ -8,9 +8,10 @@ Backends:
             under TRITON_INTERPRET=1 (that is how the tests exercise them on this machine).
 
 Default order: CPU tensors use "cpu", else "torch"; CUDA tensors use "triton", else "cuda", else
-"torch", except where the CUDA kernel measured faster on a GPU (_MEASURED_ORDER: no op at
-present). Triton comes first by default because its kernels also run in the test suite's
-interpreter pass, on every commit.
+"torch", except where the CUDA kernel measured faster on a GPU (_MEASURED_ORDER; _MEASURED_FROM
+for an op whose faster backend changes with a size the op passes: capacity_positions' CUDA
+kernels from 64 experts). Triton comes first by default because its kernels also run in the test
+suite's interpreter pass, on every commit.
 
 float64: an op declares which backends have a float64 path (`register(..., float64=(...))`,
 default: all of them). A float64 tensor whose chosen backend has none runs the reference, forced
@@ -57,12 +58,24 @@ _ORDER = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda", "torch")}
 # bf16: 1.23 ms and 23.1 ms; the routers by 8x to 53x; dispatch and combine forward by 1.0x to
 # 1.4x; only combine's fwd+bwd ran faster on CUDA, by 1.07x and 1.09x), except
 # capacity_positions at E = 256 (T = 1M, k = 8: Triton 0.713 ms, CUDA 0.228 ms), where at E = 8
-# the Triton kernels are the faster (0.112 ms, 0.145 ms). The order takes no shape, so it stays.
+# the Triton kernels are the faster (0.112 ms, 0.145 ms): _MEASURED_FROM below.
 _MEASURED_ORDER: dict[tuple[str, str], tuple[str, ...]] = {}
+# (op, device type) -> (size, order): the order from `size` on, the size an op passes with its
+# call (implementation(..., size=)). capacity_positions passes num_experts: from 64 experts, where
+# the Triton op changes from its packed scan to sorted blocks (triton/capacity_positions.py,
+# SORTED_FROM), those blocks took 3.1x the CUDA kernels' time at E = 256; below, the packed scan
+# is the faster (1.3x at E = 8). Both on the H200, T = 1M, k = 8, 2026-11-29.
+_MEASURED_FROM: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
+    ("capacity_positions", "cuda"): (64, ("cuda", "triton", "torch")),
+}
 
 
-def default_order(op: str, device_type: str) -> tuple[str, ...]:
-    """The backends `op` tries, in order, for a tensor on `device_type` when none is forced."""
+def default_order(op: str, device_type: str, size: int | None = None) -> tuple[str, ...]:
+    """The backends `op` tries, in order, for a tensor on `device_type` when none is forced; `size`
+    (the op's own measure, e.g. capacity_positions' num_experts) selects a _MEASURED_FROM order."""
+    rule = _MEASURED_FROM.get((op, device_type))
+    if rule is not None and size is not None and size >= rule[0]:
+        return rule[1]
     return _MEASURED_ORDER.get((op, device_type)) or _ORDER.get(device_type, ("torch",))
 
 
@@ -172,8 +185,9 @@ def forced() -> str | None:
 # A host decision made once per traced call site: torch.compile treats the result as a constant
 # (it cannot trace ContextVar reads), so a compiled function keeps the backend it was compiled with.
 @torch.compiler.assume_constant_result
-def choose(op: str, device_type: str) -> str:
-    """The backend `op` would use for a tensor on `device_type` ("cpu" or "cuda")."""
+def choose(op: str, device_type: str, size: int | None = None) -> str:
+    """The backend `op` would use for a tensor on `device_type` ("cpu" or "cuda"); `size` as
+    default_order's."""
     entry = _REGISTRY.get(op)
     if entry is None:
         raise ValueError(f"unknown op {op!r}; registered: {sorted(_REGISTRY)}")
@@ -186,35 +200,36 @@ def choose(op: str, device_type: str) -> str:
                 f"valid names for {device_type}: {valid} (all backends: {BACKENDS})"
             )
         return name
-    for name in default_order(op, device_type):
+    for name in default_order(op, device_type, size):
         if name not in entry.opt_in and _available(op, name, device_type):
             return name
     return "torch"
 
 
-def choose_for(op: str, tensor: torch.Tensor) -> str:
+def choose_for(op: str, tensor: torch.Tensor, size: int | None = None) -> str:
     """The backend `op` uses for `tensor`: choose() for its device, then "torch" if `tensor` is
     float64 and that backend has no float64 path."""
     # is_cpu first: building tensor.device costs 0.3 us; a fake tensor's is_cpu is its fake device's
-    name = choose(op, "cpu" if getattr(tensor, "is_cpu", False) else tensor.device.type)
+    name = choose(op, "cpu" if getattr(tensor, "is_cpu", False) else tensor.device.type, size)
     if tensor.dtype == torch.float64 and name not in _REGISTRY[op].float64:
         return "torch"
     return name
 
 
-def implementation(op: str, tensor: torch.Tensor) -> Callable:
-    """The callable to run `op` on inputs living on `tensor`'s device (and of its dtype)."""
-    return getattr(_REGISTRY[op], choose_for(op, tensor))
+def implementation(op: str, tensor: torch.Tensor, size: int | None = None) -> Callable:
+    """The callable to run `op` on inputs living on `tensor`'s device (and of its dtype); `size` as
+    default_order's."""
+    return getattr(_REGISTRY[op], choose_for(op, tensor, size))
 
 
-def fallback(op: str, past: str, tensor: torch.Tensor) -> Callable:
+def fallback(op: str, past: str, tensor: torch.Tensor, size: int | None = None) -> Callable:
     """The implementation of `op` for `tensor` when backend `past` was chosen but its kernel cannot
     take this input (a Triton kernel past its size limits; the module docstring): the first backend
     after `past` in the default order of `tensor`'s device that has a kernel here (opt-in ones
     skipped, the float64 rule kept), else the reference. Asked by the implementation of `past`
     itself, so the limits live with the kernel and the choice stays here."""
     device_type = tensor.device.type
-    order = default_order(op, device_type)
+    order = default_order(op, device_type, size)
     entry = _REGISTRY[op]
     for name in order[order.index(past) + 1 :] if past in order else ():
         if name == "torch" or name in entry.opt_in or not _available(op, name, device_type):

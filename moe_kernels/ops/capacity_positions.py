@@ -87,4 +87,5 @@ def capacity_positions(experts: torch.Tensor, num_experts: int, capacity: int, *
     _validate.same_device(experts=experts, priority=priority)
     if _validate.host_readable("capacity_positions", experts):
         _validate.index_range("experts", experts, num_experts)
-    return backends.implementation("capacity_positions", experts)(experts, num_experts, capacity, priority=priority)
+    kernel = backends.implementation("capacity_positions", experts, size=num_experts)
+    return kernel(experts, num_experts, capacity, priority=priority)

@@ -182,3 +182,36 @@ def test_measured_gpu_order(monkeypatch):
     assert backends.choose("capacity_positions", "cpu") == "cpu"
     with moe_kernels.use_backend("triton"):
         assert backends.choose("capacity_positions", "cuda") == "triton"
+
+
+def test_capacity_positions_takes_the_cuda_kernels_from_64_experts(monkeypatch):
+    """From 64 experts the Triton op sorts blocks, which took 3.1x the CUDA kernels' time at E = 256
+    on the H200; below, its packed scan was the faster: the unforced order follows num_experts
+    (a CUDA build faked here). A forced backend still wins, and other ops ignore the size."""
+    if not _extension.defines("capacity_positions"):
+        pytest.skip(f"extension not built: {_extension.LOAD_ERROR}")
+    monkeypatch.setattr(_extension, "has_kernel", lambda op, key: True)
+    monkeypatch.setattr(backends, "triton_importable", lambda: True)
+    monkeypatch.delenv("MOE_KERNELS_BACKEND", raising=False)
+    from moe_kernels.triton.capacity_positions import SORTED_FROM
+
+    assert backends._MEASURED_FROM[("capacity_positions", "cuda")][0] == SORTED_FROM
+    for E, expected in [
+        (None, "triton"),
+        (8, "triton"),
+        (SORTED_FROM - 1, "triton"),
+        (SORTED_FROM, "cuda"),
+        (256, "cuda"),
+    ]:
+        assert backends.choose("capacity_positions", "cuda", E) == expected, E
+    assert backends.choose("capacity_positions", "cpu", 256) == "cpu"
+    assert backends.choose("dispatch", "cuda", 256) == "triton"
+    with moe_kernels.use_backend("triton"):
+        assert backends.choose("capacity_positions", "cuda", 256) == "triton"
+    # The op passes its num_experts.
+    seen = []
+    monkeypatch.setattr(
+        backends, "implementation", lambda op, t, size=None: seen.append(size) or (lambda *a, **k: None)
+    )
+    moe_kernels.ops.capacity_positions(torch.zeros(3, 2, dtype=torch.int64), 70, 4)
+    assert seen == [70]

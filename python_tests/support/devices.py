@@ -102,17 +102,17 @@ def redirect(backend: Backend, monkeypatch: pytest.MonkeyPatch):
     device = backend.device
     original_choose = backends.choose
 
-    def choose(op: str, device_type: str) -> str:
+    def choose(op: str, device_type: str, size: int | None = None) -> str:
         device_type = device if device_type == "cpu" else device_type
         if backends.forced() == backend and not backends._available(op, backend, device_type):
             # e.g. sinkhorn (C++ only) or dselect_k (no CUDA kernel): nothing to run on the GPU
             pytest.skip(f"{op} has no {backend} kernel for {device_type} tensors")
-        return original_choose(op, device_type)
+        return original_choose(op, device_type, size)
 
-    def implementation(op: str, tensor: torch.Tensor) -> Callable:
+    def implementation(op: str, tensor: torch.Tensor, size: int | None = None) -> Callable:
         # choose_for (not choose): a float64 tensor whose backend has no float64 path runs the
         # reference, as backends.implementation does (choose_for calls the patched choose).
-        impl = getattr(backends._REGISTRY[op], backends.choose_for(op, tensor))
+        impl = getattr(backends._REGISTRY[op], backends.choose_for(op, tensor, size))
         return _on(device, impl, tensor.device.type) if tensor.device.type != device else impl
 
     monkeypatch.setattr(backends, "choose", choose)
