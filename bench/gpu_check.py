@@ -300,6 +300,11 @@ def tests(
     The fuzz tests run `fuzz_examples` generated cases per op and backend (CI's CPU run: 500)."""
     env = dict(os.environ, MOE_KERNELS_REQUIRE_EXTENSION="1", PYTHONUNBUFFERED="1", MOE_KERNELS_INSTAFAIL="1")
     env.setdefault("MOE_KERNELS_FUZZ_EXAMPLES", str(fuzz_examples))
+    # Inductor compiles in the test's own process: by default each group's first compile starts a
+    # pool of a worker a core (16 processes importing torch, times 12 groups), and on the H200 a
+    # group whose one unit compiled a tiny graph (test_balanced_assignment.py::test_compile) took
+    # 107 s beside the others.
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env.pop("TRITON_INTERPRET", None)
     procs = []
     start = time.monotonic()

@@ -37,6 +37,7 @@ import poisoned_empty
 import pytest
 from collection import COLLECTED
 from devices import Backend, gpu_params, redirect
+from instafail import instafail_text
 
 from moe_kernels import _extension, backends
 
@@ -193,5 +194,5 @@ def pytest_runtest_logreport(report):
     """MOE_KERNELS_INSTAFAIL=1 (make gpu-check): a failure's traceback is printed as it happens, so a
     run stopped at its time limit still says why its failures failed (pytest prints them at the end)."""
     if report.failed and os.environ.get("MOE_KERNELS_INSTAFAIL") == "1":
-        sys.stdout.write(f"\n[instafail] {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
+        sys.stdout.write(f"\n[instafail] {report.nodeid} ({report.when})\n{instafail_text(report.longreprtext)}\n")
         sys.stdout.flush()

@@ -302,3 +302,23 @@ def test_backward_timings_reuse_their_output_gradient():
     assert len(seen) == 2 and seen[0] is seen[1] and torch.equal(seen[0], torch.ones(3, 4))
     (wider,) = run(torch.randn(2, 5, requires_grad=True), None)  # another output shape: its own ones
     assert wider.shape == (2, 5) and seen[2].shape == (2, 5)
+
+
+def test_instafail_keeps_the_assertion_of_a_long_traceback():
+    """gpu-check's tracebacks as they happen (MOE_KERNELS_INSTAFAIL): a tensor repr of 50,000
+    characters on the assertion's line must not push the assertion and its location out."""
+    from instafail import instafail_text
+
+    text = "\n".join(
+        [
+            "    def test_x():",
+            ">       assert torch.equal(a, b)",
+            "E       AssertionError: assert False",
+            "E        +  where False = equal(" + "1.0, " * 10000 + ")",
+            "python_tests/ops/test_x.py:607: AssertionError",
+        ]
+    )
+    kept = instafail_text(text)
+    assert len(kept) <= 4010
+    assert "E       AssertionError: assert False" in kept and "test_x.py:607: AssertionError" in kept
+    assert instafail_text("short") == "short"
