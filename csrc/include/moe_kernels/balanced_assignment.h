@@ -86,6 +86,13 @@ MK_HD bool holder_worse(double bid_a, int64_t token_a, double bid_b, int64_t tok
   return bid_a < bid_b || (bid_a == bid_b && token_a > token_b);
 }
 
+// A counter of the auction's serial work: the host emulation (python_tests/ops/emulate/
+// balanced_assignment_cuda.cpp) defines it before including this header to report the counts;
+// everywhere else it is nothing.
+#ifndef MK_BA_COUNT
+#define MK_BA_COUNT(counter) ((void)0)
+#endif
+
 // A bounded heap of holders with the worst (holder_worse) at the root: bids[0..size), tokens alike.
 template <typename token_t>
 MK_HD void heap_swap(double* bids, token_t* tokens, int64_t a, int64_t b) {
@@ -106,29 +113,33 @@ MK_HD int64_t heap_push(double* bids, token_t* tokens, int64_t size, double bid,
   while (c > 0) {
     const int64_t p = (c - 1) / 2;
     if (!holder_worse(bids[c], tokens[c], bids[p], tokens[p])) break;
+    MK_BA_COUNT(heap_steps);
     heap_swap(bids, tokens, c, p);
     c = p;
   }
   return size + 1;
 }
 
-// Removes the worst holder (the root) of a non-empty heap; returns its token. The new size is size - 1.
+// Replaces the worst holder (the root) of a heap of `size` holders by (bid, token), which must not
+// be worse than it (holder_worse), with one sift-down; returns the evicted token. The CPU
+// kernel's replace_lowest: the same set as a push and a pop of the worst, without the push's
+// sift-up and the pop's sift-down.
 template <typename token_t>
-MK_HD token_t heap_pop_worst(double* bids, token_t* tokens, int64_t size) {
+MK_HD token_t heap_replace_worst(double* bids, token_t* tokens, int64_t size, double bid, token_t token) {
   const token_t out = tokens[0];
-  const int64_t last = size - 1;
-  bids[0] = bids[last];
-  tokens[0] = tokens[last];
   int64_t p = 0;
   while (true) {
     const int64_t l = 2 * p + 1, r = l + 1;
-    int64_t m = p;
-    if (l < last && holder_worse(bids[l], tokens[l], bids[m], tokens[m])) m = l;
-    if (r < last && holder_worse(bids[r], tokens[r], bids[m], tokens[m])) m = r;
-    if (m == p) break;
-    heap_swap(bids, tokens, p, m);
-    p = m;
+    if (l >= size) break;
+    const int64_t c = r < size && holder_worse(bids[r], tokens[r], bids[l], tokens[l]) ? r : l;
+    if (!holder_worse(bids[c], tokens[c], bid, token)) break;
+    MK_BA_COUNT(heap_steps);
+    bids[p] = bids[c];
+    tokens[p] = tokens[c];
+    p = c;
   }
+  bids[p] = bid;
+  tokens[p] = token;
   return out;
 }
 

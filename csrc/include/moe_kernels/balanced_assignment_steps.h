@@ -100,7 +100,7 @@ struct Workspace {
   int32_t* ints;        // [kNumInts]
   double* prices;       // [k] auction prices, carried across phases
   int32_t* z;           // [n] expert of each token (-1: unassigned during the auction)
-  double* heap_bid;     // [k, heap_stride] each expert's holders: a bounded heap, worst at the root
+  double* heap_bid;     // [k, heap_stride] each expert's holders: a heap, worst at the root
   int32_t* heap_token;  // [k, heap_stride]
   int32_t* heap_size;   // [k]
   int32_t* queue[2];    // [n] each: tokens bidding in this iteration / evicted for the next one
@@ -127,12 +127,12 @@ struct Workspace {
   int32_t* cycle;       // [N]
   int32_t* cycle_nodes; // [N] the nodes of the cycles taken in this pass, cycle after cycle
   int32_t* cycle_succ;  // [N] index in cycle_nodes of each node's successor on its cycle
-  int64_t heap_stride;  // min(capacity, n) + 1: room for the one extra holder before an eviction
+  int64_t heap_stride;  // min(capacity, n): an expert's holders (a bid for a full one replaces one)
 };
 
 // Bytes of scratch for (n, k, capacity); with base != nullptr also points `ws` into it.
 inline size_t workspace_layout(int64_t n, int64_t k, int64_t capacity, void* base, Workspace* ws) {
-  const int64_t N = k + 1, stride = (capacity < n ? capacity : n) + 1;
+  const int64_t N = k + 1, stride = capacity < n ? capacity : n;
   size_t offset = 0;
   auto take = [&](auto*& ptr, int64_t count) {
     using T = typename std::remove_reference<decltype(*ptr)>::type;
@@ -304,24 +304,33 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
         ex.for_each(queued, [&](int64_t q) { W.bucket[ex.atomic_add(&W.cursor[W.target[q]], 1)] = (int32_t)q; });
         ex.barrier();
       }
-      // Every expert takes its bids: each joins the bounded heap of holders; while it holds more
-      // than `capacity`, the worst holder is evicted to the next queue. The kept set is the
-      // `capacity` best of (holders + bids) under holder_worse whatever the order of the bids. A
-      // full expert's price is its worst kept bid (as in the sequential auction).
+      // Every expert takes its bids: one joins the heap of holders while the expert has room;
+      // then of the capacity + 1 bids the worst (holder_worse) leaves for the next queue: the
+      // bidder itself, untouched heap, when it is worse than the worst holder, else the worst
+      // holder, replaced by the bid with one sift-down (the CPU kernel's way; a push and a pop
+      // keep the same set, and under the pile-ups of tied scores cost two sifts a bid, the
+      // bidder's climbing the whole heap). The kept set is the `capacity` best of (holders +
+      // bids) under holder_worse whatever the order of the bids. A full expert's price is its
+      // worst kept bid (as in the sequential auction).
       ex.for_each(k, [&](int64_t j) {
         double* bids = W.heap_bid + j * W.heap_stride;
         int32_t* holders = W.heap_token + j * W.heap_stride;
         int64_t size = W.heap_size[j];
         auto take = [&](int64_t q) {
           const int32_t i = queue[q];
-          size = heap_push(bids, holders, size, W.bid[q], i);
-          W.z[i] = (int32_t)j;
-          if (size > capacity) {
-            const int32_t out = heap_pop_worst(bids, holders, size);
-            --size;
-            W.z[out] = -1;
-            next[ex.atomic_add(&W.ints[kNextQueued], 1)] = out;
+          MK_BA_COUNT(bids);
+          if (size < capacity) {
+            size = heap_push(bids, holders, size, W.bid[q], i);
+            W.z[i] = (int32_t)j;
+            return;
           }
+          int32_t out = i;  // a bidder is unassigned (z = -1) until an expert keeps it
+          if (!holder_worse(W.bid[q], i, bids[0], holders[0])) {
+            out = heap_replace_worst(bids, holders, size, W.bid[q], i);
+            W.z[i] = (int32_t)j;
+            W.z[out] = -1;
+          }
+          next[ex.atomic_add(&W.ints[kNextQueued], 1)] = out;
         };
         if (few) {
           for (int64_t q = 0; q < queued; ++q)

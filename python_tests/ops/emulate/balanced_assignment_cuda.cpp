@@ -9,8 +9,9 @@
 //   in:  int64 n, k, capacity, float64 (1) or float32 (0), width, order (0 forwards,
 //        1 backwards, 2 shuffled), seed; then n * k scores of that type, row-major.
 //   out: int64 converged, rounds, auction iterations, restarted (the auction's second attempt ran),
-//        failed (kFailed: 0, 1 a guard, 2 a token without a finite bid); int64 experts [n];
-//        float64 value;
+//        failed (kFailed: 0, 1 a guard, 2 a token without a finite bid), bids (taken by the
+//        experts, over both attempts), heap steps (levels a holder moved in the experts' heaps:
+//        the serial work of taking the bids); int64 experts [n]; float64 value;
 //        float64 distances [k, k].
 #include <stdint.h>
 #include <stdio.h>
@@ -19,6 +20,13 @@
 #include <numeric>
 #include <random>
 #include <vector>
+
+// The auction's counters (MK_BA_COUNT in moe_kernels/balanced_assignment.h).
+struct Counts {
+  int64_t bids = 0, heap_steps = 0;
+};
+static Counts counts;
+#define MK_BA_COUNT(counter) (++counts.counter)
 
 #include "moe_kernels/balanced_assignment_steps.h"
 
@@ -105,8 +113,9 @@ int run(FILE* in, FILE* out, int64_t n, int64_t k, int64_t capacity, int64_t wid
   const int64_t converged = W.ints[ba::kDone] && !W.ints[ba::kFailed];
   if (converged) ba::finish(ex, P, W, experts.data(), &value);  // finish_kernel
 
-  const int64_t head[5] = {converged, rounds, W.ints[ba::kIterations], W.ints[ba::kRestarted], W.ints[ba::kFailed]};
-  fwrite(head, sizeof(int64_t), 5, out);
+  const int64_t head[7] = {converged,           rounds,      W.ints[ba::kIterations], W.ints[ba::kRestarted],
+                           W.ints[ba::kFailed], counts.bids, counts.heap_steps};
+  fwrite(head, sizeof(int64_t), 7, out);
   fwrite(experts.data(), sizeof(int64_t), n, out);
   fwrite(&value, sizeof(double), 1, out);
   fwrite(distances.data(), sizeof(double), k * k, out);
