@@ -3,7 +3,9 @@
 // every round. The phases live in moe_kernels/balanced_assignment_steps.h (run on the host by the
 // emulation test); this file supplies the block executor, the kernels and the host loop.
 //   auction_kernel       1 block: score range, parallel (Jacobi) auction phases (a warp's lanes
-//                        share a bidder's row where bidders are few), token grouping
+//                        share a bidder's row where bidders are few; none where every row of the
+//                        scores is constant: its result is known, decided on the device), token
+//                        grouping
 //   move_costs_kernel    k blocks: row j of d, a min-reduction over the tokens of expert j
 //   cancel_cycles_kernel 1 block: Floyd-Warshall (N steps of N x N relaxations; its state in
 //                        shared memory where it fits), cycles, moves

@@ -213,3 +213,45 @@ def test_a_bid_costs_at_most_one_sift(emulator, kind):
         assert value == float(v_cpu)
         if kind != "integer":
             assert torch.equal(experts, e_cpu)
+
+
+def row_constant(seed: int, n: int, k: int) -> torch.Tensor:
+    """Every row constant: integers in -3..3, their zeros +0.0 and -0.0 at random (equal values,
+    so still constant rows: any assignment is optimal there)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(-3, 4, (n, 1), generator=g).float().expand(n, k).contiguous()
+    s[(s == 0) & (torch.rand(n, k, generator=g) < 0.5)] = -0.0
+    return s
+
+
+@pytest.mark.skipif(not _extension.LOADED, reason="needs the C++ CPU kernel")
+@pytest.mark.parametrize("kind", ["equal", "row_constant"])
+@pytest.mark.parametrize(
+    "n,k,extra,dtype",
+    [
+        (8192, 64, 0, torch.float32),
+        (1000, 16, 0, torch.float64),
+        (300, 16, 3, torch.float32),
+        (50, 4, 10**6, torch.float32),
+    ],
+)
+def test_constant_rows_skip_the_auction(emulator, kind, n, k, extra, dtype):
+    """Where every row is constant the auction is skipped (no bidding iteration, no bid) and token
+    i goes to expert i // capacity: the auction's own result there, which piled every unplaced
+    token onto one expert an iteration (335k bids at (8192, 64), the H200's 656 ms). The passes
+    then find no cycle and compute d* from it: the CPU solver's experts, value and d*. One score
+    off its row's and the auction runs."""
+    scores = (torch.zeros(n, k) if kind == "equal" else row_constant(n + k, n, k)).to(dtype)
+    capacity = math.ceil(n / k) + extra
+    with moe_kernels.use_backend("cpu"):
+        e_cpu, v_cpu, d_cpu = balanced_assignment(scores, capacity, return_distances=True)
+    for width, order in ((DEVICE_WIDTH, SHUFFLED), (7, BACKWARDS)):
+        experts, value, dist, rounds, _, counts = emulate(emulator, scores, capacity, width, order, seed=1, counts=True)
+        assert (counts["iterations"], counts["bids"], rounds) == (0, 0, 1)
+        assert torch.equal(experts, torch.arange(n) // capacity)
+        assert torch.equal(experts, e_cpu) and value == float(v_cpu) and torch.equal(dist, d_cpu)
+    scores[-1, -1] += 1  # one score off its row's: the auction runs
+    with moe_kernels.use_backend("cpu"):
+        v_cpu = balanced_assignment(scores, capacity, return_distances=True)[1]
+    _, value, _, _, iterations = emulate(emulator, scores, capacity, order=SHUFFLED, seed=2)
+    assert iterations > 0 and value == float(v_cpu)

@@ -84,7 +84,8 @@ enum Int : int {
   kCycleNodes = 5,  // their nodes, in total
   kIterations = 6,  // auction: bidding iterations over both attempts (for the emulation's report)
   kRestarted = 7,   // auction: 1 if the first attempt ran past its bid budget (for the emulation)
-  kNumInts = 8
+  kConstRows = 8,   // 1 if every row of the scores is constant and finite: the auction is skipped
+  kNumInts = 9
 };
 
 template <typename scalar_t>
@@ -192,26 +193,40 @@ MK_HD_STEP void group_tokens(const Exec& ex, const Problem<scalar_t>& P, const W
   ex.barrier();
 }
 
-// One block. The score range (the epsilon scale) and the cycle tolerance; clears the flags.
+// One block. The score range (the epsilon scale), the cycle tolerance and whether every row is
+// constant (kConstRows: the auction's skip); clears the other flags.
 template <class Exec, typename scalar_t>
 MK_HD_STEP void score_stats(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
   double lo = inf(), hi = -inf(), amax = 0.0;
+  // A score that is not finite (x - x is NaN for NaN and inf), or one that differs from its row's
+  // first. The op rejects NaN / inf before the solve; on them the auction keeps its own handling.
+  bool varies = false;
   ex.for_each(P.n * P.k, [&](int64_t t) {
     const double x = (double)P.s[t];
     lo = x < lo ? x : lo;
     hi = x > hi ? x : hi;
     const double a = x < 0 ? -x : x;
     amax = a > amax ? a : amax;
+    varies |= !(x - x == 0.0);
+  });
+  // Each thread reads its rows up to the first score that differs from the row's first: two
+  // reads a row on most scores, and none once one differs; every score only where rows are
+  // constant (-0.0 == 0.0: equal values, any assignment of them is optimal alike).
+  ex.for_each(P.n, [&](int64_t i) {
+    const scalar_t* row = P.s + i * P.k;
+    for (int64_t j = 1; j < P.k && !varies; ++j) varies = !(row[j] == row[0]);
   });
   lo = ex.reduce_min(lo);
   hi = ex.reduce_max(hi);
   amax = ex.reduce_max(amax);
+  varies = ex.any(varies);
   if (ex.leader()) {
     double spread = hi - lo;
     if (!(spread > 0)) spread = 1.0;
     W.reals[kSpread] = spread;
     W.reals[kTol] = cycle_tolerance(amax);
     for (int f = 0; f < kNumInts; ++f) W.ints[f] = 0;
+    W.ints[kConstRows] = !varies;
   }
   ex.for_each(P.k, [&](int64_t j) { W.prices[j] = 0.0; });
   ex.barrier();
@@ -223,11 +238,24 @@ MK_HD_STEP void score_stats(const Exec& ex, const Problem<scalar_t>& P, const Wo
 // (holders kept by holder_worse), the evicted tokens bid in the next iteration. Ends with every
 // token placed (z) and grouped by expert, every row of d dirty; sets kFailed (and kDone) if an
 // attempt hits kMaxAuctionIterations.
+//
+// Skipped where every row is constant (kConstRows, s[i][j] = c_i), with its result: z[i] =
+// i / capacity. From equal prices p (zero, or the restart's column means, equal there) every
+// unplaced token's best expert is the lowest-index one at p with a gap of exactly 0 to the next
+// one at p, so all of them bid p + eps for it; it keeps the `capacity` lowest tokens
+// (holder_worse), its price rises to p + eps and c_i - (p + eps) < c_i - p (eps >= tol is far
+// above float64 rounding at the scores' scale), and the rest bid for the next expert. The last
+// one (gaps not 0) has room for all of them: capacity * k >= n. The pile-up it skips is
+// sum_m (n - m capacity) bids, each iteration's into one expert's heap on one thread (and at
+// (8192, 64) past the bid budget: 335k bids with the restart, 656 ms on an H200). Any assignment
+// is optimal there: the passes take no cycle and compute d* from it.
 template <class Exec, typename scalar_t>
 MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
   const int64_t n = P.n, k = P.k, capacity = P.capacity;
   const double eps = auction_epsilon(W.reals[kSpread] / kDeviceEpsDiv, W.reals[kTol]);
-  for (int attempt = 0; attempt < 2; ++attempt) {
+  const bool row_constant = W.ints[kConstRows] != 0;
+  if (row_constant) ex.for_each(n, [&](int64_t i) { W.z[i] = (int32_t)(i / capacity); });
+  for (int attempt = 0; attempt < 2 && !row_constant; ++attempt) {
     if (attempt == 1) {
       // prices[j] = mean over i of s[i][j], summed in token order in float64 (the CPU's).
       ex.for_each(k, [&](int64_t j) {
