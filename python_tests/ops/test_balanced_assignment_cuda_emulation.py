@@ -30,6 +30,7 @@ DEVICE_WIDTH = 256  # move_costs_kernel's block size
 # The emulator's output header (int64 each; emulate/balanced_assignment_cuda.cpp).
 HEAD_FIELDS = ("converged", "rounds", "iterations", "restarted", "failed", "bids", "heap_steps")
 HEAD = 8 * len(HEAD_FIELDS)
+BIDS_PER_TOKEN = 8  # kDeviceBidsPerToken: the budget of the auction's first attempt
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +256,35 @@ def test_constant_rows_skip_the_auction(emulator, kind, n, k, extra, dtype):
         v_cpu = balanced_assignment(scores, capacity, return_distances=True)[1]
     _, value, _, _, iterations = emulate(emulator, scores, capacity, order=SHUFFLED, seed=2)
     assert iterations > 0 and value == float(v_cpu)
+
+
+def zero_mean_columns(seed: int, n: int, k: int) -> torch.Tensor:
+    """Rows nearly constant (a few cells off by -2..2) and their negations: every column sums to
+    exactly 0, and the auction piles tokens onto one expert an iteration, past its bid budget."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randint(-3, 4, (n // 2, 1), generator=g).float().expand(n // 2, k).contiguous()
+    h += (torch.rand(n // 2, k, generator=g) < 0.004).float() * torch.randint(-2, 3, (n // 2, k), generator=g)
+    return torch.cat([h, -h])[torch.randperm(n, generator=g)]
+
+
+@pytest.mark.skipif(not _extension.LOADED, reason="needs the C++ CPU kernel")
+@pytest.mark.parametrize("n,k", [(512, 16), (2000, 50)])
+def test_no_restart_from_zero_column_means(emulator, n, k):
+    """Past its bid budget the auction restarts from the column means; where they are all 0, its
+    starting prices, the restart would replay the same bids and run on, so the auction runs on
+    instead: past the budget, not restarted, the CPU solver's value, and the same result whatever
+    the order of the items and the width."""
+    capacity = math.ceil(n / k)
+    for seed in range(2):
+        scores = zero_mean_columns(seed, n, k)
+        with moe_kernels.use_backend("cpu"):
+            v_cpu = balanced_assignment(scores, capacity, return_distances=True)[1]
+        runs = [
+            emulate(emulator, scores, capacity, width=width, order=order, seed=seed, restarted=True, counts=True)
+            for width, order in ((DEVICE_WIDTH, FORWARDS), (7, SHUFFLED))
+        ]
+        experts, value, dist, rounds, iterations, restarted, counts = runs[0]
+        assert counts["bids"] > BIDS_PER_TOKEN * n and not restarted
+        assert value == float(v_cpu)
+        e, _, d, r, it, _, _ = runs[1]
+        assert torch.equal(e, experts) and torch.equal(d, dist) and (r, it) == (rounds, iterations)

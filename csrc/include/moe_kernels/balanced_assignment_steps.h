@@ -42,7 +42,8 @@ namespace balanced_assignment {
 
 // The auction's schedule, the CPU kernel's shape (docs/balanced_assignment.md): one phase at
 // eps = spread / kDeviceEpsDiv (the CPU's divisor) from zero prices; past kDeviceBidsPerToken * n
-// bids (without free slots: auction()), a restart from the column means with no budget. Jacobi
+// bids (without free slots: auction()), a restart from the column means with no budget (where
+// they are all 0, the starting prices, the first phase runs on without one instead). Jacobi
 // bidding makes more bids than the CPU's sequential auction: integer scores took 5-8 a token,
 // which the CPU's budget of 4 would restart into a price war (column means are tied there too).
 // The two-phase schedule it replaced (spread / 16, then / 8192, every token re-bidding) fought
@@ -83,7 +84,7 @@ enum Int : int {
   kCycles = 4,      // cycles taken in this pass
   kCycleNodes = 5,  // their nodes, in total
   kIterations = 6,  // auction: bidding iterations over both attempts (for the emulation's report)
-  kRestarted = 7,   // auction: 1 if the first attempt ran past its bid budget (for the emulation)
+  kRestarted = 7,   // auction: 1 if it restarted from the column means (for the emulation)
   kConstRows = 8,   // 1 if every row of the scores is constant and finite: the auction is skipped
   kNumInts = 9
 };
@@ -100,6 +101,7 @@ struct Workspace {
   double* reals;        // [kNumReals]
   int32_t* ints;        // [kNumInts]
   double* prices;       // [k] auction prices, carried across phases
+  double* means;        // [k] column means of the scores: the restart's prices
   int32_t* z;           // [n] expert of each token (-1: unassigned during the auction)
   double* heap_bid;     // [k, heap_stride] each expert's holders: a heap, worst at the root
   int32_t* heap_token;  // [k, heap_stride]
@@ -146,6 +148,7 @@ inline size_t workspace_layout(int64_t n, int64_t k, int64_t capacity, void* bas
   take(W.reals, kNumReals);
   take(W.ints, kNumInts);
   take(W.prices, k);
+  take(W.means, k);
   take(W.z, n);
   take(W.heap_bid, k * stride);
   take(W.heap_token, k * stride);
@@ -256,14 +259,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
   const bool row_constant = W.ints[kConstRows] != 0;
   if (row_constant) ex.for_each(n, [&](int64_t i) { W.z[i] = (int32_t)(i / capacity); });
   for (int attempt = 0; attempt < 2 && !row_constant; ++attempt) {
-    if (attempt == 1) {
-      // prices[j] = mean over i of s[i][j], summed in token order in float64 (the CPU's).
-      ex.for_each(k, [&](int64_t j) {
-        double sum = 0.0;
-        for (int64_t i = 0; i < n; ++i) sum += (double)P.s[i * k + j];
-        W.prices[j] = sum / (double)n;
-      });
-    }
+    if (attempt == 1) ex.for_each(k, [&](int64_t j) { W.prices[j] = W.means[j]; });
     int32_t* queue = W.queue[0];
     int32_t* next = W.queue[1];
     ex.for_each(n, [&](int64_t i) {
@@ -278,16 +274,32 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
     // with one is optimal only at the lowest price, which zero prices keep (prices only rise)
     // and column means do not. Restarted there, per-expert-bias scores took 60-320 cycle-
     // cancelling passes where the unbudgeted auction took 1-4 (and 0.4k-13k bidding iterations).
-    const int64_t budget = attempt == 0 && n >= capacity * k ? kDeviceBidsPerToken * n : -1;
+    int64_t budget = attempt == 0 && n >= capacity * k ? kDeviceBidsPerToken * n : -1;
     int64_t bids_made = 0;
     bool over_budget = false;
     for (int64_t iteration = 0;; ++iteration) {
       const int64_t queued = W.ints[kQueued];
       if (queued == 0) break;
       if (budget >= 0 && bids_made >= budget) {
-        over_budget = true;
-        if (ex.leader()) W.ints[kRestarted] = 1;
-        break;
+        // The restart's prices: means[j] = mean over i of s[i][j], summed in token order in
+        // float64 (the CPU's). Where every one equals the starting price 0, the restart would
+        // replay this attempt bid for bid (the same state, prices and rules; a mean of -0.0 makes
+        // the same bids: s - p and p + gap + eps do not depend on the sign of a zero p) and then
+        // run on without a budget: this attempt runs on instead, with the same result.
+        bool moved = false;
+        ex.for_each(k, [&](int64_t j) {
+          double sum = 0.0;
+          for (int64_t i = 0; i < n; ++i) sum += (double)P.s[i * k + j];
+          const double mean = sum / (double)n;
+          W.means[j] = mean;
+          moved |= mean != 0.0;
+        });
+        if (ex.any(moved)) {
+          over_budget = true;
+          if (ex.leader()) W.ints[kRestarted] = 1;
+          break;
+        }
+        budget = -1;
       }
       if (iteration == kMaxAuctionIterations) {
         if (ex.leader()) W.ints[kFailed] = W.ints[kDone] = 1;
