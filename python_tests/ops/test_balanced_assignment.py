@@ -221,25 +221,17 @@ def test_cuda_default_compiles_fullgraph():
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 def test_cuda_all_equal_scores_skip_the_auction():
-    """All-equal scores (a router's zero logits at initialisation) at (8192, 64): z = i // capacity,
-    what the auction gave, with the auction skipped on the device (every row constant). The H200
-    took 656 ms here when the auction ran (every unplaced token bid for one expert an iteration,
-    its heap filled on one thread); a randn solve of this size took 11.6 ms. The bound is 3x below
-    the old time and far above the skip's: a slower GPU passes, a return of the pile-up fails."""
-    import time
-
+    """All-equal scores (a router's zero logits at initialisation) at (8192, 64) on the device: z =
+    i // capacity, what the auction gave, with the auction skipped (every row constant; that no bid
+    is made is the emulation's test_constant_rows_skip_the_auction: the result is the same either
+    way, and its time is bench/gpu_bench.py's all-equal row, not a test's)."""
     n, k = 8192, 64
-    scores = torch.zeros(n, k, device="cuda")
-    balanced_assignment(scores[:64, :8])  # the first launches and the module's loading, untimed
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        experts = balanced_assignment(scores)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    experts = balanced_assignment(torch.zeros(n, k, device="cuda"))
     assert torch.equal(experts.cpu(), torch.arange(n) // (n // k))
-    assert min(times) < 0.2, f"{min(times) * 1e3:.1f} ms: the auction ran (656 ms on an H200 when it did)"
+    one_off = torch.zeros(n, k, device="cuda")
+    one_off[5, 3] = 1.0  # a row not constant: the auction runs, and token 5 takes expert 3
+    experts = balanced_assignment(one_off)
+    assert experts[5].item() == 3 and torch.equal(torch.bincount(experts.cpu(), minlength=k), torch.full((k,), n // k))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
