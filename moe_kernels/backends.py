@@ -206,11 +206,23 @@ def choose(op: str, device_type: str, size: int | None = None) -> str:
     return "torch"
 
 
+def _size_bucket(op: str, device_type: str, size) -> int | None:
+    """`size` as choose() takes it: the threshold of the op's _MEASURED_FROM rule where `size`
+    reaches it, else None. A plain int either way: under torch.compile a symbolic size (dynamic
+    shapes) becomes a guard on this comparison, where choose(), a constant to the compiler, takes
+    constant arguments only."""
+    rule = _MEASURED_FROM.get((op, device_type))
+    if rule is None or size is None:
+        return None
+    return rule[0] if size >= rule[0] else None
+
+
 def choose_for(op: str, tensor: torch.Tensor, size: int | None = None) -> str:
     """The backend `op` uses for `tensor`: choose() for its device, then "torch" if `tensor` is
     float64 and that backend has no float64 path."""
     # is_cpu first: building tensor.device costs 0.3 us; a fake tensor's is_cpu is its fake device's
-    name = choose(op, "cpu" if getattr(tensor, "is_cpu", False) else tensor.device.type, size)
+    device_type = "cpu" if getattr(tensor, "is_cpu", False) else tensor.device.type
+    name = choose(op, device_type, _size_bucket(op, device_type, size))
     if tensor.dtype == torch.float64 and name not in _REGISTRY[op].float64:
         return "torch"
     return name
@@ -229,7 +241,7 @@ def fallback(op: str, past: str, tensor: torch.Tensor, size: int | None = None) 
     skipped, the float64 rule kept), else the reference. Asked by the implementation of `past`
     itself, so the limits live with the kernel and the choice stays here."""
     device_type = tensor.device.type
-    order = default_order(op, device_type, size)
+    order = default_order(op, device_type, _size_bucket(op, device_type, size))
     entry = _REGISTRY[op]
     for name in order[order.index(past) + 1 :] if past in order else ():
         if name == "torch" or name in entry.opt_in or not _available(op, name, device_type):

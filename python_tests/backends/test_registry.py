@@ -215,3 +215,20 @@ def test_capacity_positions_takes_the_cuda_kernels_from_64_experts(monkeypatch):
     )
     moe_kernels.ops.capacity_positions(torch.zeros(3, 2, dtype=torch.int64), 70, 4)
     assert seen == [70]
+
+
+def test_a_symbolic_size_compiles_fullgraph():
+    """capacity_positions passes num_experts to the backend choice; under torch.compile with dynamic
+    shapes it can be symbolic (E from a tensor's shape), which choose(), a constant to the compiler,
+    cannot take: the op compiles in one graph and gives the eager result at both sides of the rule."""
+    from moe_kernels.ops import capacity_positions
+
+    def f(experts, logits):
+        return capacity_positions(experts, logits.shape[1], 4)
+
+    compiled = torch.compile(f, dynamic=True, fullgraph=True)
+    for E in (8, 70):
+        experts = torch.randint(0, E, (16, 2), generator=torch.Generator().manual_seed(E))
+        positions, counts = compiled(experts, torch.zeros(16, E))
+        expected = capacity_positions(experts, E, 4)
+        assert torch.equal(positions, expected[0]) and torch.equal(counts, expected[1])

@@ -220,7 +220,7 @@ def test_cuda_default_compiles_fullgraph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
-def test_cuda_all_equal_scores_skip_the_auction():
+def test_cuda_all_equal_scores():
     """All-equal scores (a router's zero logits at initialisation) at (8192, 64) on the device: z =
     i // capacity, what the auction gave, with the auction skipped (every row constant; that no bid
     is made is the emulation's test_constant_rows_skip_the_auction: the result is the same either
