@@ -318,8 +318,8 @@ def backends() -> dict[str, dict[str, str]]:
     "unavailable" means no CUDA device (or a forced backend that cannot run there); "<device>
     float64" is the backend a float64 tensor would use; "why" says, for each column that runs the
     reference ("torch"), the reason (e.g. "cpu: the extension moe_kernels._C did not load (...)"),
-    "" when none does.
-    """
+    and where the choice changes with a size the op passes, from which size (e.g. capacity_positions
+    on CUDA: "cuda: cuda from a size of 64 (_MEASURED_FROM)", its num_experts), "" when neither."""
     cuda_present = torch.cuda.is_available()
     out = {}
     for op in sorted(_REGISTRY):
@@ -337,6 +337,11 @@ def backends() -> dict[str, dict[str, str]]:
             name = row[device_type]
             if name == "torch":
                 why.append(f"{device_type}: {why_reference(op, device_type)}")
+            rule = _MEASURED_FROM.get((op, device_type))
+            if rule is not None and name != "unavailable" and choose(op, device_type, rule[0]) != name:
+                why.append(
+                    f"{device_type}: {choose(op, device_type, rule[0])} from a size of {rule[0]} (_MEASURED_FROM)"
+                )
             if name != "unavailable" and name not in _REGISTRY[op].float64:
                 why.append(f"{device_type} float64: the {name} kernel has no float64 path")
                 name = "torch"

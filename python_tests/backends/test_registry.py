@@ -208,6 +208,9 @@ def test_capacity_positions_takes_the_cuda_kernels_from_64_experts(monkeypatch):
     assert backends.choose("dispatch", "cuda", 256) == "triton"
     with moe_kernels.use_backend("triton"):
         assert backends.choose("capacity_positions", "cuda", 256) == "triton"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    summary = moe_kernels.backends()["capacity_positions"]
+    assert summary["cuda"] == "triton" and "cuda: cuda from a size of 64" in summary["why"]
     # The op passes its num_experts.
     seen = []
     monkeypatch.setattr(
