@@ -600,22 +600,15 @@ def row_vector(block_e: int, itemsize: int) -> int:
 
 
 def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
-    """SORTED_RUNS, where the runs timed faster on the H200 (bench/gpu_router_variants.py at
-    T = 262,144, bench/results/gpu-nvidia-h200.md), else where the sm_90 SASS counts them fewer
-    warp instructions a row (bench/triton_sass.py). With the keys sorted in each thread's run once
-    (sorted_runs), a round is the row max of the runs' heads and a compare and a select an entry
-    of the thread holding it, each pick's expert stored in its round; the barrier and the choice
-    tile cost a fixed amount. A round of the tile computes and records the pick's weight.
-
-    Timed (ms, tile / runs): from k = 5 the runs everywhere (bf16 E = 32 k = 8 0.042 / 0.028,
-    Qwen3-MoE 0.145 / 0.086, E = 256 k = 5 0.163 / 0.139, E = 512 k = 10 0.807 / 0.407,
-    DeepSeek-V3 0.414 / 0.275); at k = 4 the runs from E = 32 (E = 128 0.0667 / 0.0640; E = 16
-    0.0110 / 0.0125); at k = 3 the runs with 4 entries a thread (float32 E = 128 0.082 / 0.070),
-    the tile with 8 (bf16 E = 256 0.104 / 0.121); at k = 2 the tile (bf16 E = 64 0.026 / 0.029,
-    E = 256 0.078 / 0.103), where the counts had favoured the runs with 4 entries a thread (E = 64
-    82 -> 60 instructions a row: the instruction counts do not rank these shapes). A row in one
-    thread (16 bytes or less, untimed): the runs from k = 4 (bf16 E = 8 k = 3 10 / 12, k = 4
-    10 / 9, k = 8 18 / 17 instructions)."""
+    """SORTED_RUNS: the recording that timed faster on the H200 (bench/gpu_router_variants.py at
+    T = 262,144; the times in docs/routers.md and bench/results/gpu-nvidia-h200.md), where the
+    static sm_90 counts (bench/triton_sass.py) had ranked three shapes the other way; the counts
+    where no run timed. With the keys sorted in each thread's run once (sorted_runs), a round is
+    the row max of the runs' heads and a compare and a select an entry of the thread holding it,
+    each pick's expert stored in its round; the barrier and the choice tile cost a fixed amount.
+    A round of the tile computes and records the pick's weight, so the tile leads at small k:
+    the runs from k = 5; at k = 4 from E = 32; at k = 3 with 4 entries a thread (not 8); never at
+    k = 2. A row in one thread (16 bytes or less, untimed): the runs from k = 4, by the counts."""
     if block_e <= vector:
         return k >= 4
     if k >= 5:
