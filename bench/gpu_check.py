@@ -293,6 +293,31 @@ def junit_counts(path: Path) -> tuple[dict, list[tuple[str, str]]]:
     return counts, failures
 
 
+# A case's line in a `pytest -v` log: its node id, then its outcome.
+_LOG_RESULT = re.compile(r"^(python_tests/\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+
+
+def cut_group(text: str, units: list[str]) -> tuple[dict, list[str], list[str]]:
+    """What the `-v` log `text` of a group killed at its limit says (its junit file is never
+    written): ({"passed", "failed", "skipped"} counts, the failed node ids, the units not run to
+    their end). pytest runs the units in the order given, so those from the one that was running
+    on are the ones a follow-up must run; a unit before it without a line had no GPU case."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failed, nodes = [], []
+    for node, outcome in _LOG_RESULT.findall(text):
+        nodes.append(node)
+        key = {"PASSED": "passed", "XFAIL": "passed", "SKIPPED": "skipped"}.get(outcome, "failed")
+        counts[key] += 1
+        if key == "failed":
+            failed.append(node)
+
+    def ran(unit: str) -> bool:
+        return any(n == unit or n.startswith((unit + "::", unit + "[")) for n in nodes)
+
+    last = max((i for i, unit in enumerate(units) if ran(unit)), default=0)
+    return counts, failed, units[last:]
+
+
 def tests(
     run: Run, *, groups: int, timeout: float, marker: str, fuzz_examples: int, files: list[Path] | None = None
 ) -> bool:
@@ -307,6 +332,7 @@ def tests(
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     env.pop("TRITON_INTERPRET", None)
     procs = []
+    units_of: dict[int, list[str]] = {}
     start = time.monotonic()
     for i, group in enumerate(split(files or test_files(), groups)):
         xml = run.out / f"tests-{i}.xml"
@@ -321,6 +347,7 @@ def tests(
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         procs.append((i, proc, log, xml))
+        units_of[i] = group
     timed_out = []
     for i, proc, log, _ in procs:
         left = max(1.0, timeout - (time.monotonic() - start))
@@ -344,7 +371,21 @@ def tests(
     passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
     detail = f"{passed} passed, {total['failures'] + total['errors']} failed, {total['skipped']} skipped"
     if timed_out:
-        detail += f"; groups {timed_out} hit the {timeout:.0f} s limit (their counts are missing)"
+        cut = {"passed": 0, "failed": 0, "skipped": 0}
+        left: list[str] = []
+        for i in timed_out:
+            counts, fails, rest = cut_group((run.out / f"tests-{i}.log").read_text(errors="replace"), units_of[i])
+            for key in cut:
+                cut[key] += counts[key]
+            failed += [(node, f"in group {i}, cut at its limit: tests-{i}.log has its traceback") for node in fails]
+            left += rest
+        # The units to run again, one pytest argument a line: a follow-up call's list.
+        (run.out / "not-reached.txt").write_text("".join(f"{unit}\n" for unit in left))
+        detail += (
+            f"; groups {timed_out} hit the {timeout:.0f} s limit: their logs say {cut['passed']} passed, "
+            f"{cut['failed']} failed, {cut['skipped']} skipped, and {len(left)} units not run to their end "
+            "(not-reached.txt)"
+        )
     lines = ["## Test failures\n"] if failed else []
     lines += [f"- `{name}`: {msg}" for name, msg in failed[:200]]
     (run.out / "failures.md").write_text("\n".join(lines) + ("\n" if lines else ""))

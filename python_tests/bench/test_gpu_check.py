@@ -322,3 +322,28 @@ def test_instafail_keeps_the_assertion_of_a_long_traceback():
     assert len(kept) <= 4010
     assert "E       AssertionError: assert False" in kept and "test_x.py:607: AssertionError" in kept
     assert instafail_text("short") == "short"
+
+
+def test_a_cut_group_is_read_from_its_log():
+    """A group killed at its limit writes no junit file: its -v log gives its counts, its failures
+    and the units from the one that was running on (a unit before it without a line had no GPU
+    case); on the H200 the report had said "0 failed" while three cut groups had failures."""
+    gpu_check = load("gpu_check")
+    units = ["python_tests/a.py", "python_tests/b.py::test_x", "python_tests/b.py::test_y", "python_tests/c.py"]
+    log = "\n".join(
+        [
+            "$ python3 -m pytest ...",
+            "python_tests/a.py::test_one[cuda:triton] PASSED [  1%]",
+            "python_tests/a.py::test_two SKIPPED (no) [  2%]",
+            "python_tests/b.py::test_y[cuda:triton-1] FAILED [  3%]",
+            "[instafail] python_tests/b.py::test_y[cuda:triton-1] (call)",
+            "python_tests/b.py::test_y[cuda:triton-2] PASSED [  4%]",
+            "python_tests/b.py::test_y[cuda:triton-3] ",
+            "[gpu-check] group 0 killed after its 215 s limit",
+        ]
+    )
+    counts, failed, left = gpu_check.cut_group(log, units)
+    assert counts == {"passed": 2, "failed": 1, "skipped": 1}
+    assert failed == ["python_tests/b.py::test_y[cuda:triton-1]"]
+    assert left == ["python_tests/b.py::test_y", "python_tests/c.py"]  # test_x: no GPU case
+    assert gpu_check.cut_group("$ pytest\n", units)[2] == units  # killed before any result
