@@ -1,13 +1,15 @@
 """The Triton router's two pick recordings timed against each other on a GPU (issue 33).
 
 moe_kernels/triton/topk_router.py records the forward's picks in a [rows, k] tile or by rounds over
-sorted runs (each pick's expert stored in its round), chosen by `uses_sorted_runs` from static sm_90 instruction counts
-(bench/triton_sass.py). This runs the forward with that rule forced each way, at the shapes the
-counts decided, in one process: each row the kernel time of one call (CUDA-graph replay, the median
-of rounds), the op's bytes-moved model over it, and that as a share of copy_ of the same bytes
-measured in the same run; then each shape's fwd+bwd with the launcher's choice. Both recordings
-must give the same experts: a shape where they do not is listed under the tables (and the exit
-status is 1), its timings kept. The rule stays where the GPU agrees.
+sorted runs (each pick's expert stored in its round), chosen by `uses_sorted_runs` (from the H200's
+times of this script where it ran, from static sm_90 instruction counts, bench/triton_sass.py,
+elsewhere). This runs the forward with that rule forced each way at fifteen shapes, in one process:
+each row the kernel time of one call (CUDA-graph replay, the median of rounds), the op's
+bytes-moved model over it, and that as a share of copy_ of the same bytes measured in the same run;
+then the launcher's recording at three launch tiles (more rows a thread: TILES) at the goals'
+shapes; then each shape's fwd+bwd with the launcher's choice. Every variant must give the same
+experts: a shape where one does not is listed under the tables (and the exit status is 1), its
+timings kept. Each line is printed as it comes, so a call stopped at its limit keeps its rows.
 
     python3 bench/gpu_router_variants.py [--tokens 262144] [--out FILE.md]
     python3 bench/gpu_router_variants.py --smoke   # tiny CPU tensors under TRITON_INTERPRET=1, untimed
@@ -27,6 +29,7 @@ from common import time_gpu  # noqa: E402
 import moe_kernels  # noqa: E402
 from moe_kernels import ops as K  # noqa: E402
 from moe_kernels.triton import topk_router as _router  # noqa: E402
+from moe_kernels.triton.common import row_tile_config  # noqa: E402
 
 GROUPED = dict(scoring="sigmoid", num_groups=8, topk_groups=4, renormalize=True, scaling_factor=2.5)
 # (name, E, k, dtype, keywords, bias): the shapes where the counts chose, and their neighbours.
@@ -60,10 +63,25 @@ def _copy_seconds(nbytes: int, device: str) -> float:
     return time_gpu(lambda: dst.copy_(src))[0]
 
 
+class Lines(list):
+    """The report's lines, each printed as it is added: a device call stopped at its limit keeps
+    the rows timed so far."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+    def __iadd__(self, more):
+        for line in more:
+            self.append(line)
+        return self
+
+
 def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
     """The report's lines, and whether the two recordings agreed at every shape."""
     device_name = torch.cuda.get_device_name() if timed else "smoke"
-    lines = [
+    lines = Lines()
+    lines += [
         f"Triton topk_router forward by pick recording, T = {tokens} ({device_name}), {len(SHAPES)} shapes",
         "",
         "| shape | dtype | recording | launcher's | ms | GB/s | of copy_ |",
@@ -103,6 +121,7 @@ def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
             if difference:
                 disagreements.append(f"- {name} {str(dtype)[6:]}: {difference}")
         _router.uses_sorted_runs = original
+        tile_rows(lines, tokens, device, gen, timed, disagreements)
         lines += ["", "| shape | dtype | fwd+bwd ms |", "|---|---|---|"]
         for name, E, k, dtype, kw, has_bias in SHAPES:
             logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype).requires_grad_()
@@ -124,6 +143,48 @@ def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
     if disagreements:
         lines += ["", "## The two recordings disagree", "", *disagreements]
     return lines, not disagreements
+
+
+# The forward's launch tile (row_tile_config's values a program and values a thread), the
+# launcher's first: more rows a thread give each warp more independent rounds to interleave, where
+# at full occupancy (21-32 registers) the rounds' dependent reductions may be what the forward
+# waits on (docs/routers.md). The shapes: those of issue 33's goals and E = 128, k = 4.
+TILES = ((_router._TILE, _router._PER_THREAD), (2048, 16), (4096, 32))
+TILE_SHAPES = ("qwen3", "deepseek-v3", "e64-k2", "e128-k4")
+
+
+def tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disagreements: list[str]) -> None:
+    """The launcher's recording at each of TILES: the table, added to `lines`; a tile whose picks
+    differ from the first tile's is added to `disagreements`."""
+    lines += ["", "| shape | dtype | rows a program | warps | ms | of copy_ |", "|---|---|---|---|---|---|"]
+    original = _router.launch_config
+    try:
+        for name, E, k, dtype, kw, has_bias in (s for s in SHAPES if s[0] in TILE_SHAPES):
+            logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype)
+            bias = 0.1 * torch.randn(E, device=device, generator=gen) if has_bias else None
+            moved = tokens * E * logits.element_size() + tokens * k * 12
+            copy = _copy_seconds(moved, device) if timed else 0.0
+            first = None
+            for tile, per_thread in TILES:
+                _router.launch_config = lambda T, E, tile=tile, per_thread=per_thread: row_tile_config(
+                    T, E, tile, per_thread
+                )
+                _, rows, _, warps = _router.launch_config(tokens, E)
+
+                def call(logits=logits, bias=bias, k=k, kw=kw):
+                    return K.topk_router(logits, k, bias=bias, **kw)
+
+                with moe_kernels.use_backend("triton"):
+                    result = call()
+                    seconds = time_gpu(call)[0] if timed else 0.0
+                if first is None:
+                    first = result
+                elif difference := _difference(first, result):
+                    disagreements.append(f"- {name} {str(dtype)[6:]}, {rows} rows a program: {difference}")
+                ms, share = (f"{seconds * 1e3:.4f}", f"{copy / seconds:.0%}") if timed else ("-", "-")
+                lines.append(f"| {name} | {str(dtype)[6:]} | {rows} | {warps} | {ms} | {share} |")
+    finally:
+        _router.launch_config = original
 
 
 def _difference(tile: tuple, runs: tuple) -> str:
@@ -155,8 +216,7 @@ def main(argv=None) -> int:
             print("gpu_router_variants: no CUDA device (use --smoke to check it on the CPU)", file=sys.stderr)
             return 2
         lines, agree = run(args.tokens, "cuda", timed=True)
-    print("\n".join(lines), flush=True)
-    if args.out:
+    if args.out:  # (each line was printed as it came)
         Path(args.out).write_text("\n".join(lines) + "\n")
     return 0 if agree else 1
 

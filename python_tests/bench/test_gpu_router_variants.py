@@ -35,6 +35,12 @@ def test_smoke_runs_both_recordings_and_the_backward():
     # each shape: exactly one recording is the launcher's
     for i in range(0, 2 * shapes, 2):
         assert [r.split("|")[4].strip() for r in recordings[i : i + 2]].count("yes") == 1, recordings[i : i + 2]
+    # the launch tiles: each of their shapes at three tiles, the launcher's first, more rows a program after
+    tiles = [r.split("|") for r in rows if r.count("|") == 7 and "rows a program" not in r]
+    assert len(tiles) == 3 * 5 and all(t[1].strip() in ("qwen3", "deepseek-v3", "e64-k2", "e128-k4") for t in tiles)
+    for i in range(0, len(tiles), 3):
+        programs = [int(t[3]) for t in tiles[i : i + 3]]  # rows a program, capped by T = 16 here
+        assert programs == sorted(programs), tiles[i : i + 3]
 
 
 def test_a_disagreement_is_reported_not_raised():
