@@ -234,14 +234,14 @@ def implementation(op: str, tensor: torch.Tensor, size: int | None = None) -> Ca
     return getattr(_REGISTRY[op], choose_for(op, tensor, size))
 
 
-def fallback(op: str, past: str, tensor: torch.Tensor, size: int | None = None) -> Callable:
+def fallback(op: str, past: str, tensor: torch.Tensor) -> Callable:
     """The implementation of `op` for `tensor` when backend `past` was chosen but its kernel cannot
     take this input (a Triton kernel past its size limits; the module docstring): the first backend
     after `past` in the default order of `tensor`'s device that has a kernel here (opt-in ones
     skipped, the float64 rule kept), else the reference. Asked by the implementation of `past`
     itself, so the limits live with the kernel and the choice stays here."""
     device_type = tensor.device.type
-    order = default_order(op, device_type, _size_bucket(op, device_type, size))
+    order = default_order(op, device_type)
     entry = _REGISTRY[op]
     for name in order[order.index(past) + 1 :] if past in order else ():
         if name == "torch" or name in entry.opt_in or not _available(op, name, device_type):
