@@ -10,9 +10,9 @@ on the device, and every group otherwise, go through the radix path here:
      so deterministic); every program derives the digits chosen so far from those counters
      (_selected);
   2. each tile's count of keys above that key and of its ties, per expert;
-  3. their exclusive sums down the tiles (running_sums, on the device), then each tile keeps
-     the keys above and the first `remaining` ties in token order (tl.cumsum ranks them), writes
-     its mask rows whole and the kept tokens at their ranks.
+  3. their exclusive sums down the tiles (a program a flagged group, in place), then each tile
+     keeps the keys above and the first `remaining` ties in token order (tl.cumsum ranks them),
+     writes its mask rows whole and the kept tokens at their ranks.
 A program of the radix path loops over every programs-th tile of its expert group and returns at
 once where the group is not flagged. No host sync; within a path each output element has one
 writer, and the radix path writes its groups' columns whole after the sampled select (stream
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_kernels.triton import batchwise_sampled, running_sums
+from moe_kernels.triton import batchwise_sampled
 from moe_kernels.triton.common import on_tensor_device, to_float32, token_stride_unspecialized, value_key
 
 # A histogram tile is 256 tokens x 16 experts (a 32-byte sector of a bf16 row); its histogram has
@@ -37,6 +37,8 @@ _NUM_WARPS = 8
 # The counting and writing passes take tiles of 128 tokens: their two column scans held tiles of
 # 256 in the tile loop past 255 registers (spills on sm_90 under triton 3.6).
 _WRITE_BLOCK_T = 128
+# Tiles a step of the scan down the tile counts (a program a group: [BLOCK, GROUP] int32 a step).
+_SCAN_BLOCK = 256
 # Programs a group and launch of the radix path behind the sampled select: it runs for a few
 # groups, if any, and each of its launches costs the others a flag read a program.
 _REDO_PROGRAMS = 32
@@ -173,6 +175,38 @@ def tile_counts_kernel(
 
 
 @triton.jit
+def tiles_before_kernel(
+    redo_ptr,  # [groups] int32: nonzero where this expert group is selected here
+    above_ptr,  # [tiles, E] int32: in: keys above in each tile; out: in the tiles before it
+    ties_ptr,  # [tiles, E] int32: the same for the ties
+    tiles,
+    E,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """Grid (groups,): a flagged group's columns of both tables become their exclusive sums down
+    the tiles, in place, BLOCK tiles a step. The other groups' columns are neither read nor
+    written (tile_counts_kernel leaves them unwritten), so behind the sampled select, where few
+    groups if any are flagged, this is one launch of programs that return at once; a flat scan of
+    the tables (as running_sums does) cost a zero fill and several passes over both on every call."""
+    if tl.load(redo_ptr + tl.program_id(0)) == 0:
+        return
+    e = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    above_sum = tl.zeros([GROUP], tl.int32)  # counts are below T < 2^31
+    ties_sum = tl.zeros([GROUP], tl.int32)
+    for start in range(0, tiles, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        ok = (r < tiles)[:, None] & (e < E)[None, :]
+        at = r.to(tl.int64)[:, None] * E + e[None, :]
+        above = tl.load(above_ptr + at, mask=ok, other=0)
+        ties = tl.load(ties_ptr + at, mask=ok, other=0)
+        tl.store(above_ptr + at, above_sum[None, :] + tl.cumsum(above, axis=0) - above, mask=ok)
+        tl.store(ties_ptr + at, ties_sum[None, :] + tl.cumsum(ties, axis=0) - ties, mask=ok)
+        above_sum += tl.sum(above, axis=0)
+        ties_sum += tl.sum(ties, axis=0)
+
+
+@triton.jit
 def write_mask_kernel(
     scores_ptr,
     redo_ptr,  # [groups] int32: nonzero where this expert group is selected here
@@ -251,15 +285,13 @@ def radix_select(scores, m, mask, tokens, redo, programs=None):
     tiles = triton.cdiv(T, _WRITE_BLOCK_T)
     grid = (min(tiles, programs or T), groups)
     opts.update(PASSES=passes, BLOCK_T=_WRITE_BLOCK_T)
-    # Only the redone groups' columns are written: zeroed, the others' count nothing in the sums
-    # (whose flat scan runs over every column).
-    above = torch.zeros((tiles, E), dtype=torch.int32, device=device)
-    ties = torch.zeros((tiles, E), dtype=torch.int32, device=device)
+    # Only the redone groups' columns are written, scanned and read: the others' stay uninitialised.
+    above = torch.empty((tiles, E), dtype=torch.int32, device=device)
+    ties = torch.empty((tiles, E), dtype=torch.int32, device=device)
     tile_counts[grid](scores, redo, hist, above, ties, *args, **opts)
-    # Exclusive sums down the tiles: the keys above / the ties in the tiles before each tile.
-    above_before = running_sums.down_columns(above, bound=T * E) - above
-    ties_before = running_sums.down_columns(ties, bound=T * E) - ties
-    write_mask[grid](scores, redo, hist, above_before, ties_before, mask, tokens, *args, **opts)
+    # In place: the keys above / the ties in the tiles before each tile.
+    tiles_before_kernel[(groups,)](redo, above, ties, tiles, E, BLOCK=_SCAN_BLOCK, GROUP=_GROUP, num_warps=4)
+    write_mask[grid](scores, redo, hist, above, ties, mask, tokens, *args, **opts)
 
 
 def _expert_contiguous(scores: torch.Tensor) -> torch.Tensor:
@@ -317,6 +349,11 @@ def _(scores, m):
 
 def _aot(kernel, dt="fp32"):
     """An AOT_KERNELS entry of `kernel` on `dt` scores, as radix_select launches it."""
+    if kernel is tiles_before_kernel:
+        signature = {"redo_ptr": "*i32", "above_ptr": "*i32", "ties_ptr": "*i32", "tiles": "i32", "E": "i32"}
+        constexprs = {"BLOCK": _SCAN_BLOCK, "GROUP": _GROUP}
+        signature.update(dict.fromkeys(constexprs, "constexpr"))
+        return kernel, signature, constexprs, {"num_warps": 4}
     signature = {"scores_ptr": f"*{dt}", "redo_ptr": "*i32", "hist_ptr": "*i32"}
     if kernel is tile_counts_kernel:
         signature.update(above_ptr="*i32", ties_ptr="*i32")
@@ -336,6 +373,7 @@ AOT_KERNELS = [
     _aot(digit_histogram_kernel, "bf16"),
     _aot(digit_histogram_kernel, "fp32"),
     _aot(tile_counts_kernel, "fp16"),
+    _aot(tiles_before_kernel),
     _aot(write_mask_kernel, "bf16"),
     _aot(write_mask_kernel, "fp32"),
 ]
