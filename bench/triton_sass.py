@@ -141,6 +141,8 @@ def batchwise(dt: str):
         aligned = tuple(i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("T", "E", "W", "stride_t", "C"))
         if name == "gather_candidates_kernel":
             unit, per_program = "slot", constexprs["BLOCK_C"]
+        elif name == "chosen_words_kernel":
+            unit, per_program = "score", 32 * constexprs["WORDS"] * constexprs["COLS"]
         else:
             unit, per_program = "score", constexprs["BLOCK_T"] * constexprs["GROUP"]
         out.append((name, kernel, signature, constexprs, aligned, options["num_warps"], unit, per_program))

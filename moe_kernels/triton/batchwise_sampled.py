@@ -8,12 +8,13 @@ m = kT/E). It reads the scores once where the radix select reads them 10 times:
   3. the words' running counts (running_sums.along_rows), then each column's i-th candidate in token order
      is found from them (a binary search, then the bit in its word), its score read and written
      to slot i of the column's list, packed with its token (gather_candidates_kernel): work a
-     candidate, not a score, and deterministic lists (no atomics);
-  4. each column's m-th best candidate (torch.topk of the packed values, all distinct: the order
-     key over 2^31 - 1 - token, so equal scores go to the lower token), then the list's entries
-     at or above it, in list order, which is token order, go to the column's row of tokens and
-     set the mask (taken_counts_kernel, a running sum of the counts, chosen_tokens_kernel): no
-     sort of the tokens, no scatter of the mask by torch.
+     candidate, not a score, and deterministic lists (no atomics); slots past a column's
+     candidates are never written or read;
+  4. a program a column (column_tokens_kernel): its m-th best candidate, radix-selected from its
+     list (the packed values are all distinct: the order key over 2^31 - 1 - token, so equal
+     scores go to the lower token), then the list's entries at or above it, in list order, which
+     is token order, go to the column's row of tokens and set the mask: no sort of the tokens, no
+     scatter of the mask by torch; a column it cannot select flags its group.
 A column with at least m candidates has its m best among them (its m-th largest key is >= lo), so
 the select is exact wherever a column has between m and `capacity` candidates. The expert groups
 with a column outside that (a sample that caught too many of its largest scores: about 1 column
@@ -40,17 +41,24 @@ SAMPLE_ROWS = 4096
 _BLOCK_T = 256  # the sample's tiles: 256 rows x 16 experts
 _GROUP = 16
 _NUM_WARPS = 8
-# The chosen words: a lane holds 16 bytes of a row (8 bf16/fp16 or 4 float32 columns) and a warp
-# 32 consecutive rows, so each column's word of 32 rows is one warp reduction (REDUX), no
-# shuffles: about 0.5 warp instructions a score (bench/triton_sass.py), where 16 columns a
-# program, two lanes a row, took twice as many.
-_WORD_BYTES = 16
-_WORDS_BLOCK_T = 512
+# The chosen words: a warp reads whole row segments (512 bytes: 32 lanes of 16 bytes, up to 256
+# bf16 / 128 float32 columns) and each thread builds its columns' words from 32 rows in its own
+# registers (no shuffles, no reduction across lanes): about 0.17 warp instructions a score at sm_90
+# (bench/triton_sass.py counts the loop over a word's rows once: 0.10), where a lane holding 16
+# bytes of each of 32 rows (a word a warp reduction, and half of each 32-byte sector a load) took
+# 0.49. The rows come 16 at a time: 60 registers a thread at sm_90 as a launch specialises the
+# kernel (32 rows at once took 125, and spilled with a 64-bit row stride).
+_ROW_SEGMENT_BYTES = 512
 _WORDS_NUM_WARPS = 4
+_WORD_ROWS = 16
 _BLOCK_C = 256  # candidate slots a program
 _GATHER_NUM_WARPS = 4
-_TAKE_BLOCK = 1024  # list slots a program of the taken-slot kernels
-_TAKE_NUM_WARPS = 4
+# A column's list, BLOCK slots a step, in each of 64 / 8 passes of the radix select (a histogram of
+# 256 bins: 8 counters a thread at 8 warps) and once more to write its tokens. The lists are a few
+# hundred KB a column, read from the L2 after the gather wrote them.
+_SELECT_BLOCK = 2048
+_SELECT_RADIX_BITS = 8
+_SELECT_NUM_WARPS = 8
 # The packed value of an empty slot: below every candidate (whose low half is >= 2^31 - T > 0).
 _EMPTY = tl.constexpr(-(2**63))
 
@@ -128,34 +136,53 @@ def chosen_words_kernel(
     W,
     stride_t,
     stride_e,
-    BLOCK_T: tl.constexpr,  # a multiple of 32
-    GROUP: tl.constexpr,
+    WORDS: tl.constexpr,  # words (of 32 tokens) a program
+    COLS: tl.constexpr,  # columns a program: a power of two
+    EVEN_E: tl.constexpr,  # E % COLS == 0: no column is past E
+    ROWS: tl.constexpr,  # rows of a word a step
 ):
-    """The pass over the scores: a few instructions an entry (a compare and a bit), where writing
-    the candidates themselves from here cost tens an entry, every entry paying for the few
-    candidates (Triton's lanes run the same instructions). A 1-D grid, the expert groups of a
-    tile of tokens adjacent: GROUP columns are 16 bytes of a row, so neighbouring programs share
-    the rows' 32-byte sectors while they are in the cache."""
-    groups = tl.cdiv(E, GROUP)
-    tile = tl.program_id(0) // groups
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    e = (tl.program_id(0) % groups) * GROUP + tl.arange(0, GROUP)
-    valid = (t < T)[:, None] & (e < E)[None, :]
-    x = to_float32(
-        tl.load(scores_ptr + t.to(tl.int64)[:, None] * stride_t + e.to(tl.int64)[None, :] * stride_e, mask=valid)
-    )
-    # key >= lo compared as floats: lo's float ranks NaN alone above every float (x >= NaN is
-    # false, so NaN is tested apart) and -0 as +0, as value_key does.
+    """Grid (blocks of WORDS words, blocks of COLS columns): the pass over the scores, a few
+    instructions a score (a compare and a bit), where writing the candidates themselves from here
+    cost tens a score, every score paying for the few candidates (Triton's lanes run the same
+    instructions). The tile is [32 bits, WORDS, COLS], laid out as the loads coalesce it: a
+    thread holds a 16-byte vector of columns of every row of its word, so the word is a sum in
+    the thread. Nothing is masked a score: rows past T are read as row T - 1 and weigh 0, and
+    columns past E (only where E % COLS != 0, masked loads) are not stored."""
+    w = tl.program_id(0) * WORDS + tl.arange(0, WORDS)
+    e = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    # The candidates are the keys >= lo: !(x < lo) is x >= lo or x NaN, and ranks -0 as +0. A
+    # bound of NaN (a sample of NaNs) is taken as +inf: the candidates are then +inf and NaN, still
+    # every key from a bound up, which holds a column's best wherever they number m or more.
     lo = value_of(tl.load(lo_ptr + e, mask=e < E, other=0))
-    chosen = valid & ((x >= lo[None, :]) | (x != x))
-    bits = tl.where(chosen, (1 << (tl.arange(0, BLOCK_T) % 32))[:, None], 0)
-    # Distinct bits: their sum is their or (bit 31 wraps to the sign, as it should).
-    words = tl.sum(tl.reshape(bits, [BLOCK_T // 32, 32, GROUP]), axis=1)  # [BLOCK_T / 32, GROUP]
-    w = tile * (BLOCK_T // 32) + tl.arange(0, BLOCK_T // 32)
+    lo = tl.where(lo != lo, float("inf"), lo)[None, None, :]
+    columns = e.to(tl.int64)[None, None, :] * stride_e
+    words = tl.zeros([WORDS, COLS], tl.int32)
+    # A word's rows ROWS at a time (a loop, not unrolled): 32 rows of 16 bytes and their 32
+    # addresses in a thread at once spilled.
+    for first in range(0, 32, ROWS):
+        bit = first + tl.arange(0, ROWS)[:, None, None]
+        t = w[None, :, None] * 32 + bit  # [ROWS, WORDS, 1]
+        ptrs = scores_ptr + tl.minimum(t, T - 1).to(tl.int64) * stride_t + columns
+        if EVEN_E:
+            x = to_float32(tl.load(ptrs))
+        else:
+            x = to_float32(tl.load(ptrs, mask=(e < E)[None, None, :], other=0.0))
+        # Distinct bits: their sum is their or (bit 31 wraps to the sign, as it should).
+        weight = tl.where(t < T, 1 << bit, 0)
+        words += tl.sum(tl.where(x < lo, 0, weight), axis=0)  # [WORDS, COLS]
     out = e.to(tl.int64)[None, :] * W + w[:, None]
     ok = (w < W)[:, None] & (e < E)[None, :]
     tl.store(words_ptr + out, words, mask=ok)
     tl.store(counts_ptr + out, _popcount(words).to(tl.int8), mask=ok)
+
+
+def words_tile(E: int, element_size: int) -> tuple[int, int]:
+    """(WORDS, COLS) of chosen_words_kernel on E columns of element_size bytes: COLS up to a row
+    segment of _ROW_SEGMENT_BYTES, and WORDS so that each of the program's threads holds every
+    row of one word (the lanes a row spans leave the warp's others to further words)."""
+    cols = min(triton.next_power_of_2(E), _ROW_SEGMENT_BYTES // element_size)
+    lanes_a_row = max(1, cols * element_size // 16)
+    return _WORDS_NUM_WARPS * (32 // lanes_a_row), cols
 
 
 @triton.jit
@@ -177,14 +204,13 @@ def gather_candidates_kernel(
     finds the word holding the column's i-th set bit (a binary search of the running counts) and
     the bit in it, reads that token's score and writes value_key << 32 | (2^31 - 1 - token):
     distinct values, larger in the ranking order (equal scores: the lower token larger). Slots
-    past the candidates get _EMPTY, below every candidate. Work a candidate, not an entry."""
+    past the candidates are left as they are (nothing reads them). Work a candidate, not an entry."""
     e = tl.program_id(1)
     i = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row = e.to(tl.int64) * W
     lists = lists_ptr + e.to(tl.int64) * C + i
     n = tl.minimum(tl.load(prefix_ptr + row + W - 1), C)
     if tl.program_id(0) * BLOCK_C >= n:  # about half the blocks: the lists hold 2x the expected
-        tl.store(lists, _EMPTY, mask=i < C)
         return
     active = i < n
     # The first word whose running count passes i.
@@ -207,62 +233,93 @@ def gather_candidates_kernel(
     t = first * 32 + bit
     x = tl.load(scores_ptr + t.to(tl.int64) * stride_t + e.to(tl.int64) * stride_e, mask=active)
     packed = (value_key(to_float32(x)).to(tl.int64) << 32) | (2147483647 - t).to(tl.int64)
-    tl.store(lists, tl.where(active, packed, _EMPTY), mask=i < C)
+    tl.store(lists, packed, mask=active)
 
 
 @triton.jit
-def _taken(lists_ptr, kth_ptr, count_ptr, C, M, BLOCK: tl.constexpr):
-    """This program's block of column e's list (grid (blocks, E)): (e, the slots, their packed
-    values, which are among the column's M best: at or above its M-th best value `kth`). A
-    column with fewer than M candidates takes none (its group is redone); slots past the
-    candidates are _EMPTY, and blocks past them are not read."""
-    e = tl.program_id(1)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    n = tl.minimum(tl.load(count_ptr + e), C)
-    live = (i < n) & (n >= M)
-    v = tl.load(lists_ptr + e.to(tl.int64) * C + i, mask=live, other=_EMPTY)
-    return e, i, v, live & (v >= tl.load(kth_ptr + e))
+def _kth_largest(list_ptr, n, M, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """A value v with: exactly M of the n (>= M) distinct int64 values at list_ptr are >= v (the
+    M-th largest, or the digits chosen so far where they pick out exactly the M largest).
+    RADIX_BITS bits a pass from the top: each pass histograms the digit of the values that share
+    the digits chosen so far, and the digit is the largest bin whose count from the top reaches
+    the rank still sought among them (as batchwise_mask._selected does for the radix path). Once
+    the values sharing the chosen digits are exactly the ones still sought (on float32 scores,
+    usually once the score's bits are chosen, before the token's), the passes stop: those digits
+    with zeros below them are <= each of those values and above every other."""
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    bins = tl.arange(0, BINS)
+    kth = tl.zeros([], tl.int64)  # the digits chosen so far, in place, the bits below them 0
+    remaining = M
+    done = tl.zeros([], tl.int32)
+    for p in tl.static_range(64 // RADIX_BITS):
+        SHIFT = 64 - RADIX_BITS * (p + 1)  # constant: p is static
+        if done == 0:
+            counts = tl.zeros([BINS], tl.int32)
+            for start in range(0, n, BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                live = i < n
+                v = tl.load(list_ptr + i, mask=live, other=0)
+                digit = (v >> SHIFT) & (BINS - 1)  # the shift's sign extension stays above the digit
+                if p == 0:
+                    match = live
+                    digit = digit ^ (BINS // 2)  # the sign bit flipped: the signed order, unsigned
+                else:
+                    match = live & (((v ^ kth) >> (SHIFT + RADIX_BITS)) == 0)
+                counts += tl.histogram(digit.to(tl.int32), BINS, mask=match)
+            from_top = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # this bin and above
+            chosen = tl.max(tl.where(from_top >= remaining, bins, 0), axis=0)
+            remaining -= tl.sum(tl.where(bins > chosen, counts, 0), axis=0)
+            done = (tl.sum(tl.where(bins == chosen, counts, 0), axis=0) == remaining).to(tl.int32)
+            if p == 0:
+                chosen = chosen ^ (BINS // 2)
+            kth |= chosen.to(tl.int64) << SHIFT
+    return kth
 
 
 @triton.jit
-def taken_counts_kernel(
+def column_tokens_kernel(
     lists_ptr,  # [E, C] int64: gather_candidates_kernel's lists
-    kth_ptr,  # [E] int64: each column's M-th best packed value in its list
-    count_ptr,  # [E] int32: each column's candidates (may exceed C)
-    taken_ptr,  # [E, B] int32 out: each block's taken slots
-    C,
-    M,
-    B,  # blocks a column
-    BLOCK: tl.constexpr,
-):
-    e, _i, _v, taken = _taken(lists_ptr, kth_ptr, count_ptr, C, M, BLOCK)
-    tl.store(taken_ptr + e.to(tl.int64) * B + tl.program_id(0), tl.sum(taken.to(tl.int32), axis=0))
-
-
-@triton.jit
-def chosen_tokens_kernel(
-    lists_ptr,  # [E, C] int64
-    kth_ptr,  # [E] int64
-    count_ptr,  # [E] int32
-    before_ptr,  # [E, B] int32: the taken slots in the column's blocks before
+    prefix_ptr,  # [E, W] int32: the words' running counts (the last, each column's candidates)
     tokens_ptr,  # [E, M] int64 out: a column's M tokens, ascending (columns that take none untouched)
-    mask_ptr,  # [T, E] bool: set at each taken (token, column)
+    mask_ptr,  # [T, E] bool, zeroed: set at each taken (token, column)
+    redo_ptr,  # [ceil(E / REDO_GROUP)] int32, zeroed: set to 1 for a group with a column taking none
     T,
     E,
+    W,
     C,
     M,
-    B,
+    REDO_GROUP,
     BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ):
-    """The taken slots' tokens in list order (token order) into the column's row of tokens, and
-    their mask entries: a column with M to C candidates takes exactly M, each written once."""
-    e, _i, v, taken = _taken(lists_ptr, kth_ptr, count_ptr, C, M, BLOCK)
-    t = 2147483647 - (v & 2147483647)
-    flag = taken.to(tl.int32)
-    place = tl.load(before_ptr + e.to(tl.int64) * B + tl.program_id(0)) + tl.cumsum(flag, axis=0) - flag
-    ok = taken & (place < M) & (t < T)
-    tl.store(tokens_ptr + e.to(tl.int64) * M + place, t, mask=ok)
-    tl.store(mask_ptr + t * E + e, tl.full(t.shape, 1, tl.int1), mask=ok)
+    """Grid (E,): column e's M best candidates, in one program. A column with M to C candidates
+    has them all in its list: a value `kth` that exactly its M best reach (_kth_largest), then
+    the list's entries at or above it, in list order (token order), are written to the column's row
+    of tokens, each at the running count of those before it, and set in the mask: exactly M,
+    each written once. A column with fewer than M or more than C candidates takes none and flags
+    its group (an atomic max of 1: the same result in any order), which the radix path selects
+    again."""
+    e = tl.program_id(0)
+    n = tl.load(prefix_ptr + e.to(tl.int64) * W + W - 1)
+    if (n < M) | (n > C):
+        tl.atomic_max(redo_ptr + e // REDO_GROUP, 1, sem="relaxed")
+        return
+    list_ptr = lists_ptr + e.to(tl.int64) * C
+    kth = _kth_largest(list_ptr, n, M, BLOCK, RADIX_BITS)
+    placed = tl.zeros([], tl.int32)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        v = tl.load(list_ptr + i, mask=i < n, other=_EMPTY)
+        taken = (i < n) & (v >= kth)
+        flag = taken.to(tl.int32)
+        place = placed + tl.cumsum(flag, axis=0) - flag
+        t = 2147483647 - (v & 2147483647)
+        # place < M and t < T hold (exactly M entries reach kth, each a token's); the mask says so
+        # anyway, so that no slip between the passes could write outside the outputs.
+        ok = taken & (place < M) & (t < T)
+        tl.store(tokens_ptr + e.to(tl.int64) * M + place, t, mask=ok)
+        tl.store(mask_ptr + t * E + e, tl.full(t.shape, 1, tl.int1), mask=ok)
+        placed += tl.sum(flag, axis=0)
 
 
 # Scores whose token stride is 1 (after the op's _expert_contiguous: one expert) take compiles
@@ -291,10 +348,10 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
     W = triton.cdiv(T, 32)
     words_EW = torch.empty((E, W), dtype=torch.int32, device=device)
     counts_EW = torch.empty((E, W), dtype=torch.int8, device=device)
-    columns = _WORD_BYTES // scores.element_size()  # a program's expert group
-    chosen_words[(triton.cdiv(T, _WORDS_BLOCK_T) * triton.cdiv(E, columns),)](
+    words, cols = words_tile(E, scores.element_size())
+    chosen_words[(triton.cdiv(W, words), triton.cdiv(E, cols))](
         scores, lo_E, words_EW, counts_EW, T, E, W, scores.stride(0), scores.stride(1),
-        BLOCK_T=_WORDS_BLOCK_T, GROUP=columns, num_warps=_WORDS_NUM_WARPS,
+        WORDS=words, COLS=cols, EVEN_E=E % cols == 0, ROWS=_WORD_ROWS, num_warps=_WORDS_NUM_WARPS,
     )  # fmt: skip
     prefix_EW = running_sums.along_rows(counts_EW, bound=T * E)
     lists_EC = torch.empty((E, p.capacity), dtype=torch.int64, device=device)
@@ -302,21 +359,12 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
         scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,
         W.bit_length(), BLOCK_C=_BLOCK_C, num_warps=_GATHER_NUM_WARPS,
     )  # fmt: skip
-    count_E = prefix_EW[:, W - 1].contiguous()
-    kth_E = torch.topk(lists_EC, m, dim=1, sorted=False).values.amin(dim=1)
-    # The list is in token order, so its entries at or above the m-th best, in order, are the
-    # column's tokens sorted: their places from the running count of those entries.
-    B = triton.cdiv(p.capacity, _TAKE_BLOCK)
-    taken_EB = torch.empty((E, B), dtype=torch.int32, device=device)
-    args = (lists_EC, kth_E, count_E)
-    taken_counts_kernel[(B, E)](*args, taken_EB, p.capacity, m, B, BLOCK=_TAKE_BLOCK, num_warps=_TAKE_NUM_WARPS)
-    before_EB = running_sums.along_rows(taken_EB, bound=E * p.capacity) - taken_EB
-    chosen_tokens_kernel[(B, E)](
-        *args, before_EB, tokens, mask, T, E, p.capacity, m, B, BLOCK=_TAKE_BLOCK, num_warps=_TAKE_NUM_WARPS
-    )
-    ok = torch.ones(triton.cdiv(E, group) * group, dtype=torch.bool, device=device)
-    ok[:E] = (count_E >= m) & (count_E <= p.capacity)
-    return (~ok.view(-1, group).all(dim=1)).to(torch.int32)
+    redo = torch.zeros(triton.cdiv(E, group), dtype=torch.int32, device=device)
+    column_tokens_kernel[(E,)](
+        lists_EC, prefix_EW, tokens, mask, redo, T, E, W, p.capacity, m, group,
+        BLOCK=_SELECT_BLOCK, RADIX_BITS=_SELECT_RADIX_BITS, num_warps=_SELECT_NUM_WARPS,
+    )  # fmt: skip
+    return redo
 
 
 def _aot(kernel, dt):
@@ -327,15 +375,13 @@ def _aot(kernel, dt):
     elif kernel is chosen_words_kernel:
         signature = {"scores_ptr": f"*{dt}", "lo_ptr": "*i32", "words_ptr": "*i32", "counts_ptr": "*i8"}
         signature.update({"T": "i32", "E": "i32", "W": "i32", "stride_t": "i64", "stride_e": "i64"})
-        constexprs = {"BLOCK_T": _WORDS_BLOCK_T, "GROUP": _WORD_BYTES // (4 if dt == "fp32" else 2)}
-    elif kernel in (taken_counts_kernel, chosen_tokens_kernel):
-        signature = {"lists_ptr": "*i64", "kth_ptr": "*i64", "count_ptr": "*i32"}
-        if kernel is taken_counts_kernel:
-            signature.update({"taken_ptr": "*i32", "C": "i32", "M": "i32", "B": "i32"})
-        else:
-            signature.update({"before_ptr": "*i32", "tokens_ptr": "*i64", "mask_ptr": "*i1"})
-            signature.update({"T": "i32", "E": "i32", "C": "i32", "M": "i32", "B": "i32"})
-        constexprs = {"BLOCK": _TAKE_BLOCK}
+        words, cols = words_tile(256, 4 if dt == "fp32" else 2)
+        constexprs = {"WORDS": words, "COLS": cols, "EVEN_E": True, "ROWS": _WORD_ROWS}
+    elif kernel is column_tokens_kernel:
+        signature = {"lists_ptr": "*i64", "prefix_ptr": "*i32", "tokens_ptr": "*i64", "mask_ptr": "*i1"}
+        signature.update({"redo_ptr": "*i32", "T": "i32", "E": "i32", "W": "i32", "C": "i32", "M": "i32"})
+        signature["REDO_GROUP"] = "i32"
+        constexprs = {"BLOCK": _SELECT_BLOCK, "RADIX_BITS": _SELECT_RADIX_BITS}
     else:
         signature = {"scores_ptr": f"*{dt}", "words_ptr": "*i32", "prefix_ptr": "*i32", "lists_ptr": "*i64"}
         signature.update({"T": "i32", "E": "i32", "W": "i32", "stride_t": "i64", "stride_e": "i64", "C": "i32"})
@@ -345,8 +391,7 @@ def _aot(kernel, dt):
     warps = {
         sample_keys_kernel: _NUM_WARPS,
         chosen_words_kernel: _WORDS_NUM_WARPS,
-        taken_counts_kernel: _TAKE_NUM_WARPS,
-        chosen_tokens_kernel: _TAKE_NUM_WARPS,
+        column_tokens_kernel: _SELECT_NUM_WARPS,
     }.get(kernel, _GATHER_NUM_WARPS)
     return kernel, signature, constexprs, {"num_warps": warps}
 
@@ -358,6 +403,5 @@ AOT_KERNELS = [
     _aot(chosen_words_kernel, "fp16"),
     _aot(gather_candidates_kernel, "bf16"),
     _aot(gather_candidates_kernel, "fp16"),
-    _aot(taken_counts_kernel, None),
-    _aot(chosen_tokens_kernel, None),
+    _aot(column_tokens_kernel, None),
 ]

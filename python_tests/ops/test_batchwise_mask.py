@@ -488,3 +488,88 @@ def test_sampled_select_ties_and_nonfinite(kernel_backend, monkeypatch):
     assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask)
     got_mask, got_tokens = run("triton", scores, m)
     assert torch.equal(got_tokens, ref_tokens) and torch.equal(got_mask, ref_mask)
+
+
+def test_column_tokens_radix_select_extremes(kernel_backend):
+    """column_tokens_kernel's radix select of each column's M-th best packed value, on lists whose
+    values (score keys) span the whole int32 range (the int64 sign bit, both extremes, runs
+    sharing every high digit but the last, equal keys ranked by token), list lengths around a
+    step (2048) and M from 1 to the whole list; a column short of M or past its capacity takes
+    none and flags its group."""
+    if kernel_backend != "triton":
+        pytest.skip("the Triton kernel's sampled select")
+    from moe_kernels.triton import batchwise_sampled as sampled
+
+    g = torch.Generator().manual_seed(11)
+    T, C, group = 5000, 4200, 2
+    i32 = torch.iinfo(torch.int32)
+    cases = [  # (candidate count, M, keys [count])
+        (2049, 1, torch.randint(i32.min, i32.max, (2049,), generator=g)),
+        (2049, 2049, torch.randint(-5, 5, (2049,), generator=g)),
+        (4097, 700, torch.tensor([i32.min, i32.max, -1, 0]).repeat(1025)[:4097]),
+        (3000, 1500, 0x12345600 + torch.randint(0, 3, (3000,), generator=g)),
+        (2048, 100, torch.randint(i32.min, i32.max, (2048,), generator=g)),
+        (50, 60, torch.zeros(50, dtype=torch.int64)),  # short of M: flagged
+        (C + 1, 5, torch.zeros(C + 1, dtype=torch.int64)),  # past the capacity: flagged
+        (1, 1, torch.tensor([i32.min])),
+    ]
+    E = len(cases)
+    lists = torch.full((E, C), -(2**63), dtype=torch.int64)
+    prefix = torch.zeros((E, 1), dtype=torch.int32)
+    for e, (n, _, keys) in enumerate(cases):
+        prefix[e, 0] = n
+        t = torch.sort(torch.randperm(T, generator=g)[: min(n, C)]).values
+        lists[e, : len(t)] = (keys[: len(t)].to(torch.int64) << 32) | (2**31 - 1 - t)
+    counts = prefix[:, 0]
+    for e, (n, m_e, _) in enumerate(cases):
+        # One launch takes one M: each column is checked at its own M in a launch of its own.
+        out_tokens = torch.full((E, m_e), -7, dtype=torch.int64)
+        out_mask = torch.zeros((T, E), dtype=torch.bool)
+        out_redo = torch.zeros(-(-E // group), dtype=torch.int32)
+        sampled.column_tokens_kernel[(E,)](
+            lists, prefix, out_tokens, out_mask, out_redo, T, E, 1, C, m_e, group,
+            BLOCK=sampled._SELECT_BLOCK, RADIX_BITS=sampled._SELECT_RADIX_BITS,
+        )  # fmt: skip
+        flagged = (counts < m_e) | (counts > C)
+        assert out_redo.tolist() == flagged.view(-1, group).any(dim=1).int().tolist(), e
+        if flagged[e]:
+            assert not out_mask[:, e].any() and (out_tokens[e] == -7).all()
+            continue
+        best = torch.topk(lists[e, :n], m_e).indices  # distinct values: one answer
+        want = torch.sort(2**31 - 1 - (lists[e, best] & (2**31 - 1))).values
+        assert torch.equal(out_tokens[e], want), e
+        assert torch.equal(out_mask[:, e].nonzero().flatten(), want), e
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampled_select_row_segments_and_nan_bound(kernel_backend, dtype, monkeypatch):
+    """The word pass over whole row segments: E = 32 (a program's columns exactly, so no column
+    mask) and E = 40 (a ragged column block), T = 1030 (a last word of 6 tokens; the rows past T
+    read as row T - 1 and weigh nothing). Two columns whose sample is NaN at the bound's rank (lo
+    NaN): their candidates are NaN and +inf, which the sampled path selects itself where they
+    number m or more."""
+    if kernel_backend != "triton":
+        pytest.skip("the Triton kernel's sampled select")
+    from moe_kernels.triton import batchwise_sampled as sampled
+
+    monkeypatch.setattr(sampled, "SAMPLED_FROM", 512)
+    T, m = 1030, 8
+    p = sampled.plan(T, m)
+    assert p is not None and p.rank <= 5
+    nan, inf = float("nan"), float("inf")
+    for E in (32, 40):
+        scores = torch.randn(T, E, generator=torch.Generator().manual_seed(E))
+        scores[T - 1, 7] = 9.0  # the last token, in the short last word
+        sampled_rows = torch.arange(0, T, p.step)[: p.sample_rows]
+        scores[sampled_rows[:10], 3] = nan  # 10 NaNs: the column's best 8 are NaNs
+        scores[[5, 6, 7], 3] = inf
+        scores[sampled_rows[:5], 20] = nan  # 5 NaNs and 4 +inf: the best 8 are all 5 and 3 +inf
+        scores[[9, 99, 500, 1029], 20] = inf
+        scores = scores.to(dtype)
+        mask = torch.zeros(T, E, dtype=torch.bool)
+        tokens = torch.empty(E, m, dtype=torch.int64)
+        redo = sampled.sampled_select(scores, m, p, mask, tokens, group=16)
+        assert not redo.any(), redo
+        ref_mask, ref_tokens = reference.batchwise_mask(scores, m)
+        assert torch.equal(tokens, ref_tokens) and torch.equal(mask, ref_mask), (E, dtype)
+        assert tokens[20].tolist() == sorted(sampled_rows[:5].tolist() + [9, 99, 500])
