@@ -347,3 +347,22 @@ def test_a_cut_group_is_read_from_its_log():
     assert failed == ["python_tests/b.py::test_y[cuda:triton-1]"]
     assert left == ["python_tests/b.py::test_y", "python_tests/c.py"]  # test_x: no GPU case
     assert gpu_check.cut_group("$ pytest\n", units)[2] == units  # killed before any result
+
+
+def test_profile_pass_takes_the_missed_goals_first():
+    """The profile pass ("Where the time goes") takes the cases with a row that misses its issue-33
+    goal first, in grid order, then the others: a run cut at its limit has the bounds it needs."""
+    gpu_bench = load("gpu_bench")
+
+    def row(op, config, share):
+        return {"op": op, "config": config, "backend": "triton", "gbps": str(share * 1000), "copy_gbps": "1000"}
+
+    by_case = [
+        ("met dispatch", [row("dispatch", "fwd", 0.9)]),
+        ("missed permute", [row("permute", "fwd", 0.7)]),
+        ("no goal", [row("smooth_step", "a", 0.1)]),
+        ("one backend misses", [row("combine", "fwd", 0.95), row("combine", "fwd", 0.5)]),
+        ("no rows", []),
+    ]
+    order = [name for name, _ in gpu_bench.profile_order(by_case)]
+    assert order == ["missed permute", "one backend misses", "met dispatch", "no goal", "no rows"]
