@@ -59,7 +59,8 @@ _GATHER_NUM_WARPS = 4
 _SELECT_BLOCK = 2048
 _SELECT_RADIX_BITS = 8
 _SELECT_NUM_WARPS = 8
-# The packed value of an empty slot: below every candidate (whose low half is >= 2^31 - T > 0).
+# Below every packed candidate (whose low half is >= 2^31 - T > 0): the value of a list slot a
+# masked load does not read.
 _EMPTY = tl.constexpr(-(2**63))
 
 

@@ -468,7 +468,7 @@ def test_sampled_select_ties_and_nonfinite(kernel_backend, monkeypatch):
     scores[torch.rand(T, E, generator=g) < 0.003] = float("nan")
     scores[torch.rand(T, E, generator=g) < 0.003] = float("inf")
     # Column 4: 5 positive scores, then its m-th among 30 zeros of both signs, the rest negative.
-    scores[:, 2] = -10.0 - torch.rand(T, generator=g)  # candidates with negative keys, above _EMPTY
+    scores[:, 2] = -10.0 - torch.rand(T, generator=g)  # candidates with negative keys (packed: negative values)
     scores[:, 4] = -1.0 - torch.rand(T, generator=g)
     rows = torch.randperm(T, generator=g)
     scores[rows[:30], 4] = torch.tensor([-0.0, 0.0]).repeat(15)
@@ -544,7 +544,8 @@ def test_column_tokens_radix_select_extremes(kernel_backend):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sampled_select_row_segments_and_nan_bound(kernel_backend, dtype, monkeypatch):
     """The word pass over whole row segments: E = 32 (a program's columns exactly, so no column
-    mask) and E = 40 (a ragged column block), T = 1030 (a last word of 6 tokens; the rows past T
+    mask), E = 40 (a ragged column block) and E = 300 (several column blocks: 128 float32 or 256
+    16-bit columns a program, the last ragged), T = 1030 (a last word of 6 tokens; the rows past T
     read as row T - 1 and weigh nothing). Two columns whose sample is NaN at the bound's rank (lo
     NaN): their candidates are NaN and +inf, which the sampled path selects itself where they
     number m or more."""
@@ -557,7 +558,7 @@ def test_sampled_select_row_segments_and_nan_bound(kernel_backend, dtype, monkey
     p = sampled.plan(T, m)
     assert p is not None and p.rank <= 5
     nan, inf = float("nan"), float("inf")
-    for E in (32, 40):
+    for E in (32, 40, 300):
         scores = torch.randn(T, E, generator=torch.Generator().manual_seed(E))
         scores[T - 1, 7] = 9.0  # the last token, in the short last word
         sampled_rows = torch.arange(0, T, p.step)[: p.sample_rows]
