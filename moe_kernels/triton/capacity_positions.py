@@ -1,6 +1,6 @@
 """capacity_positions in Triton, in O(T k): the fill order cut into segments; each segment's
-per-expert counts, their sum over the segments before it (running_sums.down_columns, on the
-device), then each choice's rank = its expert's count in the segments before it plus its place
+per-expert counts, their sum over the segments before it (running_sums.exclusive_down, on the
+device, in place), then each choice's rank = its expert's count in the segments before it plus its place
 among its expert's choices in its segment. No atomics and no host sync; every choice's position is
 written once. Two ways to the place in a segment:
 - below SORTED_FROM experts, the packed scan: segments of SEGMENT choices, each expert's running
@@ -77,7 +77,7 @@ def _block_bins(experts_ptr, order_ptr, N, T, K, E, ORDER: tl.constexpr, BLOCK_N
 def block_counts_kernel(
     experts_ptr,  # [T, K] int64 contiguous, -1 = empty
     order_ptr,  # [N] int64 fill order (read if ORDER is GIVEN)
-    counts_ptr,  # [num_blocks + 1, E] int32: row b + 1 gets block b's choices per expert
+    counts_ptr,  # [num_blocks, E] int32: row b gets block b's choices per expert
     N,  # T * K
     T,
     K,
@@ -88,7 +88,7 @@ def block_counts_kernel(
 ):
     _first, _local, _ok, bins = _block_bins(experts_ptr, order_ptr, N, T, K, E, ORDER, BLOCK_N)
     e = tl.arange(0, BINS)
-    row = tl.program_id(0).to(tl.int64) + 1
+    row = tl.program_id(0).to(tl.int64)
     tl.store(counts_ptr + row * E + e, tl.histogram(bins, BINS), mask=e < E)
 
 
@@ -209,7 +209,7 @@ def _field_shift(bins):
 def packed_counts_kernel(
     experts_ptr,  # [T, K] int64 contiguous, -1 = empty
     order_ptr,  # [N] int64 fill order (read if ORDER is GIVEN)
-    counts_ptr,  # [segments + 1, E] int32: row g + 1 gets segment g's choices per expert
+    counts_ptr,  # [segments, E] int32: row g gets segment g's choices per expert
     N,  # T * K
     T,
     K,
@@ -226,7 +226,7 @@ def packed_counts_kernel(
     for w in tl.static_range(WORDS):
         total = tl.sum(_packed_one_hot(bins, w, E), axis=1)[:, None]
         counts = tl.where((e >> 3) == w, ((total >> _field_shift(e)) & 255).to(tl.int32), counts)
-    tl.store(counts_ptr + (segment + 1) * E + e, counts, mask=row_ok & (e < E))
+    tl.store(counts_ptr + segment * E + e, counts, mask=row_ok & (e < E))
 
 
 @triton.jit
@@ -340,23 +340,22 @@ def _packed_ranks(experts, order_arg, num_experts: int, capacity: int, mode: int
     rows, warps = packed_plan(k, mode)
     segments = packed_segments(T, k, mode)
     grid = (triton.cdiv(T, SEGMENT), triton.cdiv(k, rows)) if mode == S_MAJOR else (triton.cdiv(segments, rows),)
-    # Row g + 1 holds segment g's counts and row 0 zeros, so the running sum down the rows is, at
-    # row g, each expert's choices in the segments before segment g, and at the last row its total.
-    table = torch.empty((segments + 1, num_experts), dtype=torch.int32, device=experts.device)
-    table[0] = 0
+    # Row g holds segment g's counts, then (exclusive_down, in place) each expert's choices in the
+    # segments before segment g.
+    table = torch.empty((segments, num_experts), dtype=torch.int32, device=experts.device)
     words = triton.cdiv(num_experts, _FIELDS)
     packed_counts_kernel[grid](
         experts, order_arg, table, N, T, k, num_experts,
         ORDER=mode, ROWS=rows, SEG=SEGMENT, WORDS=words, BLOCK_E=triton.next_power_of_2(num_experts),
         num_warps=warps,
     )  # fmt: skip
-    table = running_sums.down_columns(table, bound=N)
+    counts = running_sums.exclusive_down(table)
     positions = torch.empty_like(experts)
     packed_positions_kernel[grid](
         experts, order_arg, table, positions, N, T, k, num_experts, capacity,
         ORDER=mode, ROWS=rows, SEG=SEGMENT, WORDS=words, num_warps=warps,
     )  # fmt: skip
-    return positions, table[-1].to(torch.int64)
+    return positions, counts
 
 
 @on_tensor_device
@@ -366,19 +365,18 @@ def _sorted_ranks(experts, order_arg, num_experts: int, capacity: int, mode: int
     N = experts.numel()
     blocks = triton.cdiv(N, BLOCK_N)
     # The table as _packed_ranks', a row a block.
-    table = torch.empty((blocks + 1, num_experts), dtype=torch.int32, device=experts.device)
-    table[0] = 0
+    table = torch.empty((blocks, num_experts), dtype=torch.int32, device=experts.device)
     block_counts_kernel[(blocks,)](
         experts, order_arg, table, N, T, k, num_experts,
         ORDER=mode, BLOCK_N=BLOCK_N, BINS=triton.next_power_of_2(num_experts + 1), num_warps=_SORTED_WARPS,
     )  # fmt: skip
-    table = running_sums.down_columns(table, bound=N)
+    counts = running_sums.exclusive_down(table)
     positions = torch.empty_like(experts)
     block_positions_kernel[(blocks,)](
         experts, order_arg, table, positions, N, T, k, num_experts, capacity,
         ORDER=mode, BLOCK_N=BLOCK_N, LOG_BLOCK_N=BLOCK_N.bit_length() - 1, num_warps=_SORTED_WARPS,
     )  # fmt: skip
-    return positions, table[-1].to(torch.int64)
+    return positions, counts
 
 
 @capacity_positions.register_fake

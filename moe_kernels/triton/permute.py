@@ -28,11 +28,9 @@ def permute(
     else:
         rank = torch.full_like(experts, -1)
         counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    offsets = counts.new_zeros(num_experts + 1)
-    torch.cumsum(counts, 0, out=offsets[1:])
     # An id outside [0, E) matches no expert's scan: dropped like an empty choice (row -1), without
     # indexing offsets out of range (docs/reliability.md).
-    row, order = expert_rows(experts, rank, offsets)
+    row, order, offsets = expert_rows(experts, rank, counts)
     return _rows.scatter_rows(x, row, order, k, None), offsets, order
 
 

@@ -4,8 +4,8 @@ fifteen for dispatch's two maps, a dozen for unpermute's backward):
 - choice_slots_kernel: each choice's kept slot e * C + p (-1 where dropped) and, for dispatch, the
   slot -> choice map;
 - inverse_map_kernel: the inverse of a map into [0, size) (unpermute's row of each choice);
-- expert_rows_kernel: permute's row of each choice, offsets[e] + its rank, and the row -> choice
-  order.
+- offsets_kernel and expert_rows_kernel: permute's offsets (the running sum of its counts), each
+  choice's row, offsets[e] + its rank, and the row -> choice order.
 An inverse is written by an integer atomic max into a map filled with -1: valid maps name each
 entry once, and where a malformed one repeats an entry (unchecked on a GPU) the largest index
 naming it wins, whatever order the programs run in, as the CPU's serial maps (their last writer,
@@ -60,16 +60,37 @@ def inverse_map_kernel(
 
 
 @triton.jit
+def offsets_kernel(
+    counts_ptr,  # [E] int64: each expert's choices
+    offsets_ptr,  # [E + 1] int64 out: offsets[e] = the choices of the experts before e
+    E,
+    BLOCK: tl.constexpr,
+):
+    """One program: the running sum of the counts, BLOCK experts a step (where torch took a fill
+    of offsets[0] and a cumsum: three launches, each a few microseconds on a GPU)."""
+    before = tl.zeros([], tl.int64)
+    tl.store(offsets_ptr, before)
+    for first in range(0, E, BLOCK):
+        e = first + tl.arange(0, BLOCK)
+        counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+        tl.store(offsets_ptr + e + 1, before + tl.cumsum(counts, axis=0), mask=e < E)
+        before += tl.sum(counts, axis=0)
+
+
+@triton.jit
 def expert_rows_kernel(
     experts_ptr,  # [N] int64
     rank_ptr,  # [N] int64: each choice's rank among its expert's choices in token order
-    offsets_ptr,  # [E + 1] int64: the first row of each expert
+    offsets_ptr,  # [E + 1] int64: the first row of each expert (offsets[E]: the rows filled)
     row_ptr,  # [N] int64 out: offsets[e] + rank of each choice with e in [0, E), -1 otherwise
-    order_ptr,  # [N] int64, filled with -1: order[row] = the choice of each row
+    order_ptr,  # [N] int64 out: order[row] = the choice of each row, -1 past offsets[E]
     N,
     E,
     BLOCK: tl.constexpr,
 ):
+    """The ranks (each below its expert's count) make the rows of the valid choices exactly
+    [0, offsets[E]), one writer each; this program also writes -1 into the entries of its own
+    range of the order that lie past them, so every entry is written once (no fill before)."""
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = j < N
     e = tl.load(experts_ptr + j, mask=ok, other=-1)
@@ -77,8 +98,10 @@ def expert_rows_kernel(
     rank = tl.load(rank_ptr + j, mask=valid, other=0)
     row = tl.where(valid, tl.load(offsets_ptr + tl.where(valid, e, 0), mask=valid, other=0) + rank, -1)
     tl.store(row_ptr + j, row, mask=ok)
-    # The ranks make the rows distinct: one writer each (the bound only guards malformed ranks).
-    tl.atomic_max(order_ptr + tl.where(valid, row, 0), j, mask=valid & (row >= 0) & (row < N), sem="relaxed")
+    filled = tl.load(offsets_ptr + E)
+    tl.store(order_ptr + j, tl.full(j.shape, -1, tl.int64), mask=ok & (j >= filled))
+    # The bound only guards malformed ranks.
+    tl.store(order_ptr + tl.where(valid, row, 0), j, mask=valid & (row >= 0) & (row < filled))
 
 
 def _filled(size: int, device) -> torch.Tensor:
@@ -129,18 +152,22 @@ def inverse_map(index: torch.Tensor, size: int) -> torch.Tensor:
 
 
 @on_tensor_device
-def expert_rows(experts: torch.Tensor, rank: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row [T * k], order [T * k]) of permute: row = offsets[e] + rank for e in [0, E) (-1 for
-    other ids), order its inverse (-1 for rows no choice fills). experts, rank: [T, k] int64;
-    offsets: [E + 1] int64."""
-    N, E = experts.numel(), offsets.numel() - 1
+def expert_rows(
+    experts: torch.Tensor, rank: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row [T * k], order [T * k], offsets [E + 1]) of permute: offsets the running sum of counts,
+    row = offsets[e] + rank for e in [0, E) (-1 for other ids), order its inverse (-1 for rows no
+    choice fills). experts, rank: [T, k] int64; counts: [E] int64, each expert's valid choices."""
+    N, E = experts.numel(), counts.numel()
+    offsets = torch.empty(E + 1, dtype=torch.int64, device=experts.device)
+    offsets_kernel[(1,)](counts.contiguous(), offsets, E, BLOCK=_BLOCK)
     row = torch.empty(N, dtype=torch.int64, device=experts.device)
-    order = _filled(N, experts.device)
+    order = torch.empty(N, dtype=torch.int64, device=experts.device)
     if N:
         expert_rows_kernel[(triton.cdiv(N, _BLOCK),)](
-            experts.contiguous(), rank.contiguous(), offsets.contiguous(), row, order, N, E, BLOCK=_BLOCK
+            experts.contiguous(), rank.contiguous(), offsets, row, order, N, E, BLOCK=_BLOCK
         )
-    return row, order[:N]
+    return row, order, offsets
 
 
 def _aot(kernel, **constexprs):
@@ -151,6 +178,9 @@ def _aot(kernel, **constexprs):
     elif kernel is inverse_map_kernel:
         pointers = ("index_ptr", "out_ptr")
         signature["SIZE"] = "i32"
+    elif kernel is offsets_kernel:
+        pointers = ("counts_ptr", "offsets_ptr")
+        signature = {"E": "i32"}
     else:
         pointers = ("experts_ptr", "rank_ptr", "offsets_ptr", "row_ptr", "order_ptr")
         signature["E"] = "i32"
@@ -164,5 +194,6 @@ AOT_KERNELS = [
     _aot(choice_slots_kernel, SOURCES=True),
     _aot(choice_slots_kernel, SOURCES=False),
     _aot(inverse_map_kernel),
+    _aot(offsets_kernel),
     _aot(expert_rows_kernel),
 ]
