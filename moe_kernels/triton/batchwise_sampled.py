@@ -354,7 +354,7 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
         scores, lo_E, words_EW, counts_EW, T, E, W, scores.stride(0), scores.stride(1),
         WORDS=words, COLS=cols, EVEN_E=E % cols == 0, ROWS=_WORD_ROWS, num_warps=_WORDS_NUM_WARPS,
     )  # fmt: skip
-    prefix_EW = running_sums.along_rows(counts_EW, bound=T * E)
+    prefix_EW = running_sums.along_rows(counts_EW)
     lists_EC = torch.empty((E, p.capacity), dtype=torch.int64, device=device)
     gather_candidates[(triton.cdiv(p.capacity, _BLOCK_C), E)](
         scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,
