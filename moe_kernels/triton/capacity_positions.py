@@ -148,7 +148,7 @@ def packed_plan(k: int, mode: int) -> tuple[int, int]:
 
 
 def packed_segments(num_tokens: int, k: int, mode: int) -> int:
-    """Segments of the fill order (rows of the count table before its zero row): S_MAJOR, a
+    """Segments of the fill order (rows of the count table): S_MAJOR, a
     segment per slot and block of SEGMENT tokens (slot-major: segment s * cdiv(T, SEGMENT) + b);
     FLAT and GIVEN, a segment per SEGMENT consecutive choices."""
     if mode == S_MAJOR:

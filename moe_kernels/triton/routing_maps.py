@@ -6,10 +6,13 @@ fifteen for dispatch's two maps, a dozen for unpermute's backward):
 - inverse_map_kernel: the inverse of a map into [0, size) (unpermute's row of each choice);
 - offsets_kernel and expert_rows_kernel: permute's offsets (the running sum of its counts), each
   choice's row, offsets[e] + its rank, and the row -> choice order.
-An inverse is written by an integer atomic max into a map filled with -1: valid maps name each
-entry once, and where a malformed one repeats an entry (unchecked on a GPU) the largest index
-naming it wins, whatever order the programs run in, as the CPU's serial maps (their last writer,
-csrc/cpu/rows/routing_rows.h `invert`). An id outside its range is dropped (docs/reliability.md).
+An inverse of a map given by the caller (dispatch's slots, unpermute's order) is written by an
+integer atomic max into a map filled with -1: valid maps name each entry once, and where a
+malformed one repeats an entry (unchecked on a GPU) the largest index naming it wins, whatever
+order the programs run in, as the CPU's serial maps (their last writer, csrc/cpu/rows/routing_rows.h
+`invert`). Permute's order is the inverse of rows built here from its own ranks, distinct by
+construction: plain stores, and -1 written past the filled rows, with no fill before. An id
+outside its range is dropped (docs/reliability.md).
 """
 
 import torch
@@ -160,7 +163,9 @@ def expert_rows(
     choice fills). experts, rank: [T, k] int64; counts: [E] int64, each expert's valid choices."""
     N, E = experts.numel(), counts.numel()
     offsets = torch.empty(E + 1, dtype=torch.int64, device=experts.device)
-    offsets_kernel[(1,)](counts.contiguous(), offsets, E, BLOCK=_BLOCK)
+    # E = 0 (the raw op only: ops.permute asks for E >= 1): the loop reads nothing, so the offsets
+    # stand in for the empty counts (a launch never gets an empty tensor's pointer).
+    offsets_kernel[(1,)](counts.contiguous() if E else offsets, offsets, E, BLOCK=_BLOCK)
     row = torch.empty(N, dtype=torch.int64, device=experts.device)
     order = torch.empty(N, dtype=torch.int64, device=experts.device)
     if N:
