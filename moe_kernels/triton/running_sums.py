@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_kernels.triton.common import on_tensor_device
+
 # A step is ROWS entries of the scanned dimension for COLUMNS of the others (64 x 32: a [128, 32]
 # tile of 64-bit addresses spilled with unit column strides), and a program takes `steps` steps
 # (a chunk), so that there are at most _MAX_CHUNKS chunks: each chunk's sum of the partials before
@@ -98,6 +100,7 @@ def column_scan_kernel(
         tl.store(totals_ptr + c, before.to(tl.int64), mask=c < C)
 
 
+@on_tensor_device
 def _down(src: torch.Tensor, dst: torch.Tensor, inclusive: bool) -> torch.Tensor:
     """dst [R, C] int32 (any strides; may be src) = the running sums of src [R, C] (int8 / int32,
     any strides) down each column; returns the columns' totals [C] int64."""

@@ -9,9 +9,13 @@ from devices import gpu_skip_reason
 from moe_kernels import backends
 from moe_kernels.triton import running_sums
 
+# Triton kernels: on CPU tensors in the interpreter pass (which selects `-m triton`), on CUDA ones
+# on a GPU.
+pytestmark = pytest.mark.triton
 GPU_SKIP = gpu_skip_reason(backends.triton_interpreting())
+CPU_SKIP = None if backends.triton_interpreting() else "Triton kernels on CPU tensors: the TRITON_INTERPRET=1 pass"
 DEVICES = [
-    "cpu",
+    pytest.param("cpu", marks=pytest.mark.skipif(CPU_SKIP is not None, reason=CPU_SKIP or "")),
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")]),
 ]
 
