@@ -44,13 +44,14 @@ _NUM_WARPS = 8
 # The chosen words: a warp reads whole row segments (512 bytes: 32 lanes of 16 bytes, up to 256
 # bf16 / 128 float32 columns) and each thread builds its columns' words from 32 rows in its own
 # registers (no shuffles, no reduction across lanes): about 0.17 warp instructions a score at sm_90
-# (bench/triton_sass.py counts the loop over a word's rows once: 0.10), where a lane holding 16
+# (bench/triton_sass.py counts the loop over a word's rows once: 0.06), where a lane holding 16
 # bytes of each of 32 rows (a word a warp reduction, and half of each 32-byte sector a load) took
-# 0.49. The rows come 16 at a time: 60 registers a thread at sm_90 as a launch specialises the
-# kernel (32 rows at once took 125, and spilled with a 64-bit row stride).
+# 0.49. The rows come 8 at a time: 50 registers a thread at sm_90 as a launch specialises the
+# kernel (32 rows at once took 125, and spilled with a 64-bit row stride; 16 spilled at sm_80
+# under triton 3.9, which held the kernel to 64 registers).
 _ROW_SEGMENT_BYTES = 512
 _WORDS_NUM_WARPS = 4
-_WORD_ROWS = 16
+_WORD_ROWS = 8
 _BLOCK_C = 256  # candidate slots a program
 _GATHER_NUM_WARPS = 4
 # A column's list, BLOCK slots a step, in each of 64 / 8 passes of the radix select (a histogram of
