@@ -80,6 +80,8 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("load_probabilities", &load_pr
 // Capacity routing (csrc/cuda/capacity_positions.cu, dispatch.cu): capacity_positions, dispatch,
 // combine and the two backward ops the autograd formulas of moe_kernels/ops call. float64 is
 // CPU-only here.
+#include <cstdlib>
+
 #include <ATen/ops/arange.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/sort.h>
@@ -89,8 +91,10 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("load_probabilities", &load_pr
 namespace moe_kernels {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& experts_in, int64_t num_experts,
-                                                          int64_t capacity, const std::optional<at::Tensor>& priority) {
+// path: a capacity_segments::Path (below).
+std::tuple<at::Tensor, at::Tensor> capacity_positions_on_path(const at::Tensor& experts_in, int64_t num_experts,
+                                                              int64_t capacity,
+                                                              const std::optional<at::Tensor>& priority, int64_t path) {
   TORCH_CHECK(experts_in.dim() == 2 && num_experts >= 1 && capacity >= 0, "capacity_positions: bad arguments");
   const c10::cuda::CUDAGuard guard(experts_in.device());
   const at::Tensor experts = experts_in.contiguous();
@@ -108,6 +112,10 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& expe
   }
   auto counts = at::empty({num_experts}, experts.options());
   at::Tensor positions;
+  const capacity_segments::Layout layout = capacity_segments::layout(T, k, order.has_value());
+  TORCH_CHECK(path == capacity_segments::kAuto || (capacity_segments::supported(num_experts, T, k) &&
+                                                    capacity_segments::path_fits((int)path, layout, num_experts)),
+              "capacity_positions: path ", path, " does not take these experts (capacity_segments::path_fits)");
   if (capacity_segments::supported(num_experts, T, k)) {
     positions = at::empty({T, k}, experts.options());
     auto table = at::empty({capacity_positions_table_size(T, k, num_experts, order.has_value())},
@@ -115,7 +123,8 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& expe
     if (T * k > 0)
       check_launch(capacity_positions_segments_cuda(experts.const_data_ptr<int64_t>(),
                                                     order ? order->const_data_ptr<int64_t>() : nullptr, T, k,
-                                                    num_experts, capacity, table.mutable_data_ptr<int32_t>(),
+                                                    num_experts, capacity, (int)path,
+                                                    table.mutable_data_ptr<int32_t>(),
                                                     positions.mutable_data_ptr<int64_t>(),
                                                     counts.mutable_data_ptr<int64_t>(),
                                                     c10::cuda::getCurrentCUDAStream()),
@@ -131,6 +140,16 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& expe
                  "capacity_positions");
   }
   return {positions, counts};
+}
+
+// MOE_KERNELS_CAPACITY_PATH, a capacity_segments::Path number, forces the kernels' path (a
+// benchmark's hook: bench/gpu_capacity_variants.py times each path; every path gives the same
+// result). A path that does not fit the call raises. Unset: the launcher's choice.
+std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& experts, int64_t num_experts,
+                                                          int64_t capacity, const std::optional<at::Tensor>& priority) {
+  const char* forced = std::getenv("MOE_KERNELS_CAPACITY_PATH");
+  const int64_t path = forced != nullptr && *forced != '\0' ? std::atoi(forced) : capacity_segments::kAuto;
+  return capacity_positions_on_path(experts, num_experts, capacity, priority, path);
 }
 
 at::Tensor dispatch_weighted(const at::Tensor& x_in, const at::Tensor& experts_in, const at::Tensor& positions_in,

@@ -1,13 +1,17 @@
 // capacity_positions on CUDA in O(T k) (the layout: moe_kernels/capacity_segments.h):
-//   1. segment_counts_kernel: each segment's choices per expert, a table row a segment;
+//   1. segment_counts_kernel or tile_counts_kernel: each segment's choices per expert, a table row
+//      a segment;
 //   2. column_partials_kernel, then column_scan_kernel: the table's exclusive sums down each
 //      column, in place (each segment's counts before it), and each expert's total;
-//   3. segment_positions_kernel: each choice's position = its expert's count before its segment
-//      plus its place in the segment.
-// A warp ranks a chunk of 32 choices at once: __match_any_sync gives each lane the lanes of its
-// expert, the lowest of them (the leader) reads and advances the expert's counter in the warp's
-// shared row, and a lane's place is the counter plus its lower peers. Chunks go in fill order,
-// so the places are in fill order. No atomics; deterministic.
+//   3. segment_positions_kernel or tile_positions_kernel: each choice's position = its expert's
+//      count before its segment plus its place in the segment.
+// A warp ranks a chunk of 32 choices at once: each lane's peers (the lanes of its expert, from
+// __match_any_sync or from one ballot a bit of the label: capacity_segments::Path), the lowest of
+// them (the leader) reads and advances the expert's counter in shared memory, and a lane's place
+// is the counter plus its lower peers. Chunks go in fill order, so the places are in fill order.
+// Deterministic: the only atomics are the tile path's counts, whose sums do not depend on order.
+// The strided path (segment_*) reads a warp's segment straight from the ids; the tile path
+// (tile_*) loads a token block's ids [128, k] rows at a time into shared memory (capacity_segments.h).
 // Past capacity_segments::supported (E > 8192, T k >= 2^31, or segments past the scan's grid),
 // one block per expert scans the whole fill order (O(E T k)). The 1024-thread kernels are bounded
 // to 64 registers a thread (sm_75 gave the scan 72 unbounded: a launch the device refuses).
@@ -28,48 +32,70 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kLoadsAhead = 8;
 static_assert(cs::kChunks % kLoadsAhead == 0, "a segment is whole batches of chunks");
 
-// The lane's choice in chunk c of segment g (-1 past the end) and its counter (-1: dropped).
-__device__ __forceinline__ void load_chunk(const cs::Layout& L, const cs::Span& span,
-                                           const int64_t* __restrict__ experts, const int64_t* __restrict__ order,
-                                           int c, int lane, int64_t E, int64_t* choice, int* bin) {
-  const int64_t j = cs::choice_at(L, span, order, c * cs::kChunk + lane);
-  *choice = j;
-  *bin = j >= 0 ? cs::bin_of(experts[j], E) : -1;
+// A chunk's peers: the lanes whose label equals this lane's.
+struct MatchPeers {
+  __device__ __forceinline__ unsigned operator()(unsigned label) const { return __match_any_sync(kFull, label); }
+};
+
+struct VotePeers {
+  int bits;  // cs::label_bits(E)
+  __device__ __forceinline__ unsigned operator()(unsigned label) const {
+    return cs::peers_by_votes(label, bits, [](int, bool set) { return __ballot_sync(kFull, set); });
+  }
+};
+
+// The lane's rank among the choices of its label so far, in fill order: its counter, advanced by
+// the leader (the lowest lane of its peers) by their number, plus its lower peers. Label 0 (no
+// expert) takes no counter; its rank means nothing.
+template <class Peers>
+__device__ __forceinline__ int rank_in_chunk(unsigned label, int* counters, const Peers& peers_of, int lane) {
+  const unsigned peers = peers_of(label);
+  const int leader = __ffs(peers) - 1;
+  int base = 0;
+  if (lane == leader && label != 0) {
+    base = counters[label - 1];
+    counters[label - 1] = base + __popc(peers);
+  }
+  base = __shfl_sync(kFull, base, leader);
+  return base + __popc(peers & ((1u << lane) - 1u));
 }
 
-// Ranks the warp's chunks of segment g in fill order against its counters `mine` [E], each
-// expert's count advanced by its choices; `place(choice, bin, rank)` gets every lane's choice.
-template <class Place>
+// The lane's choice in chunk c of segment g (-1 past the end) and its label.
+__device__ __forceinline__ void load_chunk(const cs::Layout& L, const cs::Span& span,
+                                           const int64_t* __restrict__ experts, const int64_t* __restrict__ order,
+                                           int c, int lane, int64_t E, int64_t* choice, unsigned* label) {
+  const int64_t j = cs::choice_at(L, span, order, c * cs::kChunk + lane);
+  *choice = j;
+  *label = j >= 0 ? cs::label_of(experts[j], E) : 0u;
+}
+
+// The strided path: ranks the warp's chunks of segment g in fill order against its counters
+// `mine` [E], each expert's count advanced by its choices; `place(choice, label, rank)` gets
+// every lane's choice.
+template <class Peers, class Place>
 __device__ __forceinline__ void rank_segment(const cs::Layout& L, const int64_t* __restrict__ experts,
                                              const int64_t* __restrict__ order, int64_t g, int64_t E, int* mine,
-                                             Place place) {
+                                             const Peers& peers_of, Place place) {
   const int lane = threadIdx.x % kWarp;
-  const unsigned lower = (1u << lane) - 1u;
   const cs::Span span = cs::span_of(L, g);
   for (int c0 = 0; c0 < cs::kChunks; c0 += kLoadsAhead) {
     int64_t choice[kLoadsAhead];
-    int bin[kLoadsAhead];
+    unsigned label[kLoadsAhead];
 #pragma unroll
-    for (int u = 0; u < kLoadsAhead; ++u) load_chunk(L, span, experts, order, c0 + u, lane, E, &choice[u], &bin[u]);
+    for (int u = 0; u < kLoadsAhead; ++u)
+      load_chunk(L, span, experts, order, c0 + u, lane, E, &choice[u], &label[u]);
 #pragma unroll
     for (int u = 0; u < kLoadsAhead; ++u) {
-      const unsigned peers = __match_any_sync(kFull, bin[u]);
-      const int leader = __ffs(peers) - 1;
-      int base = 0;
-      if (lane == leader && bin[u] >= 0) {
-        base = mine[bin[u]];
-        mine[bin[u]] = base + __popc(peers);
-      }
-      base = __shfl_sync(kFull, base, leader);
-      place(choice[u], bin[u], base + __popc(peers & lower));
+      place(choice[u], label[u], rank_in_chunk(label[u], mine, peers_of, lane));
       __syncwarp();  // the next chunk's leader of an expert may be another lane
     }
   }
 }
 
 // Row g of table [segments, E] int32: segment g's choices per expert.
+template <class Peers>
 __global__ void segment_counts_kernel(const int64_t* __restrict__ experts, const int64_t* __restrict__ order,
-                                      cs::Layout L, int64_t E, int32_t* __restrict__ table) {
+                                      cs::Layout L, int64_t E, Peers peers_of, int32_t* __restrict__ table) {
   extern __shared__ int counters[];  // [warps, E]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t p = (int64_t)blockIdx.x * (blockDim.x / kWarp) + warp;
@@ -78,7 +104,7 @@ __global__ void segment_counts_kernel(const int64_t* __restrict__ experts, const
   for (int64_t e = lane; e < E; e += kWarp) mine[e] = 0;
   __syncwarp();
   const int64_t g = cs::segment_of(L, p);
-  rank_segment(L, experts, order, g, E, mine, [](int64_t, int, int) {});
+  rank_segment(L, experts, order, g, E, mine, peers_of, [](int64_t, unsigned, int) {});
   for (int64_t e = lane; e < E; e += kWarp) table[g * E + e] = mine[e];
 }
 
@@ -132,9 +158,10 @@ __global__ void __launch_bounds__(cs::kScanWarps * kWarp)
 }
 
 // Every choice's position: row g of table (after the scan) seeds the warp's counters.
+template <class Peers>
 __global__ void segment_positions_kernel(const int64_t* __restrict__ experts, const int64_t* __restrict__ order,
-                                         cs::Layout L, int64_t E, int64_t C, const int32_t* __restrict__ table,
-                                         int64_t* __restrict__ positions) {
+                                         cs::Layout L, int64_t E, int64_t C, Peers peers_of,
+                                         const int32_t* __restrict__ table, int64_t* __restrict__ positions) {
   extern __shared__ int counters[];  // [warps, E]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t p = (int64_t)blockIdx.x * (blockDim.x / kWarp) + warp;
@@ -143,9 +170,89 @@ __global__ void segment_positions_kernel(const int64_t* __restrict__ experts, co
   const int64_t g = cs::segment_of(L, p);
   for (int64_t e = lane; e < E; e += kWarp) mine[e] = table[g * E + e];
   __syncwarp();
-  rank_segment(L, experts, order, g, E, mine, [&](int64_t choice, int bin, int rank) {
-    if (choice >= 0) positions[choice] = bin >= 0 ? dispatch::position_or_drop(rank, C) : -1;
+  rank_segment(L, experts, order, g, E, mine, peers_of, [&](int64_t choice, unsigned label, int rank) {
+    if (choice >= 0) positions[choice] = label != 0 ? dispatch::position_or_drop(rank, C) : -1;
   });
+}
+
+// The tile path (capacity_segments.h). Block b: token block b, every slot. The tile's ids that
+// thread `tid` takes (entries q = tid + r * threads, memory order), -1 past the choices.
+__device__ __forceinline__ void load_tile(const int64_t* __restrict__ experts, int64_t first, int64_t n, int k,
+                                          int64_t ids[cs::kMaxTileLoads]) {
+  const int entries = cs::kTileTokens * k;
+#pragma unroll
+  for (int r = 0; r < cs::kMaxTileLoads; ++r) {
+    const int q = threadIdx.x + r * blockDim.x;
+    ids[r] = q < entries && first + q < n ? experts[first + q] : -1;
+  }
+}
+
+// Rows (s, b) of the table: the block's choices per slot and expert, by shared-memory atomics.
+__global__ void tile_counts_kernel(const int64_t* __restrict__ experts, cs::Layout L, int64_t E,
+                                   int32_t* __restrict__ table) {
+  extern __shared__ int counters[];  // [k, E]
+  const int k = (int)L.k, threads = blockDim.x, tid = threadIdx.x;
+  const int64_t b = blockIdx.x, n = L.T * L.k;
+  for (int i = tid; i < k * E; i += threads) counters[i] = 0;
+  __syncthreads();
+  const int entries = cs::kTileTokens * k;
+  for (int64_t first = b * cs::kSegment * k; first < n && first < (b + 1) * cs::kSegment * k; first += entries) {
+    int64_t ids[cs::kMaxTileLoads];
+    load_tile(experts, first, n, k, ids);
+    cs::TileWalk w = cs::tile_walk(tid, threads, k);
+#pragma unroll
+    for (int r = 0; r < cs::kMaxTileLoads; ++r, cs::advance(w)) {
+      const unsigned label = cs::label_of(ids[r], E);
+      if (label != 0) atomicAdd(&counters[w.s * E + label - 1], 1);
+    }
+  }
+  __syncthreads();
+  for (int s = 0; s < k; ++s)
+    for (int64_t e = tid; e < E; e += threads) table[(s * L.token_blocks + b) * E + e] = counters[s * E + e];
+}
+
+// Every choice's position: rows (s, b) of the table (after the scan) seed slot s's counters.
+template <class Peers>
+__global__ void tile_positions_kernel(const int64_t* __restrict__ experts, cs::Layout L, int64_t E, int64_t C,
+                                      Peers peers_of, const int32_t* __restrict__ table,
+                                      int64_t* __restrict__ positions) {
+  extern __shared__ int shared[];
+  const int k = (int)L.k, threads = blockDim.x, tid = threadIdx.x;
+  int* counters = shared;          // [k, E]
+  int* labels = shared + k * E;    // [kTileTokens, tile_stride(k)]: labels, then positions in their place
+  const int warp = tid / kWarp, lane = tid % kWarp, warps = threads / kWarp;
+  const int64_t b = blockIdx.x, n = L.T * L.k;
+  for (int s = 0; s < k; ++s)
+    for (int64_t e = tid; e < E; e += threads) counters[s * E + e] = table[(s * L.token_blocks + b) * E + e];
+  const int entries = cs::kTileTokens * k;
+  const int64_t end = min(n, (b + 1) * cs::kSegment * k);
+  int64_t ids[cs::kMaxTileLoads];
+  load_tile(experts, b * cs::kSegment * k, n, k, ids);
+  for (int64_t first = b * cs::kSegment * k; first < end; first += entries) {
+    // Each thread writes and later reads back only its own entries' places: the two barriers
+    // below are all that order the table between the loading threads and the ranking warps.
+    cs::TileWalk w = cs::tile_walk(tid, threads, k);
+#pragma unroll
+    for (int r = 0; r < cs::kMaxTileLoads; ++r, cs::advance(w))
+      if (tid + r * threads < entries) labels[cs::label_index(w.t, w.s, k)] = (int)cs::label_of(ids[r], E);
+    __syncthreads();  // the tile's labels, and the counters' seeds, before the ranks
+    if (first + entries < end) load_tile(experts, first + entries, n, k, ids);  // in flight while ranking
+    for (int s = warp; s < k; s += warps)
+      for (int c = 0; c < cs::kTileTokens / cs::kChunk; ++c) {
+        const int i = cs::label_index(c * cs::kChunk + lane, s, k);
+        const unsigned label = (unsigned)labels[i];
+        const int rank = rank_in_chunk(label, counters + s * E, peers_of, lane);
+        labels[i] = label != 0 ? (int)dispatch::position_or_drop(rank, C) : -1;
+        __syncwarp();  // the next chunk's leader of an expert may be another lane
+      }
+    __syncthreads();  // the positions before the stores
+    w = cs::tile_walk(tid, threads, k);
+#pragma unroll
+    for (int r = 0; r < cs::kMaxTileLoads; ++r, cs::advance(w)) {
+      const int q = tid + r * threads;
+      if (q < entries && first + q < n) positions[first + q] = labels[cs::label_index(w.t, w.s, k)];
+    }
+  }
 }
 
 constexpr int kScanThreads = 1024;  // choices per scan step of the per-expert kernel
@@ -203,14 +310,23 @@ int64_t capacity_positions_table_size(int64_t T, int64_t k, int64_t E, bool give
 }
 
 cudaError_t capacity_positions_segments_cuda(const int64_t* experts, const int64_t* order, int64_t T, int64_t k,
-                                             int64_t E, int64_t C, int32_t* table, int64_t* positions,
+                                             int64_t E, int64_t C, int path, int32_t* table, int64_t* positions,
                                              int64_t* counts, cudaStream_t stream) {
   const cs::Layout L = cs::layout(T, k, order != nullptr);
+  if (!cs::path_fits(path, L, E)) return cudaErrorInvalidValue;
+  path = cs::resolved_path(path, L, E);
   const int64_t G = cs::segments(L);
-  const int warps = cs::warps_per_block(E);
-  const size_t shared = (size_t)warps * E * sizeof(int);
-  const unsigned blocks = (unsigned)cs::ceil_div(G, warps);
-  segment_counts_kernel<<<blocks, warps * kWarp, shared, stream>>>(experts, order, L, E, table);
+  const VotePeers votes{cs::label_bits(E)};
+  const int warps = cs::uses_tiles(path) ? cs::tile_warps(k) : cs::warps_per_block(E);
+  const unsigned blocks = (unsigned)(cs::uses_tiles(path) ? L.token_blocks : cs::ceil_div(G, warps));
+  if (cs::uses_tiles(path))
+    tile_counts_kernel<<<blocks, warps * kWarp, cs::tile_shared_bytes(k, E, false), stream>>>(experts, L, E, table);
+  else if (path == cs::kStridedVotes)
+    segment_counts_kernel<<<blocks, warps * kWarp, warps * E * sizeof(int), stream>>>(experts, order, L, E, votes,
+                                                                                      table);
+  else
+    segment_counts_kernel<<<blocks, warps * kWarp, warps * E * sizeof(int), stream>>>(experts, order, L, E,
+                                                                                      MatchPeers{}, table);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   int32_t* partials = table + G * E;
@@ -221,7 +337,23 @@ cudaError_t capacity_positions_segments_cuda(const int64_t* experts, const int64
   column_scan_kernel<<<scan_grid, cs::kScanWarps * kWarp, 0, stream>>>(table, partials, G, E, counts);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  segment_positions_kernel<<<blocks, warps * kWarp, shared, stream>>>(experts, order, L, E, C, table, positions);
+  const size_t tile_shared = cs::tile_shared_bytes(k, E, true), segment_shared = warps * E * sizeof(int);
+  switch (path) {
+    case cs::kTilesVotes:
+      tile_positions_kernel<<<blocks, warps * kWarp, tile_shared, stream>>>(experts, L, E, C, votes, table, positions);
+      break;
+    case cs::kTilesMatch:
+      tile_positions_kernel<<<blocks, warps * kWarp, tile_shared, stream>>>(experts, L, E, C, MatchPeers{}, table,
+                                                                           positions);
+      break;
+    case cs::kStridedVotes:
+      segment_positions_kernel<<<blocks, warps * kWarp, segment_shared, stream>>>(experts, order, L, E, C, votes,
+                                                                                  table, positions);
+      break;
+    default:
+      segment_positions_kernel<<<blocks, warps * kWarp, segment_shared, stream>>>(experts, order, L, E, C,
+                                                                                  MatchPeers{}, table, positions);
+  }
   return cudaGetLastError();
 }
 

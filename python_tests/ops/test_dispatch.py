@@ -184,6 +184,40 @@ def test_cuda_positions_segments_and_wide_fallback(backend, T, E, k):
             assert torch.equal(positions.cpu(), expected) and torch.equal(counts.cpu(), ref_counts), (p is None, C)
 
 
+@pytest.mark.parametrize("path", [0, 1, 2, 3], ids=["strided-match", "strided-votes", "tiles-votes", "tiles-match"])
+def test_cuda_positions_every_path(backend, path, monkeypatch):
+    """Each way of the CUDA kernels (capacity_segments::Path), forced by MOE_KERNELS_CAPACITY_PATH
+    as bench/gpu_capacity_variants.py forces it: the strided and tile paths, a chunk's peers from
+    __match_any_sync or from ballots. Several token blocks and tiles, ragged last ones, k past a
+    tile block's 8 warps (12, 16) and k E at the tile path's limit (16 x 512); a priority's order
+    takes no tile path, which raises where forced. Their layout: test_capacity_positions_cuda_emulation.py."""
+    if backend != "cuda":
+        pytest.skip("the CUDA kernels' own paths")
+    monkeypatch.setenv("MOE_KERNELS_CAPACITY_PATH", str(path))
+    for T, E, k in [(20_000, 64, 8), (5000, 256, 4), (3000, 40, 12), (2100, 512, 16), (4096, 8, 2), (2049, 255, 3)]:
+        g = torch.Generator().manual_seed(T + E + path)
+        wild = torch.randint(-1, E, (T, k), generator=g)
+        wild[::7, 0] = E + 3  # out of range: no slot, not counted
+        wild[1::9, k - 1] = E  # the ballots' label E + 1
+        kept = torch.where((wild == E + 3) | (wild == E), -1, wild)
+        ranks, ref_counts = reference.capacity_positions(kept, E, T * k)
+        for C in (0, capacity_for(T, E, k, 1.0), T * k):
+            with use(backend):
+                positions, counts = capacity_positions(wild.to(backend.device), E, C)
+            expected = torch.where(ranks < C, ranks, -1)
+            assert torch.equal(positions.cpu(), expected) and torch.equal(counts.cpu(), ref_counts), (T, E, k, C)
+    p = priorities("ties", 300, 4)
+    experts = torch.randint(0, 8, (300, 4), generator=torch.Generator().manual_seed(3))
+    with use(backend):
+        if path in (2, 3):
+            with pytest.raises(RuntimeError, match="does not take these experts"):
+                capacity_positions(experts.to(backend.device), 8, 300, priority=p.to(backend.device))
+        else:
+            positions, counts = capacity_positions(experts.to(backend.device), 8, 300, priority=p.to(backend.device))
+            ref = reference.capacity_positions(experts, 8, 300, priority=p)
+            assert torch.equal(positions.cpu(), ref[0]) and torch.equal(counts.cpu(), ref[1])
+
+
 @pytest.mark.parametrize("E", [8, 13, 16])
 def test_triton_packed_scan_full_fields(backend, E):
     """Every choice of whole 128-choice segments to one expert: its 8-bit field of the packed

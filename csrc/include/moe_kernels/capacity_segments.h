@@ -96,9 +96,99 @@ MK_HD int64_t choice_at(const Layout& L, const Span& span, const int64_t* order,
   return L.given ? order[span.first + o] : span.first + o * span.step;
 }
 
-// A choice's counter (its expert), or -1 for an empty choice and an id outside [0, E), which the
-// kernels drop (no slot, not counted: docs/reliability.md).
-MK_HD int bin_of(int64_t expert, int64_t E) { return expert >= 0 && expert < E ? (int)expert : -1; }
+// A choice's label: its expert + 1, or 0 for an empty choice and an id outside [0, E), which the
+// kernels drop (no slot, not counted: docs/reliability.md). Label l > 0 takes counter l - 1.
+MK_HD unsigned label_of(int64_t expert, int64_t E) { return expert >= 0 && expert < E ? (unsigned)expert + 1u : 0u; }
+
+// The bits that tell the labels 0..E apart (E >= 1): the bit width of E.
+MK_HD int label_bits(int64_t E) {
+  int bits = 0;
+  while (bits < 32 && (E >> bits) != 0) ++bits;
+  return bits;
+}
+
+// The lanes of a warp whose label equals this lane's, from one vote a bit: `vote(b, set)` is the
+// mask of the lanes whose label has bit b set (a __ballot_sync on the device, every lane passing
+// its own `set`). The same mask as __match_any_sync(~0u, label) for labels below 2^bits; CUB ranks
+// its radix digits this way, its comment saying match.any is the slower on a few bits.
+template <class Vote>
+MK_HD unsigned peers_by_votes(unsigned label, int bits, Vote vote) {
+  unsigned peers = 0xffffffffu;
+  for (int b = 0; b < bits; ++b) {
+    const bool set = ((label >> b) & 1u) != 0;
+    const unsigned voted = vote(b, set);
+    peers &= set ? voted : ~voted;
+  }
+  return peers;
+}
+
+// The ways the kernels run (csrc/cuda/capacity_positions.cu): the strided path (a warp a segment,
+// as above) and the tile path (below), each with a chunk's peers from __match_any_sync ("match")
+// or from votes (peers_by_votes). kAuto: the tile path with votes where it fits, else the
+// strided path with match (the one timed on the H200 at 290ae21).
+enum Path : int { kAuto = -1, kStridedMatch = 0, kStridedVotes = 1, kTilesVotes = 2, kTilesMatch = 3 };
+
+// The tile path, for the default order: a block takes a token block b and all k of its segments
+// (s, b), a warp the slots s = warp, warp + warps, ... Its threads load the block's experts
+// kTileTokens tokens at a time, the [kTileTokens, k] rows whole (a warp's load is 32 neighbouring
+// ids, where the strided path's takes one id from each of 32 rows k ids apart), into a [kTileTokens,
+// tile_stride(k)] table of labels in shared memory; the warps rank their slots' chunks from it, and
+// each position goes back into the label's place, to be stored in the loading threads' order. Its
+// counts kernel adds each label to its slot's counter with a shared-memory atomic (a count does not
+// depend on the order). Fits the default order with 2 <= k <= kMaxTileSlots and k E <= kCounters.
+constexpr int kTileTokens = 128;
+constexpr int kMaxTileSlots = 16;
+static_assert(kSegment % kTileTokens == 0 && kTileTokens % kChunk == 0, "a segment is whole tiles of chunks");
+// A thread's entries of a tile at the most: ceil(kTileTokens k / (32 min(k, kMaxWarps))), 4 below
+// kMaxWarps slots, at most k / 2 rounded up from there.
+constexpr int kMaxTileLoads = kTileTokens * kMaxTileSlots / (kChunk * kMaxWarps);
+
+MK_HD bool tiles_fit(const Layout& L, int64_t E) {
+  return !L.given && L.k >= 2 && L.k <= kMaxTileSlots && L.k * E <= kCounters;
+}
+
+MK_HD bool path_fits(int path, const Layout& L, int64_t E) {
+  if (path == kTilesVotes || path == kTilesMatch) return tiles_fit(L, E);
+  return path == kAuto || path == kStridedMatch || path == kStridedVotes;
+}
+
+MK_HD int resolved_path(int path, const Layout& L, int64_t E) {
+  return path != kAuto ? path : (tiles_fit(L, E) ? kTilesVotes : kStridedMatch);
+}
+
+MK_HD bool uses_tiles(int path) { return path == kTilesVotes || path == kTilesMatch; }
+
+// Warps a block of the tile path: one a slot up to kMaxWarps.
+MK_HD int tile_warps(int64_t k) { return (int)(k < kMaxWarps ? k : kMaxWarps); }
+
+// The label table's row stride: odd, so that a warp reading one slot of 32 tokens hits 32 banks.
+MK_HD int tile_stride(int64_t k) { return (int)(k | 1); }
+
+// Shared bytes of a tile kernel's block: the k rows of E counters, and for the positions the labels.
+MK_HD int64_t tile_shared_bytes(int64_t k, int64_t E, bool labels) {
+  return (int64_t)sizeof(int) * (k * E + (labels ? (int64_t)kTileTokens * tile_stride(k) : 0));
+}
+
+// Thread `tid` of `threads` takes a tile's entries q = tid, tid + threads, ... < kTileTokens k
+// (the tile's ids in memory order), entry q being token t = q / k and slot s = q % k of the tile.
+// TileWalk keeps (t, s) from one entry to the next without a division.
+struct TileWalk {
+  int t, s, dt, ds, k;
+};
+
+MK_HD TileWalk tile_walk(int tid, int threads, int k) { return TileWalk{tid / k, tid % k, threads / k, threads % k, k}; }
+
+MK_HD void advance(TileWalk& w) {
+  w.t += w.dt;
+  w.s += w.ds;
+  if (w.s >= w.k) {
+    w.s -= w.k;
+    ++w.t;
+  }
+}
+
+// Entry (t, s)'s place in the label table.
+MK_HD int label_index(int t, int s, int k) { return t * tile_stride(k) + s; }
 
 }  // namespace capacity_segments
 }  // namespace moe_kernels

@@ -36,11 +36,13 @@ namespace moe_kernels {
 
 // capacity_positions (csrc/cuda/capacity_positions.cu). experts / positions: [T, k] contiguous
 // int64; counts [E] int64. The segment kernels, where capacity_segments::supported(E, T k):
-// order is the fill order [T k] (flat indices t*k+s) or null for the default s-major one; table:
-// scratch of capacity_positions_table_size int32; every position is written.
+// order is the fill order [T k] (flat indices t*k+s) or null for the default s-major one; path: a
+// capacity_segments::Path (kAuto: the launcher's choice; cudaErrorInvalidValue where it does not
+// fit, capacity_segments::path_fits); table: scratch of capacity_positions_table_size int32; every
+// position is written.
 int64_t capacity_positions_table_size(int64_t T, int64_t k, int64_t E, bool given);
 cudaError_t capacity_positions_segments_cuda(const int64_t* experts, const int64_t* order, int64_t T, int64_t k,
-                                             int64_t E, int64_t C, int32_t* table, int64_t* positions,
+                                             int64_t E, int64_t C, int path, int32_t* table, int64_t* positions,
                                              int64_t* counts, cudaStream_t stream);
 // Any E and n = T k: a block per expert scans the whole fill order `order` [n]; positions [n]
 // must be prefilled with -1.
