@@ -1,6 +1,9 @@
 // CUDA implementations of the moe_kernels ops: torch tensors in, raw pointers to the launchers
 // of csrc/cuda/*.cu out. Compiled only in CUDA builds (setup.py adds -DMOE_KERNELS_CUDA); each op
 // is the same few lines: guard the device, allocate outputs, launch on the current stream.
+#include <cmath>
+#include <cstdlib>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -80,8 +83,6 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) { m.impl("load_probabilities", &load_pr
 // Capacity routing (csrc/cuda/capacity_positions.cu, dispatch.cu): capacity_positions, dispatch,
 // combine and the two backward ops the autograd formulas of moe_kernels/ops call. float64 is
 // CPU-only here.
-#include <cstdlib>
-
 #include <ATen/ops/arange.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/sort.h>
@@ -258,14 +259,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at:
   if (n == 0) return {experts, value, dist};
   auto workspace = at::empty({(int64_t)balanced_assignment_cuda_workspace(n, k, capacity)},
                              scores.options().dtype(at::kByte));
+  // MOE_KERNELS_SOLVER_EPS_DIV, a number > 0, replaces the auction's eps divisor (a benchmark's
+  // hook: bench/gpu_solver_variants.py times several; the solve is exact at every one, its
+  // iterations and passes change). Unset: the default (balanced_assignment_steps.h).
+  double eps_div = 0.0;
+  if (const char* forced = std::getenv("MOE_KERNELS_SOLVER_EPS_DIV"); forced != nullptr && *forced != '\0') {
+    char* end = nullptr;
+    eps_div = std::strtod(forced, &end);
+    TORCH_CHECK(*end == '\0' && std::isfinite(eps_div) && eps_div > 0.0,
+                "balanced_assignment: MOE_KERNELS_SOLVER_EPS_DIV must be a finite number > 0, got '", forced, "'");
+  }
   int status = kAssignmentGuard;
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  check_launch(f64 ? balanced_assignment_cuda(x.const_data_ptr<double>(), n, k, capacity, workspace.mutable_data_ptr(),
-                                              experts.mutable_data_ptr<int64_t>(), value.mutable_data_ptr<double>(),
-                                              dist.mutable_data_ptr<double>(), &status, stream)
-                   : balanced_assignment_cuda(x.const_data_ptr<float>(), n, k, capacity, workspace.mutable_data_ptr(),
-                                              experts.mutable_data_ptr<int64_t>(), value.mutable_data_ptr<double>(),
-                                              dist.mutable_data_ptr<double>(), &status, stream),
+  check_launch(f64 ? balanced_assignment_cuda(x.const_data_ptr<double>(), n, k, capacity, eps_div,
+                                              workspace.mutable_data_ptr(), experts.mutable_data_ptr<int64_t>(),
+                                              value.mutable_data_ptr<double>(), dist.mutable_data_ptr<double>(),
+                                              &status, stream)
+                   : balanced_assignment_cuda(x.const_data_ptr<float>(), n, k, capacity, eps_div,
+                                              workspace.mutable_data_ptr(), experts.mutable_data_ptr<int64_t>(),
+                                              value.mutable_data_ptr<double>(), dist.mutable_data_ptr<double>(),
+                                              &status, stream),
                "balanced_assignment");
   TORCH_CHECK_VALUE(status != kAssignmentOverflow,
                     "balanced_assignment: the CUDA solver's auction prices overflowed float64 on these scores "

@@ -219,14 +219,14 @@ __global__ void __launch_bounds__(kSolverThreads, 1) finish_kernel(ba::Problem<s
 }
 
 template <typename scalar_t>
-cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity, void* workspace, int64_t* experts,
-                  double* value, double* distances, int* status, cudaStream_t stream) {
+cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity, double eps_div, void* workspace,
+                  int64_t* experts, double* value, double* distances, int* status, cudaStream_t stream) {
   *status = kAssignmentGuard;
   if (n == 0) {
     *status = kAssignmentSolved;
     return cudaSuccess;
   }
-  const ba::Problem<scalar_t> P{scores, n, k, capacity};
+  const ba::Problem<scalar_t> P{scores, n, k, capacity, eps_div > 0.0 ? eps_div : ba::kDeviceEpsDiv};
   ba::Workspace W;
   ba::workspace_layout(n, k, capacity, workspace, &W);
   const bool shared_prices = k * (int64_t)sizeof(double) <= kSharedPricesBytes;
@@ -275,16 +275,16 @@ size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity
   return ba::workspace_layout(n, k, capacity, nullptr, nullptr);
 }
 
-cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, int* status,
+cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, double eps_div,
+                                     void* workspace, int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream) {
-  return solve(scores, n, k, capacity, workspace, experts, value, distances, status, stream);
+  return solve(scores, n, k, capacity, eps_div, workspace, experts, value, distances, status, stream);
 }
 
-cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, int* status,
+cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, double eps_div,
+                                     void* workspace, int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream) {
-  return solve(scores, n, k, capacity, workspace, experts, value, distances, status, stream);
+  return solve(scores, n, k, capacity, eps_div, workspace, experts, value, distances, status, stream);
 }
 
 }  // namespace moe_kernels

@@ -38,15 +38,18 @@ def emulator(tmp_path_factory):
     return host_emulation.build("balanced_assignment_cuda", tmp_path_factory.mktemp("emulate"), shared=False)
 
 
-def emulate_raw(exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0) -> bytes:
-    """The emulator's output file for one run (its layout: emulate/balanced_assignment_cuda.cpp)."""
+def emulate_raw(
+    exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0, eps_div=0
+) -> bytes:
+    """The emulator's output file for one run (its layout: emulate/balanced_assignment_cuda.cpp);
+    eps_div: the auction's eps divisor (Problem::eps_div, MOE_KERNELS_SOLVER_EPS_DIV's), 0 the default."""
     n, k = scores.shape
     x = scores.numpy()
     f64 = x.dtype == np.float64
     path = exe.parent / "in.bin"
     result = exe.parent / "out.bin"
     with open(path, "wb") as f:
-        np.array([n, k, capacity, int(f64), width, order, seed], dtype=np.int64).tofile(f)
+        np.array([n, k, capacity, int(f64), width, order, seed, eps_div], dtype=np.int64).tofile(f)
         x.astype(np.float64 if f64 else np.float32).tofile(f)
     out = subprocess.run([str(exe), str(path), str(result)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -59,14 +62,22 @@ def header(raw: bytes) -> dict:
 
 
 def emulate(
-    exe, scores: torch.Tensor, capacity: int, width=DEVICE_WIDTH, order=FORWARDS, seed=0, restarted=False, counts=False
+    exe,
+    scores: torch.Tensor,
+    capacity: int,
+    width=DEVICE_WIDTH,
+    order=FORWARDS,
+    seed=0,
+    restarted=False,
+    counts=False,
+    eps_div=0,
 ):
     """Runs the device algorithm on the host. Returns (experts [n] int64, value float,
     distances [k, k] float64, rounds, auction iterations), with `restarted` then whether the
     auction restarted from the column means, and with `counts` then the header's counts as a
     dict (HEAD_FIELDS: bids the experts took, heap steps, ...)."""
     n, k = scores.shape
-    raw = emulate_raw(exe, scores, capacity, width, order, seed)
+    raw = emulate_raw(exe, scores, capacity, width, order, seed, eps_div)
     head = header(raw)
     converged, failed = head["converged"], head["failed"]
     assert converged == 1, f"the solve failed (kFailed = {failed}: 1 a guard tripped, 2 a token without a finite bid)"
@@ -99,6 +110,22 @@ def test_optimal_on_many_random_instances(emulator, kind):
         scores = instance(100 + t, n, k, kind)
         experts, value, _, _, _ = emulate(emulator, scores, capacity, width=(1, 7, 256)[t % 3], order=t % 3, seed=t)
         check_optimal(scores, capacity, experts, value)
+
+
+@pytest.mark.parametrize("eps_div", [512, 4096, 32768, 262144])
+def test_optimal_at_every_eps_divisor(emulator, eps_div):
+    """The auction's eps divisor (MOE_KERNELS_SOLVER_EPS_DIV, which bench/gpu_solver_variants.py
+    sweeps on a GPU) moves work between the auction and the cycle-cancelling passes; the solve is
+    exact at each: randn, tied integers and free slots, against scipy. A larger divisor (a finer
+    eps) takes more bidding iterations on randn here, and fewer passes."""
+    iterations, passes = 0, 0
+    for t, (n, k, slack, kind) in enumerate([(300, 16, 0, "randn"), (257, 8, 1, "integer"), (200, 12, 3, "randn")]):
+        scores = instance(500 + t, n, k, kind)
+        capacity = math.ceil(n / k) + slack
+        experts, value, _, rounds, its = emulate(emulator, scores, capacity, order=SHUFFLED, seed=t, eps_div=eps_div)
+        check_optimal(scores, capacity, experts, value)
+        iterations, passes = iterations + its, passes + rounds
+    assert iterations > 0 and passes >= 3
 
 
 @pytest.mark.parametrize("n,k,capacity", [s for s in ASSIGNMENT_SHAPES if s[0] > 0])  # n = 0 never reaches the launcher

@@ -50,7 +50,9 @@ namespace balanced_assignment {
 // price wars on tied scores: 39k-82k bidding iterations and 5-11 million bids on integer scores
 // in {0, 1, 2} at (8192, 64) and (16384, 128), where this one takes 17-28 iterations. Chosen by
 // the host emulation's counts of iterations and cycle-cancelling passes, not by a GPU's times:
-// a larger eps takes fewer iterations and more passes (spread / 4096: 4-12 passes on randn).
+// a larger eps takes fewer iterations and more passes (spread / 4096: 4-12 passes on randn). A
+// Problem's eps_div replaces it (MOE_KERNELS_SOLVER_EPS_DIV: bench/gpu_solver_variants.py times
+// several divisors on a GPU; the solve is exact at every one).
 #ifndef MK_DEVICE_EPS_DIV  // a compile-time override for the emulation's sweeps of the schedule
 #define MK_DEVICE_EPS_DIV 32768.0
 #endif
@@ -93,6 +95,7 @@ template <typename scalar_t>
 struct Problem {
   const scalar_t* s;  // [n, k] contiguous scores (float or double)
   int64_t n, k, capacity;
+  double eps_div = kDeviceEpsDiv;  // the auction's eps = spread / eps_div (> 0)
 };
 
 // Device scratch, carved from one allocation by workspace_layout. N = k + 1 nodes (the free-slot
@@ -255,7 +258,7 @@ MK_HD_STEP void score_stats(const Exec& ex, const Problem<scalar_t>& P, const Wo
 template <class Exec, typename scalar_t>
 MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W) {
   const int64_t n = P.n, k = P.k, capacity = P.capacity;
-  const double eps = auction_epsilon(W.reals[kSpread] / kDeviceEpsDiv, W.reals[kTol]);
+  const double eps = auction_epsilon(W.reals[kSpread] / P.eps_div, W.reals[kTol]);
   const bool row_constant = W.ints[kConstRows] != 0;
   if (row_constant) ex.for_each(n, [&](int64_t i) { W.z[i] = (int32_t)(i / capacity); });
   for (int attempt = 0; attempt < 2 && !row_constant; ++attempt) {

@@ -76,12 +76,13 @@ namespace moe_kernels {
 // finite bid (the auction's prices overflowed: float64 scores near the float64 limit),
 // kAssignmentGuard where a guard tripped (the auction's iterations or the round cap: a bug).
 enum AssignmentStatus : int { kAssignmentSolved = 0, kAssignmentGuard = 1, kAssignmentOverflow = 2 };
+// eps_div: the auction's eps = spread / eps_div; 0 for the default (balanced_assignment_steps.h).
 size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity);
-cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, int* status,
+cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, double eps_div,
+                                     void* workspace, int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream);
-cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, void* workspace,
-                                     int64_t* experts, double* value, double* distances, int* status,
+cudaError_t balanced_assignment_cuda(const double* scores, int64_t n, int64_t k, int64_t capacity, double eps_div,
+                                     void* workspace, int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream);
 
 }  // namespace moe_kernels

@@ -86,12 +86,13 @@ struct HostExec {
 };
 
 template <typename scalar_t>
-int run(FILE* in, FILE* out, int64_t n, int64_t k, int64_t capacity, int64_t width, int order, uint64_t seed) {
+int run(FILE* in, FILE* out, int64_t n, int64_t k, int64_t capacity, int64_t width, int order, uint64_t seed,
+        int64_t eps_div) {
   std::vector<scalar_t> s(n * k);
   if (fread(s.data(), sizeof(scalar_t), s.size(), in) != s.size()) return 2;
   std::mt19937_64 rng(seed);
   const HostExec ex{width, order, &rng};
-  const ba::Problem<scalar_t> P{s.data(), n, k, capacity};
+  const ba::Problem<scalar_t> P{s.data(), n, k, capacity, eps_div > 0 ? (double)eps_div : ba::kDeviceEpsDiv};
   ba::Workspace W;
   std::vector<double> buffer(ba::workspace_layout(n, k, capacity, nullptr, nullptr) / sizeof(double) + 2);
   ba::workspace_layout(n, k, capacity, buffer.data(), &W);
@@ -127,10 +128,10 @@ int main(int argc, char** argv) {
   FILE* in = fopen(argv[1], "rb");
   FILE* out = fopen(argv[2], "wb");
   if (in == nullptr || out == nullptr) return 1;
-  int64_t h[7];
-  if (fread(h, sizeof(int64_t), 7, in) != 7) return 2;
-  const int rc = h[3] ? run<double>(in, out, h[0], h[1], h[2], h[4], (int)h[5], (uint64_t)h[6])
-                      : run<float>(in, out, h[0], h[1], h[2], h[4], (int)h[5], (uint64_t)h[6]);
+  int64_t h[8];  // n, k, capacity, float64, width, order, seed, eps_div (0: the default)
+  if (fread(h, sizeof(int64_t), 8, in) != 8) return 2;
+  const int rc = h[3] ? run<double>(in, out, h[0], h[1], h[2], h[4], (int)h[5], (uint64_t)h[6], h[7])
+                      : run<float>(in, out, h[0], h[1], h[2], h[4], (int)h[5], (uint64_t)h[6], h[7]);
   fclose(in);
   fclose(out);
   return rc;
