@@ -13,9 +13,13 @@ solve is exact at every divisor; the host emulation counts, at bench/gpu_bench.p
 What an iteration and a pass cost on a GPU decides the divisor: this times the solve at each of
 DIVISORS (forced by MOE_KERNELS_SOLVER_EPS_DIV), and the CPU solver on the same machine, at
 gpu_bench's shapes. Each row: the solve's time (eager calls between two events: it reads its done
-flag on the host, so no CUDA graph), the CPU solver's time over it, and whether the objective
-equals the CPU solver's (each is exactly optimal). A divisor whose objective differs is listed
-under the table (and the exit status is 1). Each line is printed as it comes.
+flag on the host, so no CUDA graph), the CPU solver's time over it, whether the objective equals
+the CPU solver's (each is exactly optimal), and from one more solve with MOE_KERNELS_SOLVER_PROFILE=1
+(csrc/cuda_ops.cpp's line on stderr, read here) its bidding iterations and passes and where its
+device time went: the auction kernel (of it the iterations' bids and their taking), the passes'
+cancel_cycles kernels and their move_costs kernels (the leader thread's clock, at the device's
+clock rate). A divisor whose objective differs is listed under the table (and the exit status is
+1). Each line is printed as it comes.
 
     python3 bench/gpu_solver_variants.py [--out FILE.md]
     python3 bench/gpu_solver_variants.py --smoke   # the CPU solver on a small shape, no device rows
@@ -25,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -52,8 +58,9 @@ def run(shapes, timed: bool) -> tuple[list[str], bool]:
         f"CUDA balanced_assignment by the auction's eps divisor ({device_name}), randn scores (seeds n + k), "
         f"against the CPU solver on {os.cpu_count()} cores",
         "",
-        "| n | k | divisor | ms | x the CPU solver | objective |",
-        "|---|---|---|---|---|---|",
+        "| n | k | divisor | ms | x the CPU solver | objective | iterations | passes | auction ms (bids, take) |"
+        " passes ms | moves ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     disagreements: list[str] = []
     for n, k in shapes:
@@ -61,7 +68,7 @@ def run(shapes, timed: bool) -> tuple[list[str], bool]:
         with moe_kernels.use_backend("cpu"):
             _, cpu_value, _ = K.balanced_assignment(scores, return_distances=True)
             cpu_s = statistics.median(timing.timeit(lambda scores=scores: K.balanced_assignment(scores), reps=5))
-        lines.append(f"| {n} | {k} | CPU solver | {cpu_s * 1e3:.3f} | 1.00 | - |")
+        lines.append(f"| {n} | {k} | CPU solver | {cpu_s * 1e3:.3f} | 1.00 | - | - | - | - | - | - |")
         if not timed:
             continue
         on_device = scores.cuda()
@@ -71,6 +78,7 @@ def run(shapes, timed: bool) -> tuple[list[str], bool]:
                 with moe_kernels.use_backend("cuda"):
                     _, value, _ = K.balanced_assignment(on_device, return_distances=True)
                     seconds = time_gpu(lambda: K.balanced_assignment(on_device), graph=False)[0]
+                    profile = solver_profile(lambda: K.balanced_assignment(on_device))
             finally:
                 del os.environ[_FORCE]
             gap = abs(float(value) - float(cpu_value))
@@ -78,13 +86,46 @@ def run(shapes, timed: bool) -> tuple[list[str], bool]:
             if not agree:
                 disagreements.append(f"- n = {n}, k = {k}, divisor {divisor}: objective off by {gap:.3g}")
             mark = " (default)" if divisor == DIVISORS[0] else ""
+            counts = "- | - | - | - | -"
+            if profile:
+                counts = (
+                    f"{profile['iterations']} | {profile['passes']} | {profile['auction']} ({profile['bids']}, "
+                    f"{profile['take']}) | {profile['pass_ms']} | {profile['moves']}"
+                )
             lines.append(
                 f"| {n} | {k} | {divisor}{mark} | {seconds * 1e3:.3f} | {cpu_s / seconds:.2f} | "
-                f"{'equal' if agree else f'differs by {gap:.3g}'} |"
+                f"{'equal' if agree else f'differs by {gap:.3g}'} | {counts} |"
             )
     if disagreements:
         lines += ["", "## Divisors whose objective differs from the CPU solver's", "", *disagreements]
     return lines, not disagreements
+
+
+_PROFILE = re.compile(
+    r"iterations=(?P<iterations>\d+) .*passes=(?P<passes>\d+) .*auction (?P<auction>[\d.]+) \(bids (?P<bids>[\d.]+), "
+    r"grouping [\d.]+, take (?P<take>[\d.]+)\), passes (?P<pass_ms>[\d.]+), moves (?P<moves>[\d.]+)"
+)
+
+
+def solver_profile(solve) -> dict[str, str]:
+    """The fields of the profile line (MOE_KERNELS_SOLVER_PROFILE) that one call of `solve` writes
+    to the process's stderr (by the C++ glue, so read from file descriptor 2); {} if none."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        os.environ["MOE_KERNELS_SOLVER_PROFILE"] = "1"
+        try:
+            solve()
+            torch.cuda.synchronize()
+        finally:
+            del os.environ["MOE_KERNELS_SOLVER_PROFILE"]
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        text = captured.read().decode(errors="replace")
+    match = _PROFILE.search(text)
+    return match.groupdict() if match else {}
 
 
 def main(argv=None) -> int:

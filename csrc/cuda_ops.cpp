@@ -2,6 +2,7 @@
 // of csrc/cuda/*.cu out. Compiled only in CUDA builds (setup.py adds -DMOE_KERNELS_CUDA); each op
 // is the same few lines: guard the device, allocate outputs, launch on the current stream.
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 #include <ATen/core/Tensor.h>
@@ -233,11 +234,36 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
 
 }  // namespace moe_kernels
 
+#include "moe_kernels/balanced_assignment_steps.h"
+
 // Exact balanced assignment (csrc/cuda/balanced_assignment.cu). float16 / bfloat16 scores are
 // solved in float32 (exact), as on the CPU. Synchronises the stream (the finiteness check, the
 // solver's done flag).
 namespace moe_kernels {
 namespace {
+
+// MOE_KERNELS_SOLVER_PROFILE=1: after each solve, one line on stderr with the solve's counts and
+// where its device time went (the leader thread's clock cycles by part, balanced_assignment::Clock,
+// at the device's clock rate): a diagnosis for bench/gpu_solver_variants.py, which reads it.
+void print_solver_profile(void* workspace, int64_t n, int64_t k, int64_t capacity, double eps_div,
+                          cudaStream_t stream) {
+  namespace ba = balanced_assignment;
+  int64_t f[kBalancedProfileFields];
+  check_launch(balanced_assignment_cuda_profile(workspace, n, k, capacity, f, stream), "balanced_assignment");
+  const int64_t* ints = f;
+  const int64_t* clocks = f + ba::kNumInts;
+  const double khz = (double)f[kBalancedProfileFields - 1];
+  const auto ms = [&](int slot) { return khz > 0 ? (double)clocks[slot] / khz : 0.0; };
+  std::fprintf(stderr,
+               "moe_kernels balanced_assignment profile: n=%lld k=%lld capacity=%lld eps_div=%g iterations=%lld "
+               "few=%lld restarted=%lld passes=%lld const_rows=%lld | ms at %.0f MHz: auction %.4f (bids %.4f, "
+               "grouping %.4f, take %.4f), passes %.4f, moves %.4f\n",
+               (long long)n, (long long)k, (long long)capacity, eps_div > 0.0 ? eps_div : ba::kDeviceEpsDiv,
+               (long long)ints[ba::kIterations], (long long)ints[ba::kFewIterations], (long long)ints[ba::kRestarted],
+               (long long)ints[ba::kPasses], (long long)ints[ba::kConstRows], khz / 1e3, ms(ba::kClockAuction),
+               ms(ba::kClockBids), ms(ba::kClockGroup), ms(ba::kClockTake), ms(ba::kClockPasses), ms(ba::kClockMoves));
+  std::fflush(stderr);
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at::Tensor& scores, int64_t capacity) {
   TORCH_CHECK(scores.dim() == 2 && scores.size(1) >= 1 && capacity >= 1 &&
@@ -285,6 +311,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at:
                     "(values near the float64 limit); scale them down, or solve them on the CPU");
   TORCH_CHECK(status == kAssignmentSolved,
               "balanced_assignment: the CUDA solver hit a guard (auction iterations or rounds); a bug");
+  if (const char* want = std::getenv("MOE_KERNELS_SOLVER_PROFILE"); want != nullptr && *want != '\0' && *want != '0')
+    print_solver_profile(workspace.mutable_data_ptr(), n, k, capacity, eps_div, stream);
   return {experts, value, dist};
 }
 

@@ -40,6 +40,7 @@ constexpr int kFirstBatch = 4, kMaxBatch = 64;
 constexpr int64_t kSharedPricesBytes = 32 * 1024;
 // A guard against a solver bug, far above any count seen.
 constexpr int64_t kMaxRounds = int64_t(1) << 16;
+static_assert(kBalancedProfileFields == ba::kNumInts + ba::kNumClocks + 1, "the profile's fields (cuda_launchers.h)");
 
 // The Exec of balanced_assignment_steps.h for one CUDA block. `red` and `scan` point to shared
 // memory of the kernel.
@@ -49,6 +50,7 @@ struct BlockExec {
 
   __device__ int64_t threads() const { return blockDim.x; }
   __device__ bool leader() const { return threadIdx.x == 0; }
+  __device__ int64_t clock() const { return clock64(); }
   __device__ void barrier() const { __syncthreads(); }
   __device__ bool any(bool v) const { return __syncthreads_or(v) != 0; }
   __device__ int32_t atomic_add(int32_t* p, int32_t v) const { return atomicAdd(p, v); }
@@ -155,6 +157,7 @@ struct BlockExec {
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSolverThreads, 1)
     auction_kernel(ba::Problem<scalar_t> P, ba::Workspace W, bool shared_prices) {
+  const int64_t started = clock64();
   MK_BLOCK_EXEC;
   extern __shared__ double prices_shared[];  // [k] if shared_prices
   __shared__ int32_t ints_shared[ba::kNumInts];
@@ -169,14 +172,19 @@ __global__ void __launch_bounds__(kSolverThreads, 1)
   ba::auction(ex, P, local);
   __syncthreads();
   for (int64_t f = threadIdx.x; f < ba::kNumInts; f += blockDim.x) W.ints[f] = ints_shared[f];
+  if (threadIdx.x == 0) W.clocks[ba::kClockAuction] = clock64() - started;
 }
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kMoveThreads, 1) move_costs_kernel(ba::Problem<scalar_t> P, ba::Workspace W) {
+  const int64_t started = clock64();
   MK_BLOCK_EXEC;
   __shared__ double part_cost[kMoveThreads];
   __shared__ int32_t part_token[kMoveThreads];
   ba::move_costs_row(ex, P, W, blockIdx.x, part_cost, part_token);
+  if (threadIdx.x == 0)  // the round's longest block; the pass after it adds it up
+    atomicMax(reinterpret_cast<unsigned long long*>(W.clocks + ba::kClockMovesRound),
+              (unsigned long long)(clock64() - started));
 }
 
 // The Floyd-Warshall state of a pass for up to N nodes, one block of bytes: dist [N, N], col and
@@ -204,10 +212,19 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kSolverThreads, 1)
     cancel_cycles_kernel(ba::Problem<scalar_t> P, ba::Workspace W, double* __restrict__ distances,  // [k, k]
                          bool shared_graph) {
+  const int64_t started = clock64();
   MK_BLOCK_EXEC;
   extern __shared__ double graph_shared[];
   if (shared_graph) graph_layout(P.k + 1, reinterpret_cast<char*>(graph_shared), &W);
+  const bool done = W.ints[ba::kDone] != 0;
   ba::cancel_cycles(ex, P, W, distances);
+  if (threadIdx.x == 0) {
+    if (!done) {
+      W.clocks[ba::kClockPasses] += clock64() - started;
+      W.clocks[ba::kClockMoves] += W.clocks[ba::kClockMovesRound];
+    }
+    W.clocks[ba::kClockMovesRound] = 0;
+  }
 }
 
 template <typename scalar_t>
@@ -273,6 +290,25 @@ cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity
 
 size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity) {
   return ba::workspace_layout(n, k, capacity, nullptr, nullptr);
+}
+
+cudaError_t balanced_assignment_cuda_profile(void* workspace, int64_t n, int64_t k, int64_t capacity,
+                                             int64_t* profile, cudaStream_t stream) {
+  ba::Workspace W;
+  ba::workspace_layout(n, k, capacity, workspace, &W);
+  int32_t ints[ba::kNumInts];
+  cudaError_t err = cudaMemcpyAsync(ints, W.ints, sizeof(ints), cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess)
+    err = cudaMemcpyAsync(profile + ba::kNumInts, W.clocks, sizeof(int64_t) * ba::kNumClocks, cudaMemcpyDeviceToHost,
+                          stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  if (err != cudaSuccess) return err;
+  for (int f = 0; f < ba::kNumInts; ++f) profile[f] = ints[f];
+  int device = 0, khz = 0;
+  err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
+  profile[ba::kNumInts + ba::kNumClocks] = khz;
+  return err;
 }
 
 cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, double eps_div,

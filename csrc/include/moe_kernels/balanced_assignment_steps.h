@@ -13,6 +13,7 @@
 //   any(bool) / reduce_min(double) / reduce_max(double) / reduce_sum(double)
 //                               block-wide; every thread gets the result; include barriers
 //   atomic_add(int32_t* p, v)   returns the old value
+//   clock()                     the calling thread's clock cycles (a profile's; the host's: 0)
 //   exclusive_scan(in, out, n)  out[0..n] = exclusive prefix sums of in[0..n), out[n] = total;
 //                               ends with a barrier
 //   for_each_top2(groups, lanes, partial, out)
@@ -88,7 +89,24 @@ enum Int : int {
   kIterations = 6,  // auction: bidding iterations over both attempts (for the emulation's report)
   kRestarted = 7,   // auction: 1 if it restarted from the column means (for the emulation)
   kConstRows = 8,   // 1 if every row of the scores is constant and finite: the auction is skipped
-  kNumInts = 9
+  kFewIterations = 9,  // auction: its iterations of at most kFewBids bidders
+  kPasses = 10,        // cycle-cancelling passes run (the rounds after the done flag return at once)
+  kNumInts = 11
+};
+// Slots of Workspace::clocks: the leader's clock cycles (Exec::clock) in each part of the solve,
+// for MOE_KERNELS_SOLVER_PROFILE (csrc/cuda_ops.cpp prints them). Between two barriers the
+// leader's cycles are the block's. The bidding iterations: their bids (from the iteration's
+// start to the barrier after the bids), the grouping of many bids by expert, the experts taking
+// their bids and the queue's turn (to the iteration's last barrier). The host's clock is 0.
+enum Clock : int {
+  kClockAuction = 0,  // auction_kernel, whole
+  kClockBids = 1,
+  kClockGroup = 2,
+  kClockTake = 3,
+  kClockPasses = 4,      // cancel_cycles_kernel, every pass that ran
+  kClockMoves = 5,       // move_costs_kernel's longest block, every round whose pass ran
+  kClockMovesRound = 6,  // scratch: this round's longest move_costs block
+  kNumClocks = 7
 };
 
 template <typename scalar_t>
@@ -103,6 +121,7 @@ struct Problem {
 struct Workspace {
   double* reals;        // [kNumReals]
   int32_t* ints;        // [kNumInts]
+  int64_t* clocks;      // [kNumClocks]
   double* prices;       // [k] auction prices, carried across phases
   double* means;        // [k] column means of the scores: the restart's prices
   int32_t* z;           // [n] expert of each token (-1: unassigned during the auction)
@@ -150,6 +169,7 @@ inline size_t workspace_layout(int64_t n, int64_t k, int64_t capacity, void* bas
   Workspace& W = ws != nullptr ? *ws : local;
   take(W.reals, kNumReals);
   take(W.ints, kNumInts);
+  take(W.clocks, kNumClocks);
   take(W.prices, k);
   take(W.means, k);
   take(W.z, n);
@@ -232,6 +252,7 @@ MK_HD_STEP void score_stats(const Exec& ex, const Problem<scalar_t>& P, const Wo
     W.reals[kSpread] = spread;
     W.reals[kTol] = cycle_tolerance(amax);
     for (int f = 0; f < kNumInts; ++f) W.ints[f] = 0;
+    for (int f = 0; f < kNumClocks; ++f) W.clocks[f] = 0;
     W.ints[kConstRows] = !varies;
   }
   ex.for_each(P.k, [&](int64_t j) { W.prices[j] = 0.0; });
@@ -261,6 +282,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
   const double eps = auction_epsilon(W.reals[kSpread] / P.eps_div, W.reals[kTol]);
   const bool row_constant = W.ints[kConstRows] != 0;
   if (row_constant) ex.for_each(n, [&](int64_t i) { W.z[i] = (int32_t)(i / capacity); });
+  int64_t bid_cycles = 0, group_cycles = 0, take_cycles = 0;  // the leader's: kClockBids, ...
   for (int attempt = 0; attempt < 2 && !row_constant; ++attempt) {
     if (attempt == 1) ex.for_each(k, [&](int64_t j) { W.prices[j] = W.means[j]; });
     int32_t* queue = W.queue[0];
@@ -310,6 +332,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
         return;
       }
       bids_made += queued;
+      const int64_t started = ex.clock();
       // Few bidders: each expert finds its bids in the whole list; else they are grouped by expert.
       const bool few = queued <= kFewBids;
       if (!few) {
@@ -333,6 +356,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
             if (!few) ex.atomic_add(&W.count[t.j1], 1);
           });
       ex.barrier();
+      const int64_t after_bids = ex.clock();
       if (W.ints[kFailed]) {  // read by every thread after the barrier: all of them return
         ex.barrier();
         if (ex.leader()) W.ints[kDone] = 1;
@@ -347,6 +371,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
         ex.for_each(queued, [&](int64_t q) { W.bucket[ex.atomic_add(&W.cursor[W.target[q]], 1)] = (int32_t)q; });
         ex.barrier();
       }
+      const int64_t after_grouping = ex.clock();
       // Every expert takes its bids: one joins the heap of holders while the expert has room;
       // then of the capacity + 1 bids the worst (holder_worse) leaves for the next queue: the
       // bidder itself, untouched heap, when it is worse than the worst holder, else the worst
@@ -391,12 +416,22 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
       if (ex.leader()) {
         W.ints[kQueued] = W.ints[kNextQueued];
         W.ints[kIterations] += 1;
+        W.ints[kFewIterations] += few;
       }
       ex.barrier();
+      const int64_t after_take = ex.clock();
+      bid_cycles += after_bids - started;
+      group_cycles += after_grouping - after_bids;
+      take_cycles += after_take - after_grouping;
     }
     // Every thread has read kQueued before the leader sets it for the restart.
     ex.barrier();
     if (!over_budget) break;
+  }
+  if (ex.leader()) {
+    W.clocks[kClockBids] = bid_cycles;
+    W.clocks[kClockGroup] = group_cycles;
+    W.clocks[kClockTake] = take_cycles;
   }
   group_tokens(ex, P, W);
   ex.for_each(k, [&](int64_t j) { W.dirty[j] = 1; });
@@ -474,6 +509,7 @@ MK_HD_STEP void move_costs_row(const Exec& ex, const Problem<scalar_t>& P, const
 template <class Exec, typename scalar_t>
 MK_HD_STEP void cancel_cycles(const Exec& ex, const Problem<scalar_t>& P, const Workspace& W, double* distances) {
   if (W.ints[kDone]) return;
+  if (ex.leader()) W.ints[kPasses] += 1;  // read by no thread of this pass
   const int64_t k = P.k, N = P.n < P.capacity * k ? k + 1 : k;
   const double tol = W.reals[kTol];
   ex.for_each(N * N, [&](int64_t c) {

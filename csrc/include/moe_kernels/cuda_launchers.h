@@ -78,6 +78,12 @@ namespace moe_kernels {
 enum AssignmentStatus : int { kAssignmentSolved = 0, kAssignmentGuard = 1, kAssignmentOverflow = 2 };
 // eps_div: the auction's eps = spread / eps_div; 0 for the default (balanced_assignment_steps.h).
 size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity);
+// After a solve on `workspace`: profile [kBalancedProfileFields] = its ints (balanced_assignment::Int
+// slots, kNumInts), its clocks (balanced_assignment::Clock slots, kNumClocks) and the device's clock
+// rate in kHz (balanced_assignment.cu checks the count).
+constexpr int kBalancedProfileFields = 11 + 7 + 1;
+cudaError_t balanced_assignment_cuda_profile(void* workspace, int64_t n, int64_t k, int64_t capacity,
+                                             int64_t* profile, cudaStream_t stream);
 cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, double eps_div,
                                      void* workspace, int64_t* experts, double* value, double* distances, int* status,
                                      cudaStream_t stream);

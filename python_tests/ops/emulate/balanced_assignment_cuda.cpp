@@ -41,6 +41,7 @@ struct HostExec {
   int64_t threads() const { return width; }
   bool leader() const { return true; }
   void barrier() const {}
+  int64_t clock() const { return 0; }
   bool any(bool v) const { return v; }
   double reduce_min(double v) const { return v; }
   double reduce_max(double v) const { return v; }
