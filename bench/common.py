@@ -12,6 +12,7 @@ Usage in bench/bench_<op>.py (the op's code is moe_kernels/bench/<op>.py):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -50,3 +51,18 @@ def main(bench: ModuleType) -> None:
     args = parse_args(parser)
     args.out, args.compile, args.command = RESULTS, True, None
     bench.run(args)
+
+
+@contextlib.contextmanager
+def environment(name: str, value: str):
+    """os.environ[name] = value inside the block, and as it was after it: the variables the C++
+    glue reads at each call (MOE_KERNELS_CAPACITY_PATH, MOE_KERNELS_SOLVER_EPS_DIV, ...)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

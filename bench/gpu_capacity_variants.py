@@ -23,14 +23,13 @@ keeps its rows.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_gpu  # noqa: E402
+from common import environment, time_gpu  # noqa: E402
 from gpu_router_variants import Lines, _copy_seconds  # noqa: E402
 
 import moe_kernels  # noqa: E402
@@ -92,13 +91,9 @@ def run(scale: int, device: str, timed: bool) -> tuple[list[str], bool]:
             if not timed:  # no CUDA kernels on the CPU: the row says so
                 lines.append(f"| {T} | {E} | {k} | {name} | {'yes' if path == launchers else ''} | - | - | - |")
                 continue
-            os.environ[_FORCE] = str(path)
-            try:
-                with moe_kernels.use_backend("cuda"):
-                    result = call()
-                    seconds = time_gpu(call)[0]
-            finally:
-                del os.environ[_FORCE]
+            with environment(_FORCE, str(path)), moe_kernels.use_backend("cuda"):
+                result = call()
+                seconds = time_gpu(call)[0]
             if not all(torch.equal(a, b) for a, b in zip(result, expected)):
                 disagreements.append(f"- T = {T}, E = {E}, k = {k}, {name}: not the Triton op's positions and counts")
             lines.append(_row(T, E, k, name, "yes" if path == launchers else "", seconds, moved, copy, timed))

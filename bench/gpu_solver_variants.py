@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_gpu  # noqa: E402
+from common import environment, time_gpu  # noqa: E402
 from gpu_router_variants import Lines  # noqa: E402
 
 import moe_kernels  # noqa: E402
@@ -73,14 +73,10 @@ def run(shapes, timed: bool) -> tuple[list[str], bool]:
             continue
         on_device = scores.cuda()
         for divisor in DIVISORS:
-            os.environ[_FORCE] = str(divisor)
-            try:
-                with moe_kernels.use_backend("cuda"):
-                    _, value, _ = K.balanced_assignment(on_device, return_distances=True)
-                    seconds = time_gpu(lambda: K.balanced_assignment(on_device), graph=False)[0]
-                    profile = solver_profile(lambda: K.balanced_assignment(on_device))
-            finally:
-                del os.environ[_FORCE]
+            with environment(_FORCE, str(divisor)), moe_kernels.use_backend("cuda"):
+                _, value, _ = K.balanced_assignment(on_device, return_distances=True)
+                seconds = time_gpu(lambda: K.balanced_assignment(on_device), graph=False)[0]
+                profile = solver_profile(lambda: K.balanced_assignment(on_device))
             gap = abs(float(value) - float(cpu_value))
             agree = gap <= 1e-9 * max(1.0, abs(float(cpu_value)))
             if not agree:
@@ -114,12 +110,11 @@ def solver_profile(solve) -> dict[str, str]:
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as captured:
         os.dup2(captured.fileno(), 2)
-        os.environ["MOE_KERNELS_SOLVER_PROFILE"] = "1"
         try:
-            solve()
-            torch.cuda.synchronize()
+            with environment("MOE_KERNELS_SOLVER_PROFILE", "1"):
+                solve()
+                torch.cuda.synchronize()
         finally:
-            del os.environ["MOE_KERNELS_SOLVER_PROFILE"]
             os.dup2(saved, 2)
             os.close(saved)
         captured.seek(0)

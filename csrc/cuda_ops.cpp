@@ -149,8 +149,13 @@ std::tuple<at::Tensor, at::Tensor> capacity_positions_on_path(const at::Tensor& 
 // result). A path that does not fit the call raises. Unset: the launcher's choice.
 std::tuple<at::Tensor, at::Tensor> capacity_positions_gpu(const at::Tensor& experts, int64_t num_experts,
                                                           int64_t capacity, const std::optional<at::Tensor>& priority) {
-  const char* forced = std::getenv("MOE_KERNELS_CAPACITY_PATH");
-  const int64_t path = forced != nullptr && *forced != '\0' ? std::atoi(forced) : capacity_segments::kAuto;
+  int64_t path = capacity_segments::kAuto;
+  if (const char* forced = std::getenv("MOE_KERNELS_CAPACITY_PATH"); forced != nullptr && *forced != '\0') {
+    char* end = nullptr;
+    path = std::strtol(forced, &end, 10);
+    TORCH_CHECK(*end == '\0', "capacity_positions: MOE_KERNELS_CAPACITY_PATH must be a path's number "
+                "(capacity_segments::Path: -1 to 3), got '", forced, "'");
+  }
   return capacity_positions_on_path(experts, num_experts, capacity, priority, path);
 }
 

@@ -175,19 +175,23 @@ __global__ void segment_positions_kernel(const int64_t* __restrict__ experts, co
   });
 }
 
-// The tile path (capacity_segments.h). Block b: token block b, every slot. The tile's ids that
-// thread `tid` takes (entries q = tid + r * threads, memory order), -1 past the choices.
+// The tile path (capacity_segments.h). Block b: token block b, every slot; kLoads = tile_loads(k)
+// entries of a tile a thread. The tile's ids that thread `tid` takes (entries q = tid + r *
+// threads, memory order), -1 past the choices.
+template <int kLoads>
 __device__ __forceinline__ void load_tile(const int64_t* __restrict__ experts, int64_t first, int64_t n, int k,
-                                          int64_t ids[cs::kMaxTileLoads]) {
+                                          int64_t ids[kLoads]) {
   const int entries = cs::kTileTokens * k;
 #pragma unroll
-  for (int r = 0; r < cs::kMaxTileLoads; ++r) {
+  for (int r = 0; r < kLoads; ++r) {
     const int q = threadIdx.x + r * blockDim.x;
     ids[r] = q < entries && first + q < n ? experts[first + q] : -1;
   }
 }
 
-// Rows (s, b) of the table: the block's choices per slot and expert, by shared-memory atomics.
+// Rows (s, b) of the table: the block's choices per slot and expert, by shared-memory atomics
+// (the next tile's loads in flight while this one's are added).
+template <int kLoads>
 __global__ void tile_counts_kernel(const int64_t* __restrict__ experts, cs::Layout L, int64_t E,
                                    int32_t* __restrict__ table) {
   extern __shared__ int counters[];  // [k, E]
@@ -196,12 +200,16 @@ __global__ void tile_counts_kernel(const int64_t* __restrict__ experts, cs::Layo
   for (int i = tid; i < k * E; i += threads) counters[i] = 0;
   __syncthreads();
   const int entries = cs::kTileTokens * k;
-  for (int64_t first = b * cs::kSegment * k; first < n && first < (b + 1) * cs::kSegment * k; first += entries) {
-    int64_t ids[cs::kMaxTileLoads];
-    load_tile(experts, first, n, k, ids);
+  const int64_t end = min(n, (b + 1) * cs::kSegment * k);
+  int64_t ids[kLoads], next[kLoads];
+  load_tile<kLoads>(experts, b * cs::kSegment * k, n, k, next);
+  for (int64_t first = b * cs::kSegment * k; first < end; first += entries) {
+#pragma unroll
+    for (int r = 0; r < kLoads; ++r) ids[r] = next[r];
+    if (first + entries < end) load_tile<kLoads>(experts, first + entries, n, k, next);
     cs::TileWalk w = cs::tile_walk(tid, threads, k);
 #pragma unroll
-    for (int r = 0; r < cs::kMaxTileLoads; ++r, cs::advance(w)) {
+    for (int r = 0; r < kLoads; ++r, cs::advance(w)) {
       const unsigned label = cs::label_of(ids[r], E);
       if (label != 0) atomicAdd(&counters[w.s * E + label - 1], 1);
     }
@@ -212,31 +220,31 @@ __global__ void tile_counts_kernel(const int64_t* __restrict__ experts, cs::Layo
 }
 
 // Every choice's position: rows (s, b) of the table (after the scan) seed slot s's counters.
-template <class Peers>
+template <int kLoads, class Peers>
 __global__ void tile_positions_kernel(const int64_t* __restrict__ experts, cs::Layout L, int64_t E, int64_t C,
                                       Peers peers_of, const int32_t* __restrict__ table,
                                       int64_t* __restrict__ positions) {
   extern __shared__ int shared[];
   const int k = (int)L.k, threads = blockDim.x, tid = threadIdx.x;
-  int* counters = shared;          // [k, E]
-  int* labels = shared + k * E;    // [kTileTokens, tile_stride(k)]: labels, then positions in their place
+  int* counters = shared;        // [k, E]
+  int* labels = shared + k * E;  // [kTileTokens, tile_stride(k)]: labels, then positions in their place
   const int warp = tid / kWarp, lane = tid % kWarp, warps = threads / kWarp;
   const int64_t b = blockIdx.x, n = L.T * L.k;
   for (int s = 0; s < k; ++s)
     for (int64_t e = tid; e < E; e += threads) counters[s * E + e] = table[(s * L.token_blocks + b) * E + e];
   const int entries = cs::kTileTokens * k;
   const int64_t end = min(n, (b + 1) * cs::kSegment * k);
-  int64_t ids[cs::kMaxTileLoads];
-  load_tile(experts, b * cs::kSegment * k, n, k, ids);
+  int64_t ids[kLoads];
+  load_tile<kLoads>(experts, b * cs::kSegment * k, n, k, ids);
   for (int64_t first = b * cs::kSegment * k; first < end; first += entries) {
     // Each thread writes and later reads back only its own entries' places: the two barriers
     // below are all that order the table between the loading threads and the ranking warps.
     cs::TileWalk w = cs::tile_walk(tid, threads, k);
 #pragma unroll
-    for (int r = 0; r < cs::kMaxTileLoads; ++r, cs::advance(w))
+    for (int r = 0; r < kLoads; ++r, cs::advance(w))
       if (tid + r * threads < entries) labels[cs::label_index(w.t, w.s, k)] = (int)cs::label_of(ids[r], E);
     __syncthreads();  // the tile's labels, and the counters' seeds, before the ranks
-    if (first + entries < end) load_tile(experts, first + entries, n, k, ids);  // in flight while ranking
+    if (first + entries < end) load_tile<kLoads>(experts, first + entries, n, k, ids);  // in flight while ranking
     for (int s = warp; s < k; s += warps)
       for (int c = 0; c < cs::kTileTokens / cs::kChunk; ++c) {
         const int i = cs::label_index(c * cs::kChunk + lane, s, k);
@@ -248,11 +256,38 @@ __global__ void tile_positions_kernel(const int64_t* __restrict__ experts, cs::L
     __syncthreads();  // the positions before the stores
     w = cs::tile_walk(tid, threads, k);
 #pragma unroll
-    for (int r = 0; r < cs::kMaxTileLoads; ++r, cs::advance(w)) {
+    for (int r = 0; r < kLoads; ++r, cs::advance(w)) {
       const int q = tid + r * threads;
       if (q < entries && first + q < n) positions[first + q] = labels[cs::label_index(w.t, w.s, k)];
     }
   }
+}
+
+// One of the tile path's two kernels (the counts, else the positions) at kLoads entries a thread.
+template <int kLoads>
+cudaError_t launch_tiles(const int64_t* experts, const cs::Layout& L, int64_t E, int64_t C, int path,
+                         int32_t* table, int64_t* positions, bool counts, cudaStream_t stream) {
+  const unsigned blocks = (unsigned)L.token_blocks, threads = cs::tile_warps(L.k) * kWarp;
+  if (counts) {
+    tile_counts_kernel<kLoads><<<blocks, threads, cs::tile_shared_bytes(L.k, E, false), stream>>>(experts, L, E, table);
+  } else {
+    const size_t shared = cs::tile_shared_bytes(L.k, E, true);
+    if (path == cs::kTilesMatch)
+      tile_positions_kernel<kLoads><<<blocks, threads, shared, stream>>>(experts, L, E, C, MatchPeers{}, table,
+                                                                         positions);
+    else
+      tile_positions_kernel<kLoads><<<blocks, threads, shared, stream>>>(experts, L, E, C,
+                                                                         VotePeers{cs::label_bits(E)}, table,
+                                                                         positions);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_tile_kernel(const int64_t* experts, const cs::Layout& L, int64_t E, int64_t C, int path,
+                               int32_t* table, int64_t* positions, bool counts, cudaStream_t stream) {
+  return cs::tile_loads(L.k) == cs::kFewTileLoads
+             ? launch_tiles<cs::kFewTileLoads>(experts, L, E, C, path, table, positions, counts, stream)
+             : launch_tiles<cs::kMaxTileLoads>(experts, L, E, C, path, table, positions, counts, stream);
 }
 
 constexpr int kScanThreads = 1024;  // choices per scan step of the per-expert kernel
@@ -317,10 +352,10 @@ cudaError_t capacity_positions_segments_cuda(const int64_t* experts, const int64
   path = cs::resolved_path(path, L, E);
   const int64_t G = cs::segments(L);
   const VotePeers votes{cs::label_bits(E)};
-  const int warps = cs::uses_tiles(path) ? cs::tile_warps(k) : cs::warps_per_block(E);
-  const unsigned blocks = (unsigned)(cs::uses_tiles(path) ? L.token_blocks : cs::ceil_div(G, warps));
+  const int warps = cs::warps_per_block(E);  // the strided path's
+  const unsigned blocks = (unsigned)cs::ceil_div(G, warps);
   if (cs::uses_tiles(path))
-    tile_counts_kernel<<<blocks, warps * kWarp, cs::tile_shared_bytes(k, E, false), stream>>>(experts, L, E, table);
+    launch_tile_kernel(experts, L, E, C, path, table, positions, true, stream);
   else if (path == cs::kStridedVotes)
     segment_counts_kernel<<<blocks, warps * kWarp, warps * E * sizeof(int), stream>>>(experts, order, L, E, votes,
                                                                                       table);
@@ -337,15 +372,11 @@ cudaError_t capacity_positions_segments_cuda(const int64_t* experts, const int64
   column_scan_kernel<<<scan_grid, cs::kScanWarps * kWarp, 0, stream>>>(table, partials, G, E, counts);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const size_t tile_shared = cs::tile_shared_bytes(k, E, true), segment_shared = warps * E * sizeof(int);
+  const size_t segment_shared = warps * E * sizeof(int);
   switch (path) {
     case cs::kTilesVotes:
-      tile_positions_kernel<<<blocks, warps * kWarp, tile_shared, stream>>>(experts, L, E, C, votes, table, positions);
-      break;
     case cs::kTilesMatch:
-      tile_positions_kernel<<<blocks, warps * kWarp, tile_shared, stream>>>(experts, L, E, C, MatchPeers{}, table,
-                                                                           positions);
-      break;
+      return launch_tile_kernel(experts, L, E, C, path, table, positions, false, stream);
     case cs::kStridedVotes:
       segment_positions_kernel<<<blocks, warps * kWarp, segment_shared, stream>>>(experts, order, L, E, C, votes,
                                                                                   table, positions);

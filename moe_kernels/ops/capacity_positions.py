@@ -3,8 +3,8 @@
 Implementations: reference (moe_kernels/reference/capacity_positions.py), C++ CPU
 (csrc/cpu/capacity_positions.cpp), Triton (moe_kernels/triton/capacity_positions.py), CUDA
 (csrc/cuda/capacity_positions.cu, registered in csrc/cuda_ops.cpp: segments of the fill order, ranked
-32 choices at a time; the default order's [128, k] tiles through shared memory, a priority's order a
-warp a segment: docs/dispatch.md). backends.py chooses among them.
+32 choices at a time; the default order's [128, k] tiles through shared memory where 2 <= k <= 16 and
+k E <= 8192, else a warp a segment: docs/dispatch.md). backends.py chooses among them.
 """
 
 import math

@@ -2,12 +2,13 @@
 // shared with their host emulation (python_tests/ops/emulate/capacity_positions_cuda.cpp). No
 // torch headers.
 //
-// The fill order is cut into segments of kSegment choices, a warp a segment. A segment's table
-// row (row g in fill order) holds its choices per expert; the rows' exclusive sums down each
-// column give every segment its experts' counts before it; a choice's position is that count
-// plus its place among its expert's choices in its segment. A warp takes its segment 32 choices
-// at a time (a chunk, a lane a choice, in fill order), each expert's running count in the warp's
-// row of shared counters: O(T k) work, no atomics, every choice written once.
+// The fill order is cut into segments of kSegment choices. A segment's table row (row g in fill
+// order) holds its choices per expert; the rows' exclusive sums down each column give every
+// segment its experts' counts before it; a choice's position is that count plus its place among
+// its expert's choices in its segment. On the strided path a warp takes a segment 32 choices at a
+// time (a chunk, a lane a choice, in fill order), each expert's running count in the warp's row
+// of shared counters: O(T k) work, every choice written once; the tile path (below) ranks the
+// same chunks from shared memory, and only its counts use atomics (sums, whatever their order).
 //
 // Fill orders: the default (s-major: every token's first choice, then every second, ...) and a
 // given one (an array of flat indices t * k + s, by priority). In the default order segment
@@ -139,9 +140,13 @@ enum Path : int { kAuto = -1, kStridedMatch = 0, kStridedVotes = 1, kTilesVotes 
 constexpr int kTileTokens = 128;
 constexpr int kMaxTileSlots = 16;
 static_assert(kSegment % kTileTokens == 0 && kTileTokens % kChunk == 0, "a segment is whole tiles of chunks");
-// A thread's entries of a tile at the most: ceil(kTileTokens k / (32 min(k, kMaxWarps))), 4 below
-// kMaxWarps slots, at most k / 2 rounded up from there.
+// A thread's entries of a tile: ceil(kTileTokens k / (32 min(k, kMaxWarps))), 4 up to kMaxWarps
+// slots (tile_loads: the kernels are compiled for 4 and kMaxTileLoads), at most k / 2 rounded up
+// from there.
 constexpr int kMaxTileLoads = kTileTokens * kMaxTileSlots / (kChunk * kMaxWarps);
+constexpr int kFewTileLoads = kTileTokens / kChunk;
+static_assert(kFewTileLoads * kChunk >= kTileTokens && kMaxTileLoads * kChunk * kMaxWarps >= kTileTokens * kMaxTileSlots,
+              "a tile's threads take all of its entries");
 
 MK_HD bool tiles_fit(const Layout& L, int64_t E) {
   return !L.given && L.k >= 2 && L.k <= kMaxTileSlots && L.k * E <= kCounters;
@@ -161,6 +166,9 @@ MK_HD bool uses_tiles(int path) { return path == kTilesVotes || path == kTilesMa
 // Warps a block of the tile path: one a slot up to kMaxWarps.
 MK_HD int tile_warps(int64_t k) { return (int)(k < kMaxWarps ? k : kMaxWarps); }
 
+// A thread's entries of a tile, as the kernels are compiled: kFewTileLoads up to kMaxWarps slots.
+MK_HD int tile_loads(int64_t k) { return k <= kMaxWarps ? kFewTileLoads : kMaxTileLoads; }
+
 // The label table's row stride: odd, so that a warp reading one slot of 32 tokens hits 32 banks.
 MK_HD int tile_stride(int64_t k) { return (int)(k | 1); }
 
@@ -168,6 +176,8 @@ MK_HD int tile_stride(int64_t k) { return (int)(k | 1); }
 MK_HD int64_t tile_shared_bytes(int64_t k, int64_t E, bool labels) {
   return (int64_t)sizeof(int) * (k * E + (labels ? (int64_t)kTileTokens * tile_stride(k) : 0));
 }
+// The most (k E = kCounters, k = kMaxTileSlots) within the 48 KB a launch gets without opting in.
+static_assert(sizeof(int) * (kCounters + kTileTokens * (kMaxTileSlots | 1)) <= 48 * 1024, "the tile path's shared memory");
 
 // Thread `tid` of `threads` takes a tile's entries q = tid, tid + threads, ... < kTileTokens k
 // (the tile's ids in memory order), entry q being token t = q / k and slot s = q % k of the tile.

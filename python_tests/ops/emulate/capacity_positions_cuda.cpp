@@ -66,13 +66,13 @@ void rank_segment(const cs::Layout& L, const int64_t* experts, const int64_t* or
   }
 }
 
-// The tile path's entries of thread `tid` in a tile whose first id is `first`: `visit(r, q, walk)`
-// for r < kMaxTileLoads, q = tid + r * threads, as the device's unrolled loops (the caller skips
-// q past the tile or first + q past n, as they do).
+// The tile path's entries of thread `tid` of a tile: `visit(q, walk)` for q = tid + r * threads,
+// r < tile_loads(k), as the device's unrolled loops (the caller skips q past the tile or past the
+// choices, as they do; the callers check that every entry is visited).
 template <class Visit>
 void walk_tile(int tid, int threads, int k, Visit visit) {
   cs::TileWalk w = cs::tile_walk(tid, threads, k);
-  for (int r = 0; r < cs::kMaxTileLoads; ++r, cs::advance(w)) visit(tid + r * threads, w);
+  for (int r = 0; r < cs::tile_loads(k); ++r, cs::advance(w)) visit(tid + r * threads, w);
 }
 
 void tile_counts(const cs::Layout& L, const int64_t* experts, int64_t E, std::vector<int32_t>& table) {
