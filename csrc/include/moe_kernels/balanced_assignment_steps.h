@@ -66,6 +66,16 @@ constexpr int64_t kMaxLanes = 32;
 // barriers and two rounds of global atomics): each expert scans the whole list of bids instead.
 // Not tuned on a GPU.
 constexpr int64_t kFewBids = 32;
+static_assert(kFewBids <= 32, "an expert's few bids are a 32-bit mask of queue positions");
+
+// The lowest set bit of a nonzero mask.
+MK_HD_STEP int lowest_bit(uint32_t mask) {
+#ifdef __CUDA_ARCH__
+  return __ffs(mask) - 1;
+#else
+  return __builtin_ctz(mask);
+#endif
+}
 // The lanes of one bid: the most (a power of two, at most kMaxLanes) that let every bidder of the
 // iteration scan at once, one bid a thread when there are as many bidders as threads.
 MK_HD_STEP int64_t bid_lanes(int64_t threads, int64_t bidders) {
@@ -401,8 +411,14 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
           next[ex.atomic_add(&W.ints[kNextQueued], 1)] = out;
         };
         if (few) {
-          for (int64_t q = 0; q < queued; ++q)
-            if (W.target[q] == j) take(q);
+          // The expert's bids as a mask of queue positions, then taken in queue order: the experts'
+          // threads take their bids side by side. Taken as the scan met them, every bid's heap
+          // update ran after the last one's (the threads walk the list in step, and at each
+          // position only the expert bid for takes it): `queued` heap updates one after another
+          // an iteration, where now a warp runs as many as its busiest expert's bids.
+          uint32_t mine = 0;
+          for (int64_t q = 0; q < queued; ++q) mine |= (uint32_t)(W.target[q] == j) << q;
+          for (; mine != 0; mine &= mine - 1) take(lowest_bit(mine));
         } else {
           for (int64_t p = W.start[j]; p < W.start[j + 1]; ++p) take(W.bucket[p]);
         }
