@@ -40,7 +40,7 @@ constexpr int kFirstBatch = 4, kMaxBatch = 64;
 constexpr int64_t kSharedPricesBytes = 32 * 1024;
 // A guard against a solver bug, far above any count seen.
 constexpr int64_t kMaxRounds = int64_t(1) << 16;
-static_assert(kBalancedProfileFields == ba::kNumInts + ba::kNumClocks + 1, "the profile's fields (cuda_launchers.h)");
+static_assert(kBalancedProfileFields == (int)ba::kNumInts + (int)ba::kNumClocks + 1, "the profile's fields (cuda_launchers.h)");
 
 // The Exec of balanced_assignment_steps.h for one CUDA block. `red` and `scan` point to shared
 // memory of the kernel.
@@ -149,22 +149,31 @@ struct BlockExec {
   __shared__ int32_t scan_shared[kMaxWarps + 1]; \
   const BlockExec ex{red_shared, scan_shared}
 
-// The auction's flags and counters, and its prices where they fit (shared_prices: k doubles of
-// dynamic shared memory), live in shared memory while it runs: most bidding iterations have a
-// handful of bidders, so their time is the latency of the block's steps, not bandwidth. The flags
-// are copied back to the workspace at the end (the host and the later kernels read them there);
-// the prices are not (nothing after the auction reads them).
+// The auction's flags and counters, its prices where they fit (shared_prices: k doubles of dynamic
+// shared memory) and its experts' heaps of holders where they fit too (shared_heaps: heap_bid and
+// heap_token [k, heap_stride], heap_size [k], after the prices) live in shared memory while it
+// runs: most bidding iterations have a handful of bidders, so their time is the latency of the
+// block's steps, not bandwidth, and a heap update is a chain of dependent loads, each of a line the
+// last update wrote (global stores do not leave their lines in L1: from global memory each load of
+// the chain waits on L2). The flags are copied back to the workspace at the end (the host and the
+// later kernels read them there); the prices and heaps are not (nothing after the auction reads
+// them; each attempt empties the heaps before it pushes).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kSolverThreads, 1)
-    auction_kernel(ba::Problem<scalar_t> P, ba::Workspace W, bool shared_prices) {
+    auction_kernel(ba::Problem<scalar_t> P, ba::Workspace W, bool shared_prices, bool shared_heaps) {
   const int64_t started = clock64();
   MK_BLOCK_EXEC;
-  extern __shared__ double prices_shared[];  // [k] if shared_prices
+  extern __shared__ double prices_shared[];  // [k] if shared_prices, then the heaps if shared_heaps
   __shared__ int32_t ints_shared[ba::kNumInts];
   ba::score_stats(ex, P, W);  // ends with a barrier: the flags and prices are initialised
   ba::Workspace local = W;
   local.ints = ints_shared;
   if (shared_prices) local.prices = prices_shared;
+  if (shared_heaps) {  // (shared_heaps implies shared_prices: the host's rule)
+    local.heap_bid = prices_shared + P.k;
+    local.heap_token = reinterpret_cast<int32_t*>(local.heap_bid + P.k * W.heap_stride);
+    local.heap_size = local.heap_token + P.k * W.heap_stride;
+  }
   for (int64_t f = threadIdx.x; f < ba::kNumInts; f += blockDim.x) ints_shared[f] = W.ints[f];
   if (shared_prices)
     for (int64_t j = threadIdx.x; j < P.k; j += blockDim.x) prices_shared[j] = W.prices[j];
@@ -235,6 +244,26 @@ __global__ void __launch_bounds__(kSolverThreads, 1) finish_kernel(ba::Problem<s
   ba::finish(ex, P, W, experts, value);
 }
 
+// The most dynamic shared memory a launch of `kernel` may ask for: the device's opt-in limit less
+// the kernel's static shared memory, set as the kernel's limit (process-wide: always the device's
+// most, so that a solve of another size, on another host thread, never lowers it under a launch).
+// 0 where a query or the setting fails: then the state stays in global memory.
+template <class Kernel>
+size_t most_dynamic_shared(Kernel kernel) {
+  int device = 0, optin = 0;
+  cudaFuncAttributes attributes{};
+  size_t most = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+      cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && optin > (int)attributes.sharedSizeBytes) {
+    const int limit = optin - (int)attributes.sharedSizeBytes;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit) == cudaSuccess)
+      most = (size_t)limit;
+  }
+  cudaGetLastError();  // a failed query only means global memory
+  return most;
+}
+
 template <typename scalar_t>
 cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity, double eps_div, void* workspace,
                   int64_t* experts, double* value, double* distances, int* status, cudaStream_t stream) {
@@ -246,25 +275,19 @@ cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity
   const ba::Problem<scalar_t> P{scores, n, k, capacity, eps_div > 0.0 ? eps_div : ba::kDeviceEpsDiv};
   ba::Workspace W;
   ba::workspace_layout(n, k, capacity, workspace, &W);
-  const bool shared_prices = k * (int64_t)sizeof(double) <= kSharedPricesBytes;
-  auction_kernel<scalar_t><<<1, kSolverThreads, shared_prices ? k * sizeof(double) : 0, stream>>>(P, W, shared_prices);
+  // The auction's heaps in shared memory where the device's opt-in limit holds them with the
+  // prices (k = 64, capacity 128: 99 KB; k = 128, capacity 128: 198 KB, within sm_90's 227 KB,
+  // not sm_80's 163 KB); else its prices alone, within the 48 KB a launch gets without opting in.
+  const size_t prices = sizeof(double) * k;
+  const size_t heaps = (sizeof(double) + sizeof(int32_t)) * k * W.heap_stride + sizeof(int32_t) * k;
+  const bool shared_heaps = prices + heaps <= most_dynamic_shared(auction_kernel<scalar_t>);
+  const bool shared_prices = shared_heaps || k * (int64_t)sizeof(double) <= kSharedPricesBytes;
+  const size_t auction_shared = (shared_prices ? prices : 0) + (shared_heaps ? heaps : 0);
+  auction_kernel<scalar_t><<<1, kSolverThreads, auction_shared, stream>>>(P, W, shared_prices, shared_heaps);
   // The pass's graph in shared memory where the device's opt-in limit holds it (k + 1 = 129
-  // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes). The kernel's
-  // limit is process-wide: it is always set to the device's most, so that a solve of another
-  // size (another host thread) never lowers it under a launch; where that fails, global memory.
+  // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes).
   const size_t graph = graph_layout(k + 1, nullptr, nullptr);
-  bool shared_graph = false;
-  int device = 0, optin = 0;
-  cudaFuncAttributes attributes{};
-  if (cudaGetDevice(&device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-      cudaFuncGetAttributes(&attributes, cancel_cycles_kernel<scalar_t>) == cudaSuccess) {
-    const int most = optin - (int)attributes.sharedSizeBytes;
-    shared_graph = graph <= (size_t)most &&
-                   cudaFuncSetAttribute(cancel_cycles_kernel<scalar_t>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        most) == cudaSuccess;
-  }
-  cudaGetLastError();  // a failed query above only means the graph stays in global memory
+  const bool shared_graph = graph <= most_dynamic_shared(cancel_cycles_kernel<scalar_t>);
   cudaError_t err = cudaSuccess;
   int32_t flags[2] = {0, 0};  // kDone, kFailed
   for (int64_t round = 0, batch = kFirstBatch; round < kMaxRounds && !flags[ba::kDone];
@@ -307,7 +330,7 @@ cudaError_t balanced_assignment_cuda_profile(void* workspace, int64_t n, int64_t
   int device = 0, khz = 0;
   err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device);
-  profile[ba::kNumInts + ba::kNumClocks] = khz;
+  profile[(int)ba::kNumInts + (int)ba::kNumClocks] = khz;
   return err;
 }
 

@@ -220,6 +220,21 @@ def test_cuda_default_compiles_fullgraph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
+@pytest.mark.parametrize("n, k, capacity", [(4096, 64, 64), (24000, 32, 750)], ids=["shared-heaps", "global-heaps"])
+def test_cuda_auction_heaps_in_either_memory(n, k, capacity):
+    """The auction's heaps of holders live in shared memory where the device's opt-in limit holds
+    them (4096 x 64 at capacity 64: 49 KB), else in global memory (24000 x 32 at capacity 750:
+    288 KB, past any GPU's 227 KB); the objective is the C++ solver's either way (both exact)."""
+    scores = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    e, v, _ = balanced_assignment(scores.cuda(), capacity, return_distances=True)
+    e_cpu, v_cpu, _ = run("cpu", scores, capacity, return_distances=True)
+    assert torch.bincount(e.cpu(), minlength=k).max() <= capacity
+    assert math.isclose(float(v), float(v_cpu), rel_tol=1e-12, abs_tol=1e-9)
+    assert math.isclose(float(scores.double()[torch.arange(n), e.cpu()].sum()), float(v), rel_tol=1e-12, abs_tol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 def test_cuda_all_equal_scores():
     """All-equal scores (a router's zero logits at initialisation) at (8192, 64) on the device: z =
     i // capacity, what the auction gave, with the auction skipped (every row constant; that no bid
