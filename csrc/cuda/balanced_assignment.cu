@@ -149,8 +149,8 @@ struct BlockExec {
   __shared__ int32_t scan_shared[kMaxWarps + 1]; \
   const BlockExec ex{red_shared, scan_shared}
 
-// The auction's flags and counters, its prices where they fit (shared_prices: k doubles of dynamic
-// shared memory) and its experts' heaps of holders where they fit too (shared_heaps: heap_bid and
+// The auction's flags and counters, its few-bid buffers, its prices where they fit (shared_prices:
+// k doubles of dynamic shared memory) and its experts' heaps of holders where they fit too (shared_heaps: heap_bid and
 // heap_token [k, heap_stride], heap_size [k], after the prices) live in shared memory while it
 // runs: most bidding iterations have a handful of bidders, so their time is the latency of the
 // block's steps, not bandwidth, and a heap update is a chain of dependent loads, each of a line the
@@ -165,9 +165,15 @@ __global__ void __launch_bounds__(kSolverThreads, 1)
   MK_BLOCK_EXEC;
   extern __shared__ double prices_shared[];  // [k] if shared_prices, then the heaps if shared_heaps
   __shared__ int32_t ints_shared[ba::kNumInts];
+  __shared__ int32_t few_queue_shared[2][ba::kFewBids], few_target_shared[ba::kFewBids];
+  __shared__ double few_bid_shared[ba::kFewBids];
   ba::score_stats(ex, P, W);  // ends with a barrier: the flags and prices are initialised
   ba::Workspace local = W;
   local.ints = ints_shared;
+  local.few_queue[0] = few_queue_shared[0];
+  local.few_queue[1] = few_queue_shared[1];
+  local.few_target = few_target_shared;
+  local.few_bid = few_bid_shared;
   if (shared_prices) local.prices = prices_shared;
   if (shared_heaps) {  // (shared_heaps implies shared_prices: the host's rule)
     local.heap_bid = prices_shared + P.k;

@@ -142,6 +142,12 @@ struct Workspace {
   int32_t* target;      // [n] per queue position: the expert bid for
   double* bid;          // [n] per queue position: the bid
   int32_t* bucket;      // [n] queue positions grouped by target expert
+  // An iteration of few bids (at most kFewBids) keeps its bids and the next queue here instead
+  // (the device's auction kernel points them to shared memory): from then on every queue is as
+  // short (each bid sends at most one token to the next queue).
+  int32_t* few_queue[2];  // [kFewBids] each
+  int32_t* few_target;    // [kFewBids]
+  double* few_bid;        // [kFewBids]
   int32_t* count;       // [k] bids per expert (auction), tokens per expert (cycle cancelling)
   int32_t* start;       // [k + 1] exclusive prefix sums of count
   int32_t* cursor;      // [k] scatter cursors
@@ -191,6 +197,10 @@ inline size_t workspace_layout(int64_t n, int64_t k, int64_t capacity, void* bas
   take(W.target, n);
   take(W.bid, n);
   take(W.bucket, n);
+  take(W.few_queue[0], kFewBids);
+  take(W.few_queue[1], kFewBids);
+  take(W.few_target, kFewBids);
+  take(W.few_bid, kFewBids);
   take(W.count, k);
   take(W.start, k + 1);
   take(W.cursor, k);
@@ -349,6 +359,11 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
         ex.for_each(k, [&](int64_t j) { W.count[j] = 0; });
         ex.barrier();
       }
+      // The iteration's bids, and the next queue: the few-bid buffers for few bids (the queue
+      // read here is one of them from the second such iteration on, and is not the one written).
+      int32_t* const target = few ? W.few_target : W.target;
+      double* const offer = few ? W.few_bid : W.bid;
+      if (few) next = queue == W.few_queue[0] ? W.few_queue[1] : W.few_queue[0];
       if (ex.leader()) W.ints[kNextQueued] = 0;
       // Bids, with the prices as they were at the start of the iteration; `lanes` threads scan a
       // bidder's row together where there are fewer bidders than threads.
@@ -357,12 +372,12 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
           queued, lanes,
           [&](int64_t q, int64_t lane) { return top2_of(P.s + queue[q] * k, W.prices, k, lane, lanes); },
           [&](int64_t q, const Top2& t) {
-            W.target[q] = (int32_t)t.j1;
+            target[q] = (int32_t)t.j1;
             if (t.j1 < 0) {  // every value -inf: prices overflowed (float64 scores near its limit)
               W.ints[kFailed] = 2;
               return;
             }
-            W.bid[q] = bid(W.prices[t.j1], t.v1, t.v2, k, eps);
+            offer[q] = bid(W.prices[t.j1], t.v1, t.v2, k, eps);
             if (!few) ex.atomic_add(&W.count[t.j1], 1);
           });
       ex.barrier();
@@ -378,7 +393,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
         ex.exclusive_scan(W.count, W.start, k);
         ex.for_each(k, [&](int64_t j) { W.cursor[j] = W.start[j]; });
         ex.barrier();
-        ex.for_each(queued, [&](int64_t q) { W.bucket[ex.atomic_add(&W.cursor[W.target[q]], 1)] = (int32_t)q; });
+        ex.for_each(queued, [&](int64_t q) { W.bucket[ex.atomic_add(&W.cursor[target[q]], 1)] = (int32_t)q; });
         ex.barrier();
       }
       const int64_t after_grouping = ex.clock();
@@ -398,13 +413,13 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
           const int32_t i = queue[q];
           MK_BA_COUNT(bids);
           if (size < capacity) {
-            size = heap_push(bids, holders, size, W.bid[q], i);
+            size = heap_push(bids, holders, size, offer[q], i);
             W.z[i] = (int32_t)j;
             return;
           }
           int32_t out = i;  // a bidder is unassigned (z = -1) until an expert keeps it
-          if (!holder_worse(W.bid[q], i, bids[0], holders[0])) {
-            out = heap_replace_worst(bids, holders, size, W.bid[q], i);
+          if (!holder_worse(offer[q], i, bids[0], holders[0])) {
+            out = heap_replace_worst(bids, holders, size, offer[q], i);
             W.z[i] = (int32_t)j;
             W.z[out] = -1;
           }
@@ -417,7 +432,7 @@ MK_HD_STEP void auction(const Exec& ex, const Problem<scalar_t>& P, const Worksp
           // position only the expert bid for takes it): `queued` heap updates one after another
           // an iteration, where now a warp runs as many as its busiest expert's bids.
           uint32_t mine = 0;
-          for (int64_t q = 0; q < queued; ++q) mine |= (uint32_t)(W.target[q] == j) << q;
+          for (int64_t q = 0; q < queued; ++q) mine |= (uint32_t)(target[q] == j) << q;
           for (; mine != 0; mine &= mine - 1) take(lowest_bit(mine));
         } else {
           for (int64_t p = W.start[j]; p < W.start[j + 1]; ++p) take(W.bucket[p]);
