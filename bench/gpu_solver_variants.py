@@ -86,7 +86,8 @@ def run(shapes, timed: bool) -> tuple[list[str], bool]:
             if profile:
                 counts = (
                     f"{profile['iterations']} | {profile['passes']} | {profile['auction']} ({profile['bids']}, "
-                    f"{profile['take']}) | {profile['pass_ms']} | {profile['moves']}"
+                    f"{profile['take']}; heaps in {profile['heaps']} memory) | {profile['pass_ms']} | "
+                    f"{profile['moves']}"
                 )
             lines.append(
                 f"| {n} | {k} | {divisor}{mark} | {seconds * 1e3:.3f} | {cpu_s / seconds:.2f} | "
@@ -98,8 +99,9 @@ def run(shapes, timed: bool) -> tuple[list[str], bool]:
 
 
 _PROFILE = re.compile(
-    r"iterations=(?P<iterations>\d+) .*passes=(?P<passes>\d+) .*auction (?P<auction>[\d.]+) \(bids (?P<bids>[\d.]+), "
-    r"grouping [\d.]+, take (?P<take>[\d.]+)\), passes (?P<pass_ms>[\d.]+), moves (?P<moves>[\d.]+)"
+    r"iterations=(?P<iterations>\d+) .*passes=(?P<passes>\d+) .*heaps=(?P<heaps>\w+) .*auction (?P<auction>[\d.]+) "
+    r"\(bids (?P<bids>[\d.]+), grouping [\d.]+, take (?P<take>[\d.]+)\), passes (?P<pass_ms>[\d.]+), "
+    r"moves (?P<moves>[\d.]+)"
 )
 
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -247,9 +248,10 @@ TORCH_LIBRARY_IMPL(moe_kernels, CUDA, m) {
 namespace moe_kernels {
 namespace {
 
-// MOE_KERNELS_SOLVER_PROFILE=1: after each solve, one line on stderr with the solve's counts and
-// where its device time went (the leader thread's clock cycles by part, balanced_assignment::Clock,
-// at the device's clock rate): a diagnosis for bench/gpu_solver_variants.py, which reads it.
+// MOE_KERNELS_SOLVER_PROFILE=1: after each solve, one line on stderr with the solve's counts, where
+// its auction's heaps were, and where its device time went (the leader thread's clock cycles by
+// part, balanced_assignment::Clock, over the device's peak clock rate: an SM clocked lower ran
+// longer than it says): a diagnosis for bench/gpu_solver_variants.py, which reads it.
 void print_solver_profile(void* workspace, int64_t n, int64_t k, int64_t capacity, double eps_div,
                           cudaStream_t stream) {
   namespace ba = balanced_assignment;
@@ -261,11 +263,12 @@ void print_solver_profile(void* workspace, int64_t n, int64_t k, int64_t capacit
   const auto ms = [&](int slot) { return khz > 0 ? (double)clocks[slot] / khz : 0.0; };
   std::fprintf(stderr,
                "moe_kernels balanced_assignment profile: n=%lld k=%lld capacity=%lld eps_div=%g iterations=%lld "
-               "few=%lld restarted=%lld passes=%lld const_rows=%lld | ms at %.0f MHz: auction %.4f (bids %.4f, "
-               "grouping %.4f, take %.4f), passes %.4f, moves %.4f\n",
+               "few=%lld restarted=%lld passes=%lld const_rows=%lld heaps=%s | ms at %.0f MHz: auction %.4f (bids "
+               "%.4f, grouping %.4f, take %.4f), passes %.4f, moves %.4f\n",
                (long long)n, (long long)k, (long long)capacity, eps_div > 0.0 ? eps_div : ba::kDeviceEpsDiv,
                (long long)ints[ba::kIterations], (long long)ints[ba::kFewIterations], (long long)ints[ba::kRestarted],
-               (long long)ints[ba::kPasses], (long long)ints[ba::kConstRows], khz / 1e3, ms(ba::kClockAuction),
+               (long long)ints[ba::kPasses], (long long)ints[ba::kConstRows], ints[ba::kSharedHeaps] ? "shared" : "global",
+               khz / 1e3, ms(ba::kClockAuction),
                ms(ba::kClockBids), ms(ba::kClockGroup), ms(ba::kClockTake), ms(ba::kClockPasses), ms(ba::kClockMoves));
   std::fflush(stderr);
 }
@@ -290,15 +293,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at:
   if (n == 0) return {experts, value, dist};
   auto workspace = at::empty({(int64_t)balanced_assignment_cuda_workspace(n, k, capacity)},
                              scores.options().dtype(at::kByte));
-  // MOE_KERNELS_SOLVER_EPS_DIV, a number > 0, replaces the auction's eps divisor (a benchmark's
+  // MOE_KERNELS_SOLVER_EPS_DIV, a number >= 1, replaces the auction's eps divisor (a benchmark's
   // hook: bench/gpu_solver_variants.py times several; the solve is exact at every one, its
   // iterations and passes change). Unset: the default (balanced_assignment_steps.h).
   double eps_div = 0.0;
   if (const char* forced = std::getenv("MOE_KERNELS_SOLVER_EPS_DIV"); forced != nullptr && *forced != '\0') {
     char* end = nullptr;
     eps_div = std::strtod(forced, &end);
-    TORCH_CHECK(*end == '\0' && std::isfinite(eps_div) && eps_div > 0.0,
-                "balanced_assignment: MOE_KERNELS_SOLVER_EPS_DIV must be a finite number > 0, got '", forced, "'");
+    TORCH_CHECK(*end == '\0' && std::isfinite(eps_div) && eps_div >= 1.0,
+                "balanced_assignment: MOE_KERNELS_SOLVER_EPS_DIV must be a finite number >= 1, got '", forced, "'");
   }
   int status = kAssignmentGuard;
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -316,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> balanced_assignment_gpu(const at:
                     "(values near the float64 limit); scale them down, or solve them on the CPU");
   TORCH_CHECK(status == kAssignmentSolved,
               "balanced_assignment: the CUDA solver hit a guard (auction iterations or rounds); a bug");
-  if (const char* want = std::getenv("MOE_KERNELS_SOLVER_PROFILE"); want != nullptr && *want != '\0' && *want != '0')
+  if (const char* want = std::getenv("MOE_KERNELS_SOLVER_PROFILE"); want != nullptr && std::string(want) == "1")
     print_solver_profile(workspace.mutable_data_ptr(), n, k, capacity, eps_div, stream);
   return {experts, value, dist};
 }

@@ -180,7 +180,8 @@ __global__ void __launch_bounds__(kSolverThreads, 1)
     local.heap_token = reinterpret_cast<int32_t*>(local.heap_bid + P.k * W.heap_stride);
     local.heap_size = local.heap_token + P.k * W.heap_stride;
   }
-  for (int64_t f = threadIdx.x; f < ba::kNumInts; f += blockDim.x) ints_shared[f] = W.ints[f];
+  for (int64_t f = threadIdx.x; f < ba::kNumInts; f += blockDim.x)
+    ints_shared[f] = f == ba::kSharedHeaps ? (int32_t)shared_heaps : W.ints[f];
   if (shared_prices)
     for (int64_t j = threadIdx.x; j < P.k; j += blockDim.x) prices_shared[j] = W.prices[j];
   __syncthreads();
@@ -289,12 +290,14 @@ cudaError_t solve(const scalar_t* scores, int64_t n, int64_t k, int64_t capacity
   const bool shared_heaps = prices + heaps <= most_dynamic_shared(auction_kernel<scalar_t>);
   const bool shared_prices = shared_heaps || k * (int64_t)sizeof(double) <= kSharedPricesBytes;
   const size_t auction_shared = (shared_prices ? prices : 0) + (shared_heaps ? heaps : 0);
-  auction_kernel<scalar_t><<<1, kSolverThreads, auction_shared, stream>>>(P, W, shared_prices, shared_heaps);
   // The pass's graph in shared memory where the device's opt-in limit holds it (k + 1 = 129
-  // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes).
+  // nodes: 202 KB, within sm_90's 227 KB; sm_80's 163 KB holds up to 116 nodes). Both queries
+  // before the first launch: each clears the runtime's last error, which would hide its failure.
   const size_t graph = graph_layout(k + 1, nullptr, nullptr);
   const bool shared_graph = graph <= most_dynamic_shared(cancel_cycles_kernel<scalar_t>);
-  cudaError_t err = cudaSuccess;
+  auction_kernel<scalar_t><<<1, kSolverThreads, auction_shared, stream>>>(P, W, shared_prices, shared_heaps);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
   int32_t flags[2] = {0, 0};  // kDone, kFailed
   for (int64_t round = 0, batch = kFirstBatch; round < kMaxRounds && !flags[ba::kDone];
        batch = batch < kMaxBatch ? 2 * batch : batch) {

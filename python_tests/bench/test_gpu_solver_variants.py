@@ -54,14 +54,16 @@ def test_profile_line_is_read_from_stderr(monkeypatch):
     start = glue.index('"moe_kernels balanced_assignment profile:')
     pieces = re.findall(r'"((?:[^"\\]|\\.)*)"', glue[start : glue.index(",", glue.index("\\n", start))])
     fmt = "".join(pieces).replace("\\n", "\n")
-    values = iter("8192 64 128 32768 904 850 0 2 0 1980 10.1 4.2 0.5 3.9 0.3 0.1".split())
-    line = re.sub(r"%(?:lld|g|\.0f|\.4f)", lambda _: next(values), fmt)
+    values = iter("8192 64 128 32768 904 850 0 2 0 shared 1980 10.1 4.2 0.5 3.9 0.3 0.1".split())
+    line = re.sub(r"%(?:lld|g|s|\.0f|\.4f)", lambda _: next(values), fmt)
     assert "%" not in line and next(values, None) is None
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.delenv("MOE_KERNELS_SOLVER_PROFILE", raising=False)
     profile = variants.solver_profile(lambda: os.write(2, line.encode()))
     assert profile == {
         "iterations": "904",
         "passes": "2",
+        "heaps": "shared",
         "auction": "10.1",
         "bids": "4.2",
         "take": "3.9",

@@ -221,12 +221,17 @@ def test_cuda_default_compiles_fullgraph():
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 @pytest.mark.parametrize("n, k, capacity", [(4096, 64, 64), (24000, 32, 750)], ids=["shared-heaps", "global-heaps"])
-def test_cuda_auction_heaps_in_either_memory(n, k, capacity):
+def test_cuda_auction_heaps_in_either_memory(n, k, capacity, monkeypatch, capfd):
     """The auction's heaps of holders live in shared memory where the device's opt-in limit holds
-    them (4096 x 64 at capacity 64: 49 KB), else in global memory (24000 x 32 at capacity 750:
-    288 KB, past any GPU's 227 KB); the objective is the C++ solver's either way (both exact)."""
+    them (4096 x 64 at capacity 64: 50 KB), else in global memory (24000 x 32 at capacity 750:
+    288 KB, past any GPU's 227 KB), as the solve's profile line says; the objective is the C++
+    solver's either way (both exact)."""
     scores = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    monkeypatch.setenv("MOE_KERNELS_SOLVER_PROFILE", "1")
     e, v, _ = balanced_assignment(scores.cuda(), capacity, return_distances=True)
+    monkeypatch.delenv("MOE_KERNELS_SOLVER_PROFILE")
+    line = capfd.readouterr().err
+    assert f"heaps={'shared' if capacity == 64 else 'global'} " in line, line
     e_cpu, v_cpu, _ = run("cpu", scores, capacity, return_distances=True)
     assert torch.bincount(e.cpu(), minlength=k).max() <= capacity
     assert math.isclose(float(v), float(v_cpu), rel_tol=1e-12, abs_tol=1e-9)

@@ -101,7 +101,8 @@ enum Int : int {
   kConstRows = 8,   // 1 if every row of the scores is constant and finite: the auction is skipped
   kFewIterations = 9,  // auction: its iterations of at most kFewBids bidders
   kPasses = 10,        // cycle-cancelling passes run (the rounds after the done flag return at once)
-  kNumInts = 11
+  kSharedHeaps = 11,   // auction: 1 if its heaps were in shared memory (the device's choice)
+  kNumInts = 12
 };
 // Slots of Workspace::clocks: the leader's clock cycles (Exec::clock) in each part of the solve,
 // for MOE_KERNELS_SOLVER_PROFILE (csrc/cuda_ops.cpp prints them). Between two barriers the
@@ -168,12 +169,14 @@ struct Workspace {
   int32_t* cycle;       // [N]
   int32_t* cycle_nodes; // [N] the nodes of the cycles taken in this pass, cycle after cycle
   int32_t* cycle_succ;  // [N] index in cycle_nodes of each node's successor on its cycle
-  int64_t heap_stride;  // min(capacity, n): an expert's holders (a bid for a full one replaces one)
+  // min(capacity, n), an expert's holders at most (a bid for a full one replaces one), made odd: in
+  // shared memory, experts' heaps a power of two apart put the same slot of each in one bank.
+  int64_t heap_stride;
 };
 
 // Bytes of scratch for (n, k, capacity); with base != nullptr also points `ws` into it.
 inline size_t workspace_layout(int64_t n, int64_t k, int64_t capacity, void* base, Workspace* ws) {
-  const int64_t N = k + 1, stride = capacity < n ? capacity : n;
+  const int64_t N = k + 1, stride = (capacity < n ? capacity : n) | 1;
   size_t offset = 0;
   auto take = [&](auto*& ptr, int64_t count) {
     using T = typename std::remove_reference<decltype(*ptr)>::type;

@@ -81,7 +81,7 @@ size_t balanced_assignment_cuda_workspace(int64_t n, int64_t k, int64_t capacity
 // After a solve on `workspace`: profile [kBalancedProfileFields] = its ints (balanced_assignment::Int
 // slots, kNumInts), its clocks (balanced_assignment::Clock slots, kNumClocks) and the device's clock
 // rate in kHz (balanced_assignment.cu checks the count).
-constexpr int kBalancedProfileFields = 11 + 7 + 1;
+constexpr int kBalancedProfileFields = 12 + 7 + 1;
 cudaError_t balanced_assignment_cuda_profile(void* workspace, int64_t n, int64_t k, int64_t capacity,
                                              int64_t* profile, cudaStream_t stream);
 cudaError_t balanced_assignment_cuda(const float* scores, int64_t n, int64_t k, int64_t capacity, double eps_div,

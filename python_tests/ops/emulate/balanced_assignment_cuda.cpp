@@ -7,7 +7,8 @@
 //
 // Usage: balanced_assignment_cuda <in> <out>
 //   in:  int64 n, k, capacity, float64 (1) or float32 (0), width, order (0 forwards,
-//        1 backwards, 2 shuffled), seed; then n * k scores of that type, row-major.
+//        1 backwards, 2 shuffled), seed, eps divisor (0: the default; Problem::eps_div, whole
+//        numbers here); then n * k scores of that type, row-major.
 //   out: int64 converged, rounds, auction iterations, restarted (the auction's second attempt ran),
 //        failed (kFailed: 0, 1 a guard, 2 a token without a finite bid), bids (taken by the
 //        experts, over both attempts), heap steps (levels a holder moved in the experts' heaps:
