@@ -9,7 +9,8 @@ the GPU benchmarks (bench/gpu_bench.py) time them.
 
 csrc/cuda/capacity_positions.cu: a trip of segment_counts_kernel's and segment_positions_kernel's
 chunk loop ranks 8 chunks of 32 choices (kLoadsAhead), so its count over 256 is the warp
-instructions a choice.
+instructions a choice; a trip of tile_counts_kernel<L>'s loop adds L entries a thread (32 L
+choices a warp), and tile_positions_kernel's loops are a tile's phases (labels, ranks, stores).
 """
 
 from __future__ import annotations
