@@ -22,15 +22,15 @@ keeps its rows.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variants  # noqa: E402
 from common import environment, time_gpu  # noqa: E402
-from gpu_router_variants import Lines, _copy_seconds  # noqa: E402
+from variants import Lines, copy_seconds  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import ops as K  # noqa: E402
@@ -71,7 +71,7 @@ def run(scale: int, device: str, timed: bool) -> tuple[list[str], bool]:
         experts = torch.randint(0, E, (T, k), device=device, generator=gen)
         C = capacity_for(T, E, k, 1.0)
         moved = T * k * 16 + E * 8
-        copy = _copy_seconds(moved, device) if timed else 0.0
+        copy = copy_seconds(moved, device) if timed else 0.0
 
         def call():
             return K.capacity_positions(experts, E, C)
@@ -110,20 +110,14 @@ def _row(T, E, k, name, mark, seconds, moved, copy, timed) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="also write the table to this file")
-    parser.add_argument("--smoke", action="store_true", help="T k = 2048 on CPU tensors (TRITON_INTERPRET=1), untimed")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        lines, agree = run(1 << 8, "cpu", timed=False)
-    else:
-        if not torch.cuda.is_available():
-            print("gpu_capacity_variants: no CUDA device (use --smoke to check it on the CPU)", file=sys.stderr)
-            return 2
-        lines, agree = run(1 << 20, "cuda", timed=True)
-    if args.out:  # (each line was printed as it came)
-        Path(args.out).write_text("\n".join(lines) + "\n")
-    return 0 if agree else 1
+    return variants.main(
+        argv,
+        __doc__,
+        "gpu_capacity_variants",
+        "T k = 2048 on CPU tensors (TRITON_INTERPRET=1), untimed",
+        smoke=lambda args: run(1 << 8, "cpu", timed=False),
+        timed=lambda args: run(1 << 20, "cuda", timed=True),
+    )
 
 
 if __name__ == "__main__":

@@ -17,14 +17,15 @@ timings kept. Each line is printed as it comes, so a call stopped at its limit k
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variants  # noqa: E402
 from common import time_gpu  # noqa: E402
+from variants import Lines, copy_seconds  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import ops as K  # noqa: E402
@@ -56,27 +57,6 @@ SHAPES = [
 ]
 
 
-def _copy_seconds(nbytes: int, device: str) -> float:
-    """copy_ of nbytes / 2 into as many: the practical limit for nbytes of traffic."""
-    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return time_gpu(lambda: dst.copy_(src))[0]
-
-
-class Lines(list):
-    """The report's lines, each printed as it is added: a device call stopped at its limit keeps
-    the rows timed so far."""
-
-    def append(self, line: str) -> None:
-        print(line, flush=True)
-        super().append(line)
-
-    def __iadd__(self, more):
-        for line in more:
-            self.append(line)
-        return self
-
-
 def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
     """The report's lines, and whether the two recordings agreed at every shape."""
     device_name = torch.cuda.get_device_name() if timed else "smoke"
@@ -96,7 +76,7 @@ def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
             bias = 0.1 * torch.randn(E, device=device, generator=gen) if has_bias else None
             size = logits.element_size()
             moved = tokens * E * size + tokens * k * 12  # read the logits, write weights and experts
-            copy = _copy_seconds(moved, device) if timed else 0.0
+            copy = copy_seconds(moved, device) if timed else 0.0
             _, _, block_e, _ = _router.launch_config(tokens, E)
             chosen = original(block_e, k, _router.row_vector(block_e, size))
             results = {}
@@ -163,7 +143,7 @@ def tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disa
             logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype)
             bias = 0.1 * torch.randn(E, device=device, generator=gen) if has_bias else None
             moved = tokens * E * logits.element_size() + tokens * k * 12
-            copy = _copy_seconds(moved, device) if timed else 0.0
+            copy = copy_seconds(moved, device) if timed else 0.0
             first = None
             for tile, per_thread in TILES:
                 _router.launch_config = lambda T, E, tile=tile, per_thread=per_thread: row_tile_config(
@@ -204,21 +184,15 @@ def _difference(tile: tuple, runs: tuple) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=262144)
-    parser.add_argument("--out", help="also write the tables to this file")
-    parser.add_argument("--smoke", action="store_true", help="T = 16 on CPU tensors (TRITON_INTERPRET=1), untimed")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        lines, agree = run(16, "cpu", timed=False)
-    else:
-        if not torch.cuda.is_available():
-            print("gpu_router_variants: no CUDA device (use --smoke to check it on the CPU)", file=sys.stderr)
-            return 2
-        lines, agree = run(args.tokens, "cuda", timed=True)
-    if args.out:  # (each line was printed as it came)
-        Path(args.out).write_text("\n".join(lines) + "\n")
-    return 0 if agree else 1
+    return variants.main(
+        argv,
+        __doc__,
+        "gpu_router_variants",
+        "T = 16 on CPU tensors (TRITON_INTERPRET=1), untimed",
+        smoke=lambda args: run(16, "cpu", timed=False),
+        timed=lambda args: run(args.tokens, "cuda", timed=True),
+        options=((("--tokens",), dict(type=int, default=262144)),),
+    )
 
 
 if __name__ == "__main__":

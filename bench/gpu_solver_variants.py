@@ -27,7 +27,6 @@ clock rate). A divisor whose objective differs is listed under the table (and th
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -38,8 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import variants  # noqa: E402
 from common import environment, time_gpu  # noqa: E402
-from gpu_router_variants import Lines  # noqa: E402
+from variants import Lines  # noqa: E402
 
 import moe_kernels  # noqa: E402
 from moe_kernels import ops as K  # noqa: E402
@@ -126,20 +126,14 @@ def solver_profile(solve) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="also write the table to this file")
-    parser.add_argument("--smoke", action="store_true", help="the CPU solver at (256, 8); no device rows")
-    args = parser.parse_args(argv)
-    if args.smoke:
-        lines, agree = run(((256, 8),), timed=False)
-    else:
-        if not torch.cuda.is_available():
-            print("gpu_solver_variants: no CUDA device (use --smoke to check it on the CPU)", file=sys.stderr)
-            return 2
-        lines, agree = run(SHAPES, timed=True)
-    if args.out:  # (each line was printed as it came)
-        Path(args.out).write_text("\n".join(lines) + "\n")
-    return 0 if agree else 1
+    return variants.main(
+        argv,
+        __doc__,
+        "gpu_solver_variants",
+        "the CPU solver at (256, 8); no device rows",
+        smoke=lambda args: run(((256, 8),), timed=False),
+        timed=lambda args: run(SHAPES, timed=True),
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ solves exactly (test_balanced_assignment_cuda_emulation.py's test_optimal_at_eve
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,20 +12,15 @@ import torch
 
 from moe_kernels import _extension
 
+from . import smoke_run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not _extension.LOADED, reason="the CPU solver is the extension's")
 def test_smoke_times_the_cpu_solver():
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_solver_variants.py"), "--smoke"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout + run.stderr
-    rows = [r.split("|")[1:-1] for r in run.stdout.splitlines() if r.startswith("| 256 ")]
+    stdout = smoke_run("gpu_solver_variants.py", interpret=False)
+    rows = [r.split("|")[1:-1] for r in stdout.splitlines() if r.startswith("| 256 ")]
     assert [[c.strip() for c in r][:3] for r in rows] == [["256", "8", "CPU solver"]]
 
 
