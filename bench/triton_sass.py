@@ -15,8 +15,8 @@ compares kernel versions here, and the GPU benchmarks (bench/gpu_bench.py) time 
 
     python bench/triton_sass.py [--cases qwen3 ...] [--maps 8 256] [--batchwise bf16 fp32]
 
-batchwise_mask: warp instructions a score (a list slot for gather_candidates_kernel, its binary
-search's loop counted once), each program's tile as launched.
+batchwise_mask: warp instructions a score (a word of a column for gather_candidates_kernel, its
+rounds over the words' set bits counted once), each program's tile as launched.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def batchwise(dt: str):
         names = list(signature)
         aligned = tuple(i for i, n in enumerate(names) if n.endswith("_ptr") or n in ("T", "E", "W", "stride_t", "C"))
         if name == "gather_candidates_kernel":
-            unit, per_program = "slot", constexprs["BLOCK_C"]
+            unit, per_program = "word", constexprs["BLOCK_W"]
         elif name == "chosen_words_kernel":
             unit, per_program = "score", 32 * constexprs["WORDS"] * constexprs["COLS"]
         else:

@@ -5,11 +5,11 @@ m = kT/E). It reads the scores once where the radix select reads them 10 times:
      order key, which about twice the column's m best scores reach (torch.topk of the [E, S] keys);
   2. one coalesced pass over the scores sets a bit per token and column where the score reaches lo,
      in words of 32 tokens, and counts each word's bits (chosen_words_kernel);
-  3. the words' running counts (running_sums.along_rows), then each column's i-th candidate in token order
-     is found from them (a binary search, then the bit in its word), its score read and written
-     to slot i of the column's list, packed with its token (gather_candidates_kernel): work a
-     candidate, not a score, and deterministic lists (no atomics); slots past a column's
-     candidates are never written or read;
+  3. the words' running counts (running_sums.along_rows), then each word's set bits, the column's
+     candidates in token order from slot (running count - the word's bits) on, each its score read
+     and written to its slot of the column's list, packed with its token (gather_candidates_kernel):
+     a program a block of one column's words, read once and whole, and deterministic lists (no
+     atomics); slots past a column's candidates are never written or read;
   4. a program a column (column_tokens_kernel): its m-th best candidate, radix-selected from its
      list (the packed values are all distinct: the order key over 2^31 - 1 - token, so equal
      scores go to the lower token), then the list's entries at or above it, in list order, which
@@ -52,7 +52,11 @@ _NUM_WARPS = 8
 _ROW_SEGMENT_BYTES = 512
 _WORDS_NUM_WARPS = 4
 _WORD_ROWS = 8
-_BLOCK_C = 256  # candidate slots a program
+# The gather: a program 1024 words of one column (4 KB of words and 4 KB of their running counts,
+# whole), 8 a thread. A search from each list slot for its word read about 15 running counts one
+# after another (a binary search over the column's T / 32), each a wait on the L2: 0.11 ms at T = 1M
+# on the H200 at 9d92e7c.
+_BLOCK_W = 1024
 _GATHER_NUM_WARPS = 4
 # A column's list, BLOCK slots a step, in each of 64 / 8 passes of the radix select (a histogram of
 # 256 bins: 8 counters a thread at 8 warps) and once more to write its tokens. The lists are a few
@@ -116,15 +120,6 @@ def _popcount(x):
     v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
     v = (v + (v >> 4)) & 0x0F0F0F0F
     return ((v * 0x01010101) >> 24).to(tl.int32)
-
-
-@triton.jit
-def _halve(word, bit, rank, HALF: tl.constexpr):
-    """One step of finding the rank-th set bit of `word` (uint32) in the window [bit, bit + 2 HALF):
-    into its upper half, past the lower half's set bits, where the rank is beyond them."""
-    below = _popcount(((word >> bit.to(tl.uint32)) & ((1 << HALF) - 1)).to(tl.int32, bitcast=True))
-    up = rank >= below
-    return tl.where(up, bit + HALF, bit), tl.where(up, rank - below, rank)
 
 
 @triton.jit
@@ -199,43 +194,34 @@ def gather_candidates_kernel(
     stride_t,
     stride_e,
     C,
-    STEPS,  # ceil(log2(W + 1)): binary search steps
-    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
-    """Grid (blocks of slots, E): a program a block of slots of one column. Slot i < min(count, C)
-    finds the word holding the column's i-th set bit (a binary search of the running counts) and
-    the bit in it, reads that token's score and writes value_key << 32 | (2^31 - 1 - token):
-    distinct values, larger in the ranking order (equal scores: the lower token larger). Slots
-    past the candidates are left as they are (nothing reads them). Work a candidate, not an entry."""
+    """Grid (blocks of words, E): a program BLOCK_W words of one column. A word's set bits are the
+    column's candidates from slot (its running count - its bits) on, in token order: each below C
+    reads its token's score and writes value_key << 32 | (2^31 - 1 - token) to its slot: distinct
+    values, larger in the ranking order (equal scores: the lower token larger). A round takes the
+    lowest set bit of every word, as many rounds as the block's fullest word has bits (most words
+    hold none: about twice m of the column's T tokens are candidates). Slots past the candidates
+    are left as they are (nothing reads them)."""
     e = tl.program_id(1)
-    i = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    inside = w < W
     row = e.to(tl.int64) * W
-    lists = lists_ptr + e.to(tl.int64) * C + i
-    n = tl.minimum(tl.load(prefix_ptr + row + W - 1), C)
-    if tl.program_id(0) * BLOCK_C >= n:  # about half the blocks: the lists hold 2x the expected
-        return
-    active = i < n
-    # The first word whose running count passes i.
-    first = tl.zeros([BLOCK_C], tl.int32)
-    last = tl.zeros([BLOCK_C], tl.int32) + W
-    for _ in range(STEPS):
-        mid = (first + last) // 2
-        below = tl.load(prefix_ptr + row + mid, mask=active & (mid < W), other=2147483647) <= i
-        first = tl.where(below, mid + 1, first)
-        last = tl.where(below, last, mid)
-    word = tl.load(words_ptr + row + first, mask=active, other=0).to(tl.uint32, bitcast=True)
-    rank = i - tl.load(prefix_ptr + row + first - 1, mask=active & (first > 0), other=0)  # in the word
-    # The rank-th set bit of the word: halve the window [bit, bit + 2 HALF) five times, moving up
-    # past the lower half's set bits where the rank is beyond them.
-    bit, rank = _halve(word, tl.zeros([BLOCK_C], tl.int32), rank, 16)
-    bit, rank = _halve(word, bit, rank, 8)
-    bit, rank = _halve(word, bit, rank, 4)
-    bit, rank = _halve(word, bit, rank, 2)
-    bit, _ = _halve(word, bit, rank, 1)
-    t = first * 32 + bit
-    x = tl.load(scores_ptr + t.to(tl.int64) * stride_t + e.to(tl.int64) * stride_e, mask=active)
-    packed = (value_key(to_float32(x)).to(tl.int64) << 32) | (2147483647 - t).to(tl.int64)
-    tl.store(lists, packed, mask=active)
+    word = tl.load(words_ptr + row + w, mask=inside, other=0)
+    ones = _popcount(word)
+    slot = tl.load(prefix_ptr + row + w, mask=inside, other=0) - ones
+    bits = word.to(tl.uint32, bitcast=True)
+    lists = lists_ptr + e.to(tl.int64) * C
+    for _ in range(tl.max(ones, axis=0)):
+        low = bits & (0 - bits)  # the lowest set bit, 0 where none is left
+        has = low != 0
+        t = w * 32 + _popcount((low - 1).to(tl.int32, bitcast=True))
+        live = has & (slot < C)
+        x = tl.load(scores_ptr + t.to(tl.int64) * stride_t + e.to(tl.int64) * stride_e, mask=live)
+        packed = (value_key(to_float32(x)).to(tl.int64) << 32) | (2147483647 - t).to(tl.int64)
+        tl.store(lists + slot, packed, mask=live)
+        slot += has.to(tl.int32)
+        bits = bits ^ low
 
 
 @triton.jit
@@ -357,9 +343,9 @@ def sampled_select(scores: torch.Tensor, m: int, p: Plan, mask: torch.Tensor, to
     )  # fmt: skip
     prefix_EW = running_sums.along_rows(counts_EW)
     lists_EC = torch.empty((E, p.capacity), dtype=torch.int64, device=device)
-    gather_candidates[(triton.cdiv(p.capacity, _BLOCK_C), E)](
+    gather_candidates[(triton.cdiv(W, _BLOCK_W), E)](
         scores, words_EW, prefix_EW, lists_EC, T, E, W, scores.stride(0), scores.stride(1), p.capacity,
-        W.bit_length(), BLOCK_C=_BLOCK_C, num_warps=_GATHER_NUM_WARPS,
+        BLOCK_W=_BLOCK_W, num_warps=_GATHER_NUM_WARPS,
     )  # fmt: skip
     redo = torch.zeros(triton.cdiv(E, group), dtype=torch.int32, device=device)
     column_tokens_kernel[(E,)](
@@ -387,8 +373,7 @@ def _aot(kernel, dt):
     else:
         signature = {"scores_ptr": f"*{dt}", "words_ptr": "*i32", "prefix_ptr": "*i32", "lists_ptr": "*i64"}
         signature.update({"T": "i32", "E": "i32", "W": "i32", "stride_t": "i64", "stride_e": "i64", "C": "i32"})
-        signature["STEPS"] = "i32"
-        constexprs = {"BLOCK_C": _BLOCK_C}
+        constexprs = {"BLOCK_W": _BLOCK_W}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     warps = {
         sample_keys_kernel: _NUM_WARPS,
