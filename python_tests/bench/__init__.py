@@ -3,6 +3,7 @@ interleaved timing, allocator settings), the plots, the package's command line
 (`python -m moe_kernels.bench`, test_cli.py, which also checks that bench/'s scripts call the
 package's code), and `make gpu-check` in its smoke form (test_gpu_check.py)."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -25,3 +26,12 @@ def smoke_run(script: str, interpret: bool = True) -> str:
     )
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
+
+
+def bench_module(name: str):
+    """bench/<name>.py as a module (bench/ is no package; its scripts import each other by name)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))

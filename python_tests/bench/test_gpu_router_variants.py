@@ -2,17 +2,13 @@
 tiny CPU tensors in Triton's interpreter, where it checks both recordings pick the same experts."""
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from moe_kernels import backends
 
-from . import smoke_run
-
-ROOT = Path(__file__).resolve().parents[2]
+from . import bench_module, smoke_run
 
 
 @pytest.mark.skipif(not backends.triton_importable(), reason="the Triton router")
@@ -37,11 +33,7 @@ def test_smoke_runs_both_recordings_and_the_backward():
 def test_a_disagreement_is_reported_not_raised():
     """Where the recordings differ the script lists it under its tables (the device call's timings
     kept) and main() returns 1."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import gpu_router_variants as variants
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    variants = bench_module("gpu_router_variants")
     w, e = torch.tensor([[0.6, 0.4], [0.7, 0.3]]), torch.tensor([[3, 1], [0, 2]])
     assert variants._difference((w, e), (w.clone(), e.clone())) == ""
     other = e.clone()

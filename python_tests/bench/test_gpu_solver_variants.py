@@ -4,7 +4,6 @@ solves exactly (test_balanced_assignment_cuda_emulation.py's test_optimal_at_eve
 
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from moe_kernels import _extension
 
-from . import smoke_run
+from . import bench_module, smoke_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,12 +31,7 @@ def test_divisors_start_with_the_default():
 
 
 def _variants():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import gpu_solver_variants as variants
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return variants
+    return bench_module("gpu_solver_variants")
 
 
 def test_profile_line_is_read_from_stderr(monkeypatch):

@@ -10,6 +10,8 @@ import pytest
 
 from moe_kernels import backends
 
+from . import bench_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 compiles = pytest.mark.skipif(
@@ -51,13 +53,7 @@ def test_counts_the_router_kernels():
 
 
 def _triton_sass():
-    """bench/triton_sass.py as a module (bench/ is no package)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import triton_sass
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return triton_sass
+    return bench_module("triton_sass")
 
 
 @pytest.mark.skipif(not backends.triton_importable(), reason="bench/triton_sass.py imports triton")
