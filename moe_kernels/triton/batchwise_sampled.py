@@ -46,9 +46,12 @@ _NUM_WARPS = 8
 # registers (no shuffles, no reduction across lanes): about 0.17 warp instructions a score at sm_90
 # (bench/triton_sass.py counts the loop over a word's rows once: 0.06), where a lane holding 16
 # bytes of each of 32 rows (a word a warp reduction, and half of each 32-byte sector a load) took
-# 0.49. The rows come 8 at a time: 50 registers a thread at sm_90 as a launch specialises the
-# kernel (32 rows at once took 125, and spilled with a 64-bit row stride; 16 spilled at sm_80
-# under triton 3.9, which held the kernel to 64 registers).
+# 0.49. The rows come 8 at a time: 56-57 registers a thread at sm_90 as a launch specialises the
+# kernel, under triton 3.6 and 3.7 (32 rows at once took 125, and spilled with a 64-bit row stride;
+# 16 spilled at sm_80 under triton 3.9, which held the kernel to 64 registers). Each row is its own
+# tile: as one [8 rows, words, columns] tile summed over its rows, triton 3.6 (the H200's) gave
+# the rows to the warps, summed them through shared memory (1030 warp instructions a program
+# against 496) and spilled 228 bytes a thread with a 64-bit row stride.
 _ROW_SEGMENT_BYTES = 512
 _WORDS_NUM_WARPS = 4
 _WORD_ROWS = 8
@@ -151,22 +154,25 @@ def chosen_words_kernel(
     # bound of NaN (a sample of NaNs) is taken as +inf: the candidates are then +inf and NaN, still
     # every key from a bound up, which holds a column's best wherever they number m or more.
     lo = value_of(tl.load(lo_ptr + e, mask=e < E, other=0))
-    lo = tl.where(lo != lo, float("inf"), lo)[None, None, :]
-    columns = e.to(tl.int64)[None, None, :] * stride_e
+    lo = tl.where(lo != lo, float("inf"), lo)[None, :]
+    columns = e.to(tl.int64)[None, :] * stride_e
     words = tl.zeros([WORDS, COLS], tl.int32)
-    # A word's rows ROWS at a time (a loop, not unrolled): 32 rows of 16 bytes and their 32
-    # addresses in a thread at once spilled.
+    # A word's rows ROWS at a time (a loop, not unrolled: 32 rows of 16 bytes and their 32
+    # addresses in a thread at once spilled), each row its own [WORDS, COLS] tile: a bit is or-ed
+    # into the thread's own word, so no layout the compiler picks can put a row sum across lanes or
+    # warps (a [ROWS, WORDS, COLS] tile summed over its rows did under triton 3.6: its warps took
+    # the rows, and the sum went through shared memory).
     for first in range(0, 32, ROWS):
-        bit = first + tl.arange(0, ROWS)[:, None, None]
-        t = w[None, :, None] * 32 + bit  # [ROWS, WORDS, 1]
-        ptrs = scores_ptr + tl.minimum(t, T - 1).to(tl.int64) * stride_t + columns
-        if EVEN_E:
-            x = to_float32(tl.load(ptrs))
-        else:
-            x = to_float32(tl.load(ptrs, mask=(e < E)[None, None, :], other=0.0))
-        # Distinct bits: their sum is their or (bit 31 wraps to the sign, as it should).
-        weight = tl.where(t < T, 1 << bit, 0)
-        words += tl.sum(tl.where(x < lo, 0, weight), axis=0)  # [WORDS, COLS]
+        for r in tl.static_range(ROWS):
+            t = w * 32 + (first + r)  # [WORDS]
+            ptrs = scores_ptr + tl.minimum(t, T - 1).to(tl.int64)[:, None] * stride_t + columns
+            if EVEN_E:
+                x = to_float32(tl.load(ptrs))
+            else:
+                x = to_float32(tl.load(ptrs, mask=(e < E)[None, :], other=0.0))
+            # Bit 31 (the row 31 of a word) is the sign bit, as it should be.
+            weight = tl.where(t < T, 1 << (first + r), 0)[:, None]
+            words |= tl.where(x < lo, 0, weight)
     out = e.to(tl.int64)[None, :] * W + w[:, None]
     ok = (w < W)[:, None] & (e < E)[None, :]
     tl.store(words_ptr + out, words, mask=ok)
