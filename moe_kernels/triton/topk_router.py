@@ -249,9 +249,14 @@ def take_head(run, ROW_VECTOR: tl.constexpr):
 def store_pick(experts_ptr, rows, row_ok, K, s, index, LANES: tl.constexpr):
     """A row's pick s, `index` [BLOCK_T] (int32), at experts[row, s] (int64), stored by the first
     of the row's LANES threads: a [BLOCK_T, LANES] tile in the runs' layout, where a [BLOCK_T]
-    store went through shared memory to a layout of its own (a barrier each pick)."""
+    store went through shared memory to a layout of its own (a barrier each pick). The tile's
+    addresses run on along its lanes (lane 0's is the pick's; the others are masked off): with
+    one address a row, triton 3.6 laid the store out column-major and took it through shared
+    memory behind two barriers a pick (Qwen3-MoE's forward: 16 barriers a program, 190 warp
+    instructions a row at sm_90 against 182 now; triton 3.7 kept the runs' layout either way, and
+    there the running addresses cost about 4 instructions a row with K at run time, as launched)."""
     lane = tl.arange(0, LANES)[None, :]
-    ptrs = experts_ptr + (rows.to(tl.int64) * K + s)[:, None] + 0 * lane
+    ptrs = experts_ptr + (rows.to(tl.int64) * K + s)[:, None] + lane
     values = tl.broadcast_to(index.to(tl.int64)[:, None], (index.shape[0], LANES))
     tl.store(ptrs, values, mask=row_ok[:, None] & (lane == 0))
 
