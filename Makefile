@@ -51,7 +51,7 @@ CUDA_CHECK_VENV ?= .venv-cuda-check
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: all demo test test-kernels test-triton bench lint build clean gpu-check check-cuda-build test-installed test-newest wheel FORCE
+.PHONY: all demo test test-aot-gpu-triton test-kernels test-triton bench lint build clean gpu-check check-cuda-build test-installed test-newest wheel FORCE
 
 all: test
 
@@ -113,6 +113,25 @@ test: $(EXT)
 	MOE_KERNELS_CUDA=$(CUDA) MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) -m pytest python_tests -p no:cacheprovider
 	TRITON_INTERPRET=1 MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) python_tests/run_shards.py $(INTERPRETER_SHARDS) -- \
 		$(PY) -m pytest python_tests -m triton -p no:cacheprovider
+	$(MAKE) test-aot-gpu-triton
+
+# Triton's ahead-of-time compiles once more, with the triton of the lent GPU machines (their torch
+# GPU_TORCH's pin in torch-pins.txt): the kernels timed there are that triton's compiles, and the
+# same kernel can compile without spills under one triton and spill, or take a layout through
+# shared memory, under another (chosen_words_kernel spilled under 3.6 and not 3.7). Only triton
+# itself goes into GPU_TRITON_DIR (pip --target, no dependencies), ahead of the venv's on
+# PYTHONPATH; the test asserts that it compiled with that version (MOE_KERNELS_EXPECT_TRITON).
+GPU_TORCH ?= 2.11
+GPU_TRITON := $(shell awk -v m='$(GPU_TORCH)' '$$1 == m {print $$2; exit}' torch-pins.txt)
+GPU_TRITON_DIR := .triton-$(GPU_TRITON)
+$(GPU_TRITON_DIR)/.installed: torch-pins.txt | $(PY)
+	@test -n "$(GPU_TRITON)" || { echo "GPU_TORCH=$(GPU_TORCH) has no row in torch-pins.txt" >&2; exit 1; }
+	rm -rf $(GPU_TRITON_DIR)
+	$(PY) -m pip install --quiet --no-deps --target $(GPU_TRITON_DIR) triton==$(GPU_TRITON)
+	touch $@
+test-aot-gpu-triton: $(EXT) $(GPU_TRITON_DIR)/.installed
+	PYTHONPATH=$(abspath $(GPU_TRITON_DIR)) MOE_KERNELS_EXPECT_TRITON=$(GPU_TRITON) \
+		$(PY) -m pytest python_tests/builds/test_triton_aot.py -p no:cacheprovider -q
 
 demo: $(EXT)
 	$(PY) examples/demo.py

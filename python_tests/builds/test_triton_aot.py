@@ -7,6 +7,7 @@ triton.language helpers into interpreted functions).
 """
 
 import importlib
+import os
 import pkgutil
 import re
 import subprocess
@@ -49,6 +50,18 @@ def ptxas_report(ptx: str, arch: int, tmp_path: Path) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stderr + out.stdout
+
+
+def test_compiles_with_the_expected_triton():
+    """`make test-aot-gpu-triton` puts the GPU machines' triton ahead of the venv's: where it says
+    which (MOE_KERNELS_EXPECT_TRITON), the compiles below must be that triton's, or the pass would
+    check the venv's triton twice."""
+    import triton
+
+    expected = os.environ.get("MOE_KERNELS_EXPECT_TRITON")
+    if not expected:
+        pytest.skip("MOE_KERNELS_EXPECT_TRITON is unset: the venv's triton compiles")
+    assert triton.__version__ == expected, f"triton {triton.__version__} from {triton.__file__}, expected {expected}"
 
 
 def test_every_module_lists_its_kernels():
