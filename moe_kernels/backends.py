@@ -65,8 +65,8 @@ _MEASURED_ORDER: dict[tuple[str, str], tuple[str, ...]] = {}
 # the Triton op changes from its packed scan to sorted blocks (triton/capacity_positions.py,
 # SORTED_FROM), those blocks took 3.1x the CUDA kernels' time at E = 256; below, the packed scan
 # is the faster (1.3x at E = 8). Both on the H200, T = 1M, k = 8, 2026-11-29, the CUDA kernels on
-# their strided path; their tile path (the launcher's since, untimed: docs/dispatch.md) and the
-# threshold are for bench/gpu_capacity_variants.py's table to confirm or move.
+# their strided path, still the launcher's; their tile path (untimed, forced only: docs/dispatch.md)
+# and the threshold are for bench/gpu_capacity_variants.py's table to confirm or move.
 _MEASURED_FROM: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
     ("capacity_positions", "cuda"): (64, ("cuda", "triton", "torch")),
 }

@@ -137,15 +137,15 @@ def test_widest_and_out_of_range(emulator, path):
 
 
 def test_paths_and_their_limits(emulator):
-    """Which path the launcher takes (the tile path with votes for the default order with
-    2 <= k <= 16 and k E <= 8192, else the strided path with match), and the votes' bits: the
-    bit width of E, so that label E (expert E - 1) and label 0 (no expert) differ."""
+    """Which path the launcher takes (the strided path with match, the one a GPU has timed; the
+    tile path, where forced, fits the default order with 2 <= k <= 16 and k E <= 8192), and the
+    votes' bits: the bit width of E, so that label E (expert E - 1) and label 0 (no expert) differ."""
     assert [emulator.label_bits(E) for E in (1, 2, 3, 8, 255, 256, 8192)] == [1, 2, 2, 4, 8, 9, 14]
     fits = emulator.tiles_fit
     assert fits(256, 1 << 20, 8, 0) and fits(512, 10, 16, 0) and fits(4096, 10, 2, 0) and not fits(8192, 10, 2, 0)
     assert not fits(256, 1 << 20, 8, 1)  # a priority's order: the strided path
     assert not fits(8, 10, 1, 0) and not fits(8, 10, 17, 0) and not fits(1025, 10, 8, 0)
-    assert emulator.resolved_path(AUTO, 256, 1 << 20, 8, 0) == TILES_VOTES
+    assert emulator.resolved_path(AUTO, 256, 1 << 20, 8, 0) == STRIDED_MATCH  # until a GPU times the tiles
     assert emulator.resolved_path(AUTO, 256, 1 << 20, 8, 1) == STRIDED_MATCH
     assert emulator.resolved_path(AUTO, 8, 100, 1, 0) == STRIDED_MATCH
     assert emulator.resolved_path(STRIDED_VOTES, 8, 100, 8, 0) == STRIDED_VOTES

@@ -125,8 +125,10 @@ MK_HD unsigned peers_by_votes(unsigned label, int bits, Vote vote) {
 
 // The ways the kernels run (csrc/cuda/capacity_positions.cu): the strided path (a warp a segment,
 // as above) and the tile path (below), each with a chunk's peers from __match_any_sync ("match")
-// or from votes (peers_by_votes). kAuto: the tile path with votes where it fits, else the
-// strided path with match (the one timed on the H200 at 290ae21).
+// or from votes (peers_by_votes). kAuto: the strided path with match, the one timed on the H200 at
+// 290ae21. The other three run only where forced, until a GPU has timed them against it
+// (bench/gpu_capacity_variants.py): a default is chosen by a measurement, and the tile path has
+// been checked only by the host emulation and nvcc.
 enum Path : int { kAuto = -1, kStridedMatch = 0, kStridedVotes = 1, kTilesVotes = 2, kTilesMatch = 3 };
 
 // The tile path, for the default order: a block takes a token block b and all k of its segments
@@ -157,9 +159,7 @@ MK_HD bool path_fits(int path, const Layout& L, int64_t E) {
   return path == kAuto || path == kStridedMatch || path == kStridedVotes;
 }
 
-MK_HD int resolved_path(int path, const Layout& L, int64_t E) {
-  return path != kAuto ? path : (tiles_fit(L, E) ? kTilesVotes : kStridedMatch);
-}
+MK_HD int resolved_path(int path, const Layout&, int64_t) { return path != kAuto ? path : kStridedMatch; }
 
 MK_HD bool uses_tiles(int path) { return path == kTilesVotes || path == kTilesMatch; }
 
