@@ -39,9 +39,14 @@ def test_counts_the_router_kernels():
         if line.startswith("| forward") or line.startswith("| backward")
     ]
     assert len(rows) == 4
-    for kernel, case, per_program, warps, block_t, per_row, *_ in rows:
+    for kernel, case, per_program, warps, block_t, per_row, _shfl, _redux, bars, _mufu in rows:
         assert int(per_program) > 50, (kernel, case, per_program)  # a real kernel body, not an empty listing
         assert abs(float(per_row) - int(per_program) * int(warps) / int(block_t)) < 1
+        if kernel.strip() == "forward":
+            # No block barrier in the rounds: one before the choice tile is read back, one in place
+            # of the near-ties pass. Triton 3.6 took each pick's store through shared memory, two
+            # barriers a pick, until store_pick's addresses ran on along the row (16 at Qwen3-MoE).
+            assert int(bars) <= 2, (case, bars)
     maps = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| packed_")]
     assert [m[0].strip() for m in maps] == ["packed_counts_kernel", "packed_positions_kernel"]  # E = 8
     assert all(int(m[2]) > 50 for m in maps)
@@ -50,6 +55,9 @@ def test_counts_the_router_kernels():
     for kernel in ("chosen_words_kernel", "gather_candidates_kernel", "digit_histogram_kernel", "write_mask_kernel"):
         name, dtype, per_program, warps, unit, per_unit = batchwise[kernel]
         assert dtype.strip() == "bf16" and int(per_program) > 50 and float(per_unit) > 0, batchwise[kernel]
+    # Each score's bit or-ed into its thread's word, no sum across lanes or warps: 0.06 under triton
+    # 3.6, 3.7 and 3.9, where 3.6 summed a [rows, words, columns] tile through shared memory (0.13).
+    assert float(batchwise["chosen_words_kernel"][5]) < 0.1, batchwise["chosen_words_kernel"]
 
 
 def _triton_sass():
