@@ -13,7 +13,8 @@
 # Variables the suite reads: MOE_KERNELS_REQUIRE_EXTENSION=1 (set by `make test`: a missing or
 # broken extension is an ImportError, not a quiet fallback to the reference);
 # MOE_KERNELS_REQUIRE_NVCC=1 (set by .ci/run: without it the nvcc compile checks skip where no
-# CUDA toolkit is installed).
+# CUDA toolkit is installed); MOE_KERNELS_EXPECT_TRITON (set by test-aot-gpu-triton: the triton
+# version the AOT compiles must be made with).
 #
 # On a GPU machine, `make CUDA=1 test|demo|bench` does the same in .venv-cuda with the registry's
 # torch $(TORCH) CUDA build and builds the CUDA kernels too (nvcc of the same CUDA major as torch;
@@ -107,7 +108,11 @@ build: $(EXT)
 # claimed (python_tests/run_shards.py), each process's output printed when it ends. Two on 2 cores:
 # under 20 minutes where one process took 30.
 INTERPRETER_SHARDS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
-test: $(EXT)
+# The lent GPU machines' torch, whose triton test-aot-gpu-triton compiles with (below).
+GPU_TORCH ?= 2.11
+GPU_TRITON := $(shell awk -v m='$(GPU_TORCH)' '$$1 == m {print $$2; exit}' torch-pins.txt)
+GPU_TRITON_DIR := .triton-$(GPU_TRITON)
+test: $(EXT) $(GPU_TRITON_DIR)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	MOE_KERNELS_CUDA=$(CUDA) MOE_KERNELS_REQUIRE_EXTENSION=1 $(PY) -m pytest python_tests -p no:cacheprovider
@@ -122,10 +127,7 @@ test: $(EXT)
 # 3.6 and not 3.7; the router's pick stores took two barriers a pick under 3.6). Only triton
 # itself goes into GPU_TRITON_DIR (pip --target, no dependencies), ahead of the venv's on
 # PYTHONPATH; the test asserts that it compiled with that version (MOE_KERNELS_EXPECT_TRITON).
-GPU_TORCH ?= 2.11
-GPU_TRITON := $(shell awk -v m='$(GPU_TORCH)' '$$1 == m {print $$2; exit}' torch-pins.txt)
-GPU_TRITON_DIR := .triton-$(GPU_TRITON)
-$(GPU_TRITON_DIR)/.installed: torch-pins.txt | $(PY)
+$(GPU_TRITON_DIR)/.installed: torch-pins.txt | $(DEPS)
 	@test -n "$(GPU_TRITON)" || { echo "GPU_TORCH=$(GPU_TORCH) has no row in torch-pins.txt" >&2; exit 1; }
 	rm -rf $(GPU_TRITON_DIR)
 	$(PY) -m pip install --quiet --no-deps --target $(GPU_TRITON_DIR) triton==$(GPU_TRITON)

@@ -51,7 +51,7 @@ _NUM_WARPS = 8
 # 16 spilled at sm_80 under triton 3.9, which held the kernel to 64 registers). Each row is its own
 # tile: as one [8 rows, words, columns] tile summed over its rows, triton 3.6 (the H200's) gave
 # the rows to the warps, summed them through shared memory (1030 warp instructions a program
-# against 496) and spilled 228 bytes a thread with a 64-bit row stride.
+# against 496) and spilled about 230 bytes a thread with a 64-bit row stride.
 _ROW_SEGMENT_BYTES = 512
 _WORDS_NUM_WARPS = 4
 _WORD_ROWS = 8
@@ -144,9 +144,9 @@ def chosen_words_kernel(
     """Grid (blocks of WORDS words, blocks of COLS columns): the pass over the scores, a few
     instructions a score (a compare and a bit), where writing the candidates themselves from here
     cost tens a score, every score paying for the few candidates (Triton's lanes run the same
-    instructions). The tile is [32 bits, WORDS, COLS], laid out as the loads coalesce it: a
-    thread holds a 16-byte vector of columns of every row of its word, so the word is a sum in
-    the thread. Nothing is masked a score: rows past T are read as row T - 1 and weigh 0, and
+    instructions). Each row of a word is a [WORDS, COLS] tile, laid out as the loads coalesce it:
+    a thread holds a 16-byte vector of columns of its word's row, and ors each score's bit into
+    its own words. Nothing is masked a score: rows past T are read as row T - 1 and weigh 0, and
     columns past E (only where E % COLS != 0, masked loads) are not stored."""
     w = tl.program_id(0) * WORDS + tl.arange(0, WORDS)
     e = tl.program_id(1) * COLS + tl.arange(0, COLS)

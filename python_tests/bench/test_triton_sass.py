@@ -20,7 +20,14 @@ compiles = pytest.mark.skipif(
 )
 
 
-ARGS = ["--cases", "mixtral", "qwen3", "--maps", "8", "--batchwise", "bf16"]
+ARGS = ["--cases", "mixtral", "qwen3", "qwen3-fp32", "--maps", "8", "--batchwise", "bf16"]
+# The most block barriers a router forward's hot path may hold (under triton 3.6, 3.7 and 3.9): none
+# in its rounds. They are: with k a compile-time constant as the count compiles it, the first
+# pick's store through shared memory; float32 logits' flag of near ties, a maximum across the
+# program's warps, and the barrier in place of the near-ties pass. Triton 3.6 took each pick's
+# store through shared memory, two barriers a pick, until store_pick's addresses ran on along the
+# row: 16 at Qwen3-MoE, 20 in float32.
+FORWARD_BARRIERS = {"mixtral": 2, "qwen3": 2, "qwen3-fp32": 6}
 
 
 @compiles
@@ -38,15 +45,12 @@ def test_counts_the_router_kernels():
         for line in run.stdout.splitlines()
         if line.startswith("| forward") or line.startswith("| backward")
     ]
-    assert len(rows) == 4
+    assert len(rows) == 6
     for kernel, case, per_program, warps, block_t, per_row, _shfl, _redux, bars, _mufu in rows:
         assert int(per_program) > 50, (kernel, case, per_program)  # a real kernel body, not an empty listing
         assert abs(float(per_row) - int(per_program) * int(warps) / int(block_t)) < 1
         if kernel.strip() == "forward":
-            # No block barrier in the rounds: one before the choice tile is read back, one in place
-            # of the near-ties pass. Triton 3.6 took each pick's store through shared memory, two
-            # barriers a pick, until store_pick's addresses ran on along the row (16 at Qwen3-MoE).
-            assert int(bars) <= 2, (case, bars)
+            assert int(bars) <= FORWARD_BARRIERS[case.strip()], (case, bars)
     maps = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| packed_")]
     assert [m[0].strip() for m in maps] == ["packed_counts_kernel", "packed_positions_kernel"]  # E = 8
     assert all(int(m[2]) > 50 for m in maps)
