@@ -38,6 +38,7 @@ ROUTERS = {
     "mixtral": ("bf16", 8, 2, {}),
     "e64-k2": ("bf16", 64, 2, {}),
     "qwen3": ("bf16", 128, 8, {}),
+    "e64-k8": ("bf16", 64, 8, {}),  # OLMoE's shape: 16 rows a program (topk_router.choice_rows)
     "qwen3-fp32": ("fp32", 128, 8, {}),
     "deepseek-v3": ("bf16", 256, 8, dict(sigmoid=True, bias=True, groups=8, topk_groups=4)),
     # DeepSeek-V3 without its group limit, and without its bias too (its logits then rank the

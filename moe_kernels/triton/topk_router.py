@@ -124,13 +124,18 @@ def pick_term(x, vmax):
 
 
 @triton.jit
-def choice_tile(T, K, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def choice_tile(T, K, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, CHOICE_ROWS: tl.constexpr = False):
     """This program's rows' [T, K] choices as a [BLOCK_K, BLOCK_T] tile: (the rows, int64
     [1, BLOCK_T]; the choice indices [BLOCK_K, 1]; which are in range). Choice-major, so the
     compiler gives the tile a layout of its own (about a choice a thread): laid out as the row
-    tile, each thread would hold, and compute, every choice of its row."""
-    kcols = tl.arange(0, BLOCK_K)[:, None]
-    rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    tile, each thread would hold, and compute, every choice of its row. CHOICE_ROWS: the
+    [BLOCK_T, BLOCK_K] tile instead (rows [BLOCK_T, 1], choices [1, BLOCK_K]; choice_rows)."""
+    if CHOICE_ROWS:
+        kcols = tl.arange(0, BLOCK_K)[None, :]
+        rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    else:
+        kcols = tl.arange(0, BLOCK_K)[:, None]
+        rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
     return rows_k.to(tl.int64), kcols, (rows_k < T) & (kcols < K)
 
 
@@ -430,6 +435,7 @@ def topk_router_kernel(
     SORTED_RUNS: tl.constexpr,  # rounds over sorted runs, picks stored in their round (uses_sorted_runs)
     INDEX_BITS: tl.constexpr,  # log2(BLOCK_E)
     NEAR_TIES: tl.constexpr,  # True (rank_value_keys: False only for a static count)
+    CHOICE_ROWS: tl.constexpr,  # the sorted runs' choice tile as [rows, k] (choice_rows), else [k, rows]
 ):
     rows, cols, row_ok, valid, raw = logits_raw_tile(
         logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
@@ -495,7 +501,8 @@ def topk_router_kernel(
         if RANKS_LOGITS and not SIGMOID and not PICKS_ONLY:
             _terms, denom, masked_row = softmax_terms(x, valid, vmax)
         tl.debug_barrier()
-        rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K)
+        rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
+        PICKS: tl.constexpr = 1 if CHOICE_ROWS else 0  # the tile's axis of a row's picks
         out_k = rows_k64 * K + kcols
         e_k = tl.load(experts_ptr + out_k, mask=choice_ok, other=0)
         # Every slot was stored above, but a raw call past the eligible experts (the op refuses
@@ -508,22 +515,24 @@ def topk_router_kernel(
             p_k = sigmoid_accurate(x_k)
         elif PICKS_ONLY:
             # The max: the first pick's logit (NaN first).
-            shift = tl.sum(tl.where(kcols == 0, x_k, 0.0), axis=0)
-            p_k = pick_term(x_k, shift[None, :])
+            shift = tl.sum(tl.where(kcols == 0, x_k, 0.0), axis=PICKS)
+            p_k = pick_term(x_k, tl.expand_dims(shift, PICKS))
         else:
             # softmax_score's exp(x - max) / denom, its all -inf rows' 0 by a shift and divisor
             # that make it so (exp(-inf) / 1), not a mask kept across the barrier.
             shift = tl.where(masked_row, 0.0, vmax)
             divisor = tl.where(masked_row, 1.0, denom)
-            p_k = tl.exp(x_k - shift[None, :]) / divisor[None, :]
+            p_k = tl.exp(x_k - tl.expand_dims(shift, PICKS)) / tl.expand_dims(divisor, PICKS)
         p_k = tl.where(choice_ok, p_k, 0.0)
         if RENORMALIZE:
             # The picks' sum in the choice tile's reduction order, not in pick order: the weights
             # may differ from the [rows, k] recording's in the last bit, within every backend's
             # tolerance.
-            total = tl.sum(p_k, axis=0)
+            total = tl.sum(p_k, axis=PICKS)
             safe = tl.where(total == 0, 1.0, total)
-            weights_k = tl.where(total[None, :] == 0, 0.0, tl.div_rn(p_k, safe[None, :]) * scaling)
+            weights_k = tl.where(
+                tl.expand_dims(total, PICKS) == 0, 0.0, tl.div_rn(p_k, tl.expand_dims(safe, PICKS)) * scaling
+            )
         else:
             weights_k = p_k * scaling
         tl.store(weights_ptr + out_k, weights_k, mask=choice_ok)
@@ -625,6 +634,23 @@ def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
     return False
 
 
+# Triton from 3.7 orders a load's axes of equal contiguity (the sorted runs' gather of the picks'
+# logits, whose addresses are data) last axis first, where 3.6 kept the layout it had: the [k,
+# rows] choice tile then got a layout with a row's picks across warps, and its sums, its stores and
+# its gather's operands went through shared memory (13 block barriers a program at E = 64, k = 8,
+# against 2; sm_90). With 16 rows or more a program (E <= 64), a [rows, k] tile compiles to the
+# choice-major one's code under 3.7 and 3.9 (E = 64, k = 8 133 -> 115 warp instructions a row under
+# 3.7, 130 -> 108 under 3.9) and to the broken one under 3.6 (115 -> 136); below 16 rows it gains
+# nothing, and at E = 256, k = 8 under 3.7 it cost 298 -> 342.
+_TIES_LAST_AXIS_FIRST = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
+
+
+def choice_rows(block_t: int) -> bool:
+    """CHOICE_ROWS: the sorted runs' choice tile as [rows, k] under triton 3.7 and later with 16
+    rows or more a program, else [k, rows] (the comment above)."""
+    return _TIES_LAST_AXIS_FIRST and block_t >= 16
+
+
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
 @on_tensor_device
 def topk_router(
@@ -692,6 +718,7 @@ def topk_router(
             SORTED_RUNS=uses_sorted_runs(block_e, k, vector),
             INDEX_BITS=block_e.bit_length() - 1,
             NEAR_TIES=True,
+            CHOICE_ROWS=choice_rows(block_t),
             num_warps=num_warps,
         )
     return weights, experts
@@ -738,6 +765,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "SORTED_RUNS": uses_sorted_runs(block_e, 8, vector) if runs is None else runs,
         "INDEX_BITS": block_e.bit_length() - 1,
         "NEAR_TIES": True,
+        "CHOICE_ROWS": choice_rows(block_t),
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_kernel, signature, constexprs, {"num_warps": num_warps}
