@@ -645,10 +645,12 @@ def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
 _TIES_LAST_AXIS_FIRST = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
 
 
-def choice_rows(block_t: int) -> bool:
-    """CHOICE_ROWS: the sorted runs' choice tile as [rows, k] under triton 3.7 and later with 16
-    rows or more a program, else [k, rows] (the comment above)."""
-    return _TIES_LAST_AXIS_FIRST and block_t >= 16
+def choice_rows(block_t: int, block_k: int) -> bool:
+    """CHOICE_ROWS: the choice tile (the sorted runs', the backward's) as [rows, k] under triton 3.7
+    and later with 16 rows or more a program and 4 choices or more, else [k, rows] (the comment
+    above; the backward at k = 2 counted more as [rows, k] under 3.7 and 3.9: Mixtral 11.8 ->
+    13.8 warp instructions a row, E = 64 82 -> 89)."""
+    return _TIES_LAST_AXIS_FIRST and block_t >= 16 and block_k >= 4
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
@@ -718,7 +720,7 @@ def topk_router(
             SORTED_RUNS=uses_sorted_runs(block_e, k, vector),
             INDEX_BITS=block_e.bit_length() - 1,
             NEAR_TIES=True,
-            CHOICE_ROWS=choice_rows(block_t),
+            CHOICE_ROWS=choice_rows(block_t, triton.next_power_of_2(k)),
             num_warps=num_warps,
         )
     return weights, experts
@@ -765,7 +767,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "SORTED_RUNS": uses_sorted_runs(block_e, 8, vector) if runs is None else runs,
         "INDEX_BITS": block_e.bit_length() - 1,
         "NEAR_TIES": True,
-        "CHOICE_ROWS": choice_rows(block_t),
+        "CHOICE_ROWS": choice_rows(block_t, 8),
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_kernel, signature, constexprs, {"num_warps": num_warps}

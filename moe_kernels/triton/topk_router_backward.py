@@ -22,7 +22,15 @@ from moe_kernels.triton.common import (
     value_key,
     value_of,
 )
-from moe_kernels.triton.topk_router import _PER_THREAD, _TILE, MAX_EXPERTS, choice_tile, logits_tile, softmax_terms
+from moe_kernels.triton.topk_router import (
+    _PER_THREAD,
+    _TILE,
+    MAX_EXPERTS,
+    choice_rows,
+    choice_tile,
+    logits_tile,
+    softmax_terms,
+)
 
 
 @triton.jit
@@ -47,15 +55,17 @@ def topk_router_backward_kernel(
     DISTINCT: tl.constexpr,  # each row's experts are distinct (the forward's): no repeat to sum
     ROW_VECTOR: tl.constexpr,  # load_vector(BLOCK_E, itemsize)
     ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
+    CHOICE_ROWS: tl.constexpr,  # the choice tile as [rows, k] (topk_router.choice_rows), else [k, rows]
 ):
     rows, cols, row_ok, valid, x = logits_tile(
         logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
     )
     rows64 = rows.to(tl.int64)
 
-    # The choices as a [BLOCK_K, BLOCK_T] tile: their experts, gradients and logits (gathered,
-    # from cache), each chosen score computed once.
-    rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K)
+    # The choices as a [BLOCK_K, BLOCK_T] tile (CHOICE_ROWS: [BLOCK_T, BLOCK_K]): their experts,
+    # gradients and logits (gathered, from cache), each chosen score computed once.
+    rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
+    PICKS: tl.constexpr = 1 if CHOICE_ROWS else 0  # the tile's axis of a row's choices
     idx = tl.load(experts_ptr + rows_k64 * K + kcols, mask=choice_ok, other=-1)
     # kcols in int64: a transposed [k, T] gradient's stride_gk is T, and (k - 1) T passes 2^31.
     g_ptrs = grad_weights_ptr + rows_k64 * stride_gt + kcols.to(tl.int64) * stride_gk
@@ -72,24 +82,36 @@ def topk_router_backward_kernel(
         terms, denom, masked_row = softmax_terms(x, valid, vmax)
         inverse = tl.where(masked_row, 0.0, 1.0 / tl.where(masked_row, 1.0, denom))
         scores = terms * inverse[:, None]
-        p_k = tl.where(masked_row[None, :], 0.0, tl.exp(x_k - vmax[None, :]) * inverse[None, :])
+        p_k = tl.where(
+            tl.expand_dims(masked_row, PICKS),
+            0.0,
+            tl.exp(x_k - tl.expand_dims(vmax, PICKS)) * tl.expand_dims(inverse, PICKS),
+        )
 
     # d loss / d each chosen score (g'), through the renormalisation and the scaling.
     if RENORMALIZE:
-        total = tl.sum(p_k, axis=0)
+        total = tl.sum(p_k, axis=PICKS)
         zero = total == 0
         safe = tl.where(zero, 1.0, total)
-        dot = tl.sum(g * p_k, axis=0) / safe
-        g1 = tl.where(zero[None, :], 0.0, scaling / safe[None, :] * (g - dot[None, :]))
+        dot = tl.sum(g * p_k, axis=PICKS) / safe
+        g1 = tl.where(
+            tl.expand_dims(zero, PICKS),
+            0.0,
+            scaling / tl.expand_dims(safe, PICKS) * (g - tl.expand_dims(dot, PICKS)),
+        )
     else:
         g1 = scaling * g
     # The softmax's shift sum_s g'_s p_s, per choice (a repeated expert counts once a choice).
-    shift = tl.sum(g1 * p_k, axis=0)
+    shift = tl.sum(g1 * p_k, axis=PICKS)
     if not DISTINCT:
         # A repeated expert (a raw call's) gets the sum of its choices' g' (the reference's
         # scatter_add); each of its choices computes the same sum, so their stores agree.
-        same = (idx[:, None, :] == idx[None, :, :]) & inside[None, :, :]
-        g1 = tl.sum(tl.where(same, g1[None, :, :], 0.0), axis=1)
+        if CHOICE_ROWS:  # [rows, this choice, another]
+            same = (idx[:, :, None] == idx[:, None, :]) & inside[:, None, :]
+            g1 = tl.sum(tl.where(same, g1[:, None, :], 0.0), axis=2)
+        else:  # [this choice, another, rows]
+            same = (idx[:, None, :] == idx[None, :, :]) & inside[None, :, :]
+            g1 = tl.sum(tl.where(same, g1[None, :, :], 0.0), axis=1)
 
     # Every entry as if unchosen, then (after a barrier: the same program's earlier stores come
     # first) the chosen entries over them, each stored from the choice tile.
@@ -100,7 +122,7 @@ def topk_router_backward_kernel(
         grad_k = tl.where(x_k != x_k, x_k, g1 * p_k * (1.0 - p_k))
     else:
         grad = scores * (0.0 - shift[:, None])
-        grad_k = p_k * (g1 - shift[None, :])
+        grad_k = p_k * (g1 - tl.expand_dims(shift, PICKS))
     tl.store(grad_ptr + rows64[:, None] * E + cols[None, :], from_float32(grad, grad_ptr.dtype.element_ty), mask=valid)
     tl.debug_barrier()
     tl.store(grad_ptr + rows_k64 * E + idx, from_float32(grad_k, grad_ptr.dtype.element_ty), mask=inside)
@@ -178,6 +200,7 @@ def topk_router_backward(
             DISTINCT=distinct_experts,
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
+            CHOICE_ROWS=choice_rows(block_t, block_k),
             num_warps=num_warps,
         )
     return grad
@@ -216,6 +239,7 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True):
         "DISTINCT": distinct,
         "ROW_VECTOR": load_vector(block_e, 4 if dt == "fp32" else 2),
         "ALIGNED_ROWS": True,
+        "CHOICE_ROWS": choice_rows(block_t, block_k),
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}

@@ -29,6 +29,9 @@ ARGS = ["--cases", "mixtral", "qwen3", "qwen3-fp32", "e64-k8", "--maps", "8", "-
 # row: 16 at Qwen3-MoE, 20 in float32; triton 3.7 and 3.9 took the [k, rows] choice tile's sums and
 # stores through shared memory at E = 64 (13 and 15), until topk_router.choice_rows.
 FORWARD_BARRIERS = {"mixtral": 2, "qwen3": 2, "qwen3-fp32": 6, "e64-k8": 2}
+# The backward's one barrier (its choices' stores after the row's) at E = 64, k = 8, where the
+# [k, rows] choice tile took 24 under triton 3.7 and 25 under 3.9.
+BACKWARD_BARRIERS = {"e64-k8": 1}
 
 
 @compiles
@@ -52,6 +55,8 @@ def test_counts_the_router_kernels():
         assert abs(float(per_row) - int(per_program) * int(warps) / int(block_t)) < 1
         if kernel.strip() == "forward":
             assert int(bars) <= FORWARD_BARRIERS[case.strip()], (case, bars)
+        elif case.strip() in BACKWARD_BARRIERS:
+            assert int(bars) <= BACKWARD_BARRIERS[case.strip()], (case, bars)
     maps = [line.split("|")[1:-1] for line in run.stdout.splitlines() if line.startswith("| packed_")]
     assert [m[0].strip() for m in maps] == ["packed_counts_kernel", "packed_positions_kernel"]  # E = 8
     assert all(int(m[2]) > 50 for m in maps)
