@@ -350,13 +350,15 @@ def main(argv=None) -> int:
                 flush=True,
             )
     if args.maps:
-        print("\n| kernel | E | per program | warps | choices | per choice |")
-        print("|---|---|---|---|---|---|")
+        print("\n| kernel | E | per program | warps | choices | per choice | BAR |")
+        print("|---|---|---|---|---|---|---|")
     for E in args.maps:
         for name, kernel, signature, constexprs, aligned, num_warps, choices in maps(E):
-            total = sum(hot_path(sass(kernel, signature, constexprs, aligned, num_warps)).values())
+            counts = hot_path(sass(kernel, signature, constexprs, aligned, num_warps))
+            total = sum(counts.values())
+            per_choice = total * num_warps / choices
             print(
-                f"| {name} | {E} | {total} | {num_warps} | {choices} | {total * num_warps / choices:.1f} |", flush=True
+                f"| {name} | {E} | {total} | {num_warps} | {choices} | {per_choice:.1f} | {counts['BAR']} |", flush=True
             )
     if args.batchwise:
         print("\n| kernel | scores | per program | warps | per | per unit |")

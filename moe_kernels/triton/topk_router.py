@@ -9,6 +9,7 @@ import triton.language as tl
 
 from moe_kernels import reference
 from moe_kernels.triton.common import (
+    GATHERS_LAST_AXIS_FIRST,
     NO_KEY,
     NO_PAIR,
     on_tensor_device,
@@ -634,15 +635,14 @@ def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
     return False
 
 
-# Triton from 3.7 orders a load's axes of equal contiguity (the sorted runs' gather of the picks'
-# logits, whose addresses are data) last axis first, where 3.6 kept the layout it had: the [k,
-# rows] choice tile then got a layout with a row's picks across warps, and its sums, its stores and
+# Triton from 3.7 lays out the sorted runs' gather of the picks' logits last axis first
+# (common.GATHERS_LAST_AXIS_FIRST): the [k, rows] choice tile then got a layout with a row's picks
+# across warps, and its sums, its stores and
 # its gather's operands went through shared memory (13 block barriers a program at E = 64, k = 8,
 # against 2; sm_90). With 16 rows or more a program (E <= 64), a [rows, k] tile compiles to the
 # choice-major one's code under 3.7 and 3.9 (E = 64, k = 8 133 -> 115 warp instructions a row under
 # 3.7, 130 -> 108 under 3.9) and to the broken one under 3.6 (115 -> 136); below 16 rows it gains
 # nothing, and at E = 256, k = 8 under 3.7 it cost 298 -> 342.
-_TIES_LAST_AXIS_FIRST = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
 
 
 def choice_rows(block_t: int, block_k: int) -> bool:
@@ -650,7 +650,7 @@ def choice_rows(block_t: int, block_k: int) -> bool:
     and later with 16 rows or more a program and 4 choices or more, else [k, rows] (the comment
     above; the backward at k = 2 counted more as [rows, k] under 3.7 and 3.9: Mixtral 11.8 ->
     13.8 warp instructions a row, E = 64 82 -> 89)."""
-    return _TIES_LAST_AXIS_FIRST and block_t >= 16 and block_k >= 4
+    return GATHERS_LAST_AXIS_FIRST and block_t >= 16 and block_k >= 4
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())
