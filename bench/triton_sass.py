@@ -83,6 +83,7 @@ def forward(dt: str, E: int, k: int, opts: dict):
         constexprs["SORTED_RUNS"] = opts["sorted_runs"]
     else:
         constexprs["SORTED_RUNS"] = topk_router.uses_sorted_runs(constexprs["BLOCK_E"], k, constexprs["ROW_VECTOR"])
+    constexprs["CHOICE_ROWS"] = topk_router.choice_rows(constexprs["BLOCK_T"], constexprs["BLOCK_K"])
     # The path of a program without near ties: retire_value_keys's exact second pass, which runs
     # only where a row's k + 1 best keys come within 2^INDEX_BITS key steps, left out.
     constexprs["NEAR_TIES"] = False
@@ -97,7 +98,8 @@ def backward(dt: str, E: int, k: int, opts: dict):
     """The backward as autograd launches it (the forward's experts: distinct)."""
     entry = topk_router_backward._aot(dt, E, sigmoid=opts.get("sigmoid", False), k=k)
     kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e", "stride_gk"))
-    # No loop over the choices: they are a [k, rows] tile.
+    # No loop over the choices: they are a [k, rows] tile ([rows, k] where CHOICE_ROWS).
+    constexprs["CHOICE_ROWS"] = topk_router.choice_rows(constexprs["BLOCK_T"], constexprs["BLOCK_K"], least_k=8)
     return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], 1
 
 

@@ -2,6 +2,7 @@
 the row kernels, and the device every launch runs on."""
 
 import functools
+import re
 
 import torch
 import triton
@@ -56,15 +57,15 @@ def token_stride_unspecialized(kernel):
     return triton.jit(kernel.fn, do_not_specialize=["stride_t"])
 
 
-# Smallest int32: below every value_key, used to retire selected or padding elements.
 # Triton from 3.7 lays out a load whose axes are equally contiguous (a gather: its addresses are
 # data) last axis first; 3.6 laid it out otherwise. Where the gather's layout is not its
 # neighbours', each conversion is a trip through shared memory behind barriers, so a kernel with a
 # gather in a 2-D tile takes the orientation its triton compiles well (topk_router.choice_rows,
 # capacity_positions' packed S_MAJOR positions); python_tests/bench/test_triton_sass.py bounds
 # their barriers under 3.6, 3.7 and 3.9.
-GATHERS_LAST_AXIS_FIRST = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7)
+GATHERS_LAST_AXIS_FIRST = tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", triton.__version__).groups()) >= (3, 7)
 
+# Smallest int32: below every value_key, used to retire selected or padding elements.
 NO_KEY = tl.constexpr(-2147483648)
 
 

@@ -480,8 +480,9 @@ def topk_router_kernel(
         # Each round stores its pick's expert (store_pick) and computes no score: the keys are
         # sorted in each thread's run once (sorted_runs), a round is the row max of the runs'
         # heads. The experts are read back (after a barrier: this program's own stores) as a
-        # [BLOCK_K, BLOCK_T] choice tile, in whose own layout (about a choice a thread) each
-        # pick's score and weight are computed once and stored.
+        # [BLOCK_K, BLOCK_T] choice tile ([BLOCK_T, BLOCK_K] where CHOICE_ROWS), in whose own
+        # layout (about a choice a thread) each pick's score and weight are computed once and
+        # stored.
         LANES: tl.constexpr = BLOCK_E // ROW_VECTOR
         if PACKED:
             run = sorted_runs(keys, BLOCK_T, BLOCK_E, ROW_VECTOR)
@@ -645,12 +646,13 @@ def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
 # nothing, and at E = 256, k = 8 under 3.7 it cost 298 -> 342.
 
 
-def choice_rows(block_t: int, block_k: int) -> bool:
+def choice_rows(block_t: int, block_k: int, least_k: int = 4) -> bool:
     """CHOICE_ROWS: the choice tile (the sorted runs', the backward's) as [rows, k] under triton 3.7
-    and later with 16 rows or more a program and 4 choices or more, else [k, rows] (the comment
-    above; the backward at k = 2 counted more as [rows, k] under 3.7 and 3.9: Mixtral 11.8 ->
-    13.8 warp instructions a row, E = 64 82 -> 89)."""
-    return GATHERS_LAST_AXIS_FIRST and block_t >= 16 and block_k >= 4
+    and later with 16 rows or more a program and least_k choices or more (next power of two),
+    else [k, rows] (the comment above). The backward passes 8: below, [rows, k] counted more
+    under 3.7 and 3.9 (E = 64, k = 4 91 -> 102 warp instructions a row in bf16, 103 -> 140 in
+    float32; Mixtral's k = 2 11.8 -> 13.8)."""
+    return GATHERS_LAST_AXIS_FIRST and block_t >= 16 and block_k >= least_k
 
 
 @torch.library.custom_op("moe_kernels_triton::topk_router", mutates_args=())

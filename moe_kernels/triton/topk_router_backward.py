@@ -140,7 +140,8 @@ def supports(num_experts: int) -> bool:
     return num_experts <= MAX_EXPERTS
 
 
-# Elements of the [k, k, rows] tile that sums a row's repeated experts (DISTINCT False): a
+# Elements of the [k, k, rows] tile ([rows, k, k] where CHOICE_ROWS) that sums a row's repeated
+# experts (DISTINCT False): a
 # program takes fewer rows where k is large, so it stays within this.
 _REPEATS_TILE = 4096
 
@@ -200,7 +201,7 @@ def topk_router_backward(
             DISTINCT=distinct_experts,
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
-            CHOICE_ROWS=choice_rows(block_t, block_k),
+            CHOICE_ROWS=choice_rows(block_t, block_k, least_k=8),
             num_warps=num_warps,
         )
     return grad
@@ -239,7 +240,7 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True):
         "DISTINCT": distinct,
         "ROW_VECTOR": load_vector(block_e, 4 if dt == "fp32" else 2),
         "ALIGNED_ROWS": True,
-        "CHOICE_ROWS": choice_rows(block_t, block_k),
+        "CHOICE_ROWS": choice_rows(block_t, block_k, least_k=8),
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}

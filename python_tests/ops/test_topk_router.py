@@ -562,6 +562,51 @@ def test_triton_other_pick_recording(backend, monkeypatch, router):
             assert_close(w[same], w_ref[same])
 
 
+@pytest.mark.parametrize("E, k", [(16, 8), (64, 5), (64, 8), (128, 8)])
+def test_triton_other_choice_tile(backend, monkeypatch, E, k):
+    """The Triton forward's sorted runs and the backward read their choices back as a [k, rows]
+    or a [rows, k] tile, by the triton and the shape (topk_router.choice_rows); the tests above
+    run the one the launcher chooses. Here the other one, forced in both kernels: the same
+    experts, weights and gradients as the launcher's (softmax and sigmoid, renormalised or not,
+    a backward on distinct experts and a raw one with repeats and ids out of range)."""
+    if backend != "triton":
+        pytest.skip("the Triton kernels' two choice tiles")
+    from moe_kernels.triton import topk_router as forward_module
+    from moe_kernels.triton import topk_router_backward as backward_module
+
+    backward_op = torch.ops.moe_kernels_triton.topk_router_backward
+    T = 37  # three programs of 16 rows at E <= 64, the last one ragged
+    g = torch.Generator().manual_seed(E + k)
+    logits = torch.randn(T, E, generator=g) * 3
+    logits[3] = float("-inf")
+    logits[7] = logits[7, 0]  # a row of ties
+    grad_w = torch.randn(T, k, generator=g)
+    raw = torch.randint(-2, E + 2, (T, k), generator=g)
+    raw[0] = 1  # one expert repeated k times
+    chosen = forward_module.choice_rows
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        for scoring, renormalize in (("softmax", True), ("softmax", False), ("sigmoid", True)):
+            kwargs = dict(scoring=scoring, renormalize=renormalize, scaling_factor=1.5)
+            results = []
+            for flip in (False, True):
+                rule = (lambda *shape, **kw: not chosen(*shape, **kw)) if flip else chosen
+                monkeypatch.setattr(forward_module, "choice_rows", rule)
+                monkeypatch.setattr(backward_module, "choice_rows", rule)
+                w, e = run(backend, x, k, **kwargs)
+                grads = [
+                    backward_op(grad_w, x, experts, scoring, renormalize, 1.5, distinct)
+                    for experts, distinct in ((e, True), (raw, False))
+                ]
+                results.append((w, e, grads))
+            (w0, e0, grads0), (w1, e1, grads1) = results
+            assert torch.equal(e0, e1), (dtype, scoring, renormalize)
+            assert_close(w0, w1)
+            for a, b in zip(grads0, grads1):
+                assert torch.equal(a.isnan(), b.isnan())
+                assert_close(a.float().nan_to_num(), b.float().nan_to_num())
+
+
 def test_triton_backward_drops_out_of_range_experts(backend):
     """A raw call of the Triton backward with ids outside [0, E) touches no column for them (the
     device cannot raise; docs/reliability.md): the same gradient as with those ids at -1, an id
