@@ -237,4 +237,4 @@ lint: $(DEPS)
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf build *.egg-info moe_kernels/_C*.so moe_kernels/.extension-variant $(EXT)
+	rm -rf build *.egg-info moe_kernels/_C*.so moe_kernels/.extension-variant $(EXT) .triton-*
