@@ -6,8 +6,9 @@ times of this script where it ran, from static sm_90 instruction counts, bench/t
 elsewhere). This runs the forward with that rule forced each way at fifteen shapes, in one process:
 each row the kernel time of one call (CUDA-graph replay, the median of rounds), the op's
 bytes-moved model over it, and that as a share of copy_ of the same bytes measured in the same run;
-then the launcher's recording at three launch tiles (more rows a thread: TILES) at the goals'
-shapes; then each shape's fwd+bwd with the launcher's choice. Every variant must give the same
+before them the launcher's recording at one, two and four row tiles a program (MULTI_TILES) and
+at three launch tiles (more rows a thread: TILES) at the goals' shapes; then each shape's fwd+bwd
+with the launcher's choice. Every variant must give the same
 experts: a shape where one does not is listed under the tables (and the exit status is 1), its
 timings kept. Each line is printed as it comes, so a call stopped at its limit keeps its rows.
 
@@ -61,16 +62,19 @@ def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
     """The report's lines, and whether the two recordings agreed at every shape."""
     device_name = torch.cuda.get_device_name() if timed else "smoke"
     lines = Lines()
-    lines += [
-        f"Triton topk_router forward by pick recording, T = {tokens} ({device_name}), {len(SHAPES)} shapes",
-        "",
-        "| shape | dtype | recording | launcher's | ms | GB/s | of copy_ |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines.append(f"Triton topk_router forward variants, T = {tokens} ({device_name}), {len(SHAPES)} shapes")
     original = _router.uses_sorted_runs
     gen = torch.Generator(device=device).manual_seed(0)
     disagreements: list[str] = []
     try:
+        # What no GPU has timed yet first, so that a call cut at its limit has timed them.
+        multi_tile_rows(lines, tokens, device, gen, timed, disagreements)
+        tile_rows(lines, tokens, device, gen, timed, disagreements)
+        lines += [
+            "",
+            "| shape | dtype | recording | launcher's | ms | GB/s | of copy_ |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, E, k, dtype, kw, has_bias in SHAPES:
             logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype)
             bias = 0.1 * torch.randn(E, device=device, generator=gen) if has_bias else None
@@ -101,7 +105,6 @@ def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
             if difference:
                 disagreements.append(f"- {name} {str(dtype)[6:]}: {difference}")
         _router.uses_sorted_runs = original
-        tile_rows(lines, tokens, device, gen, timed, disagreements)
         lines += ["", "| shape | dtype | fwd+bwd ms |", "|---|---|---|"]
         for name, E, k, dtype, kw, has_bias in SHAPES:
             logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype).requires_grad_()
@@ -131,13 +134,44 @@ def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
 # waits on (docs/routers.md). The shapes: those of issue 33's goals and E = 128, k = 4.
 TILES = ((_router._TILE, _router._PER_THREAD), (2048, 16), (4096, 32))
 TILE_SHAPES = ("qwen3", "deepseek-v3", "e64-k2", "e128-k4")
+# Row tiles a program (topk_router.multi_tile), the launcher's first: each tile's logits loaded
+# during the rounds of the one before, where a program of one tile waits for its logits before any
+# round (more registers a thread: 32 -> 40 at Qwen3-MoE, fewer programs an SM).
+MULTI_TILES = (1, 2, 4)
 
 
 def tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disagreements: list[str]) -> None:
-    """The launcher's recording at each of TILES: the table, added to `lines`; a tile whose picks
-    differ from the first tile's is added to `disagreements`."""
-    lines += ["", "| shape | dtype | rows a program | warps | ms | of copy_ |", "|---|---|---|---|---|---|"]
-    original = _router.launch_config
+    """The launcher's recording at each of TILES, at TILE_SHAPES: the table, added to `lines`."""
+
+    def launch_tile(tile: int, per_thread: int):
+        def config(T, E):
+            return row_tile_config(T, E, tile, per_thread)
+
+        def cells(E: int) -> str:
+            _, rows, _, warps = config(tokens, E)
+            return f"{rows} | {warps}"
+
+        return {"launch_config": config}, cells
+
+    settings = [launch_tile(tile, per_thread) for tile, per_thread in TILES]
+    heading = ["| shape | dtype | rows a program | warps | ms | of copy_ |", "|---|---|---|---|---|---|"]
+    setting_rows(lines, heading, settings, tokens, device, gen, timed, disagreements)
+
+
+def multi_tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disagreements: list[str]) -> None:
+    """The launcher's recording at each of MULTI_TILES, at TILE_SHAPES: the table, added to `lines`."""
+    settings = [({"multi_tile": lambda n, t=t: t}, lambda E, t=t: str(t)) for t in MULTI_TILES]
+    heading = ["| shape | dtype | tiles a program | ms | of copy_ |", "|---|---|---|---|---|"]
+    setting_rows(lines, heading, settings, tokens, device, gen, timed, disagreements)
+
+
+def setting_rows(lines, heading, settings, tokens: int, device: str, gen, timed: bool, disagreements) -> None:
+    """The launcher's recording at TILE_SHAPES under each of `settings`, each (the topk_router
+    module's attributes to replace, a function of E giving the row's cells that name the setting),
+    the launcher's own first: `heading`, then a row each, added to `lines`; a setting whose picks
+    differ from the first's is added to `disagreements`."""
+    lines += ["", *heading]
+    originals = {name: getattr(_router, name) for patches, _ in settings for name in patches}
     try:
         for name, E, k, dtype, kw, has_bias in (s for s in SHAPES if s[0] in TILE_SHAPES):
             logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype)
@@ -145,11 +179,9 @@ def tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disa
             moved = tokens * E * logits.element_size() + tokens * k * 12
             copy = copy_seconds(moved, device) if timed else 0.0
             first = None
-            for tile, per_thread in TILES:
-                _router.launch_config = lambda T, E, tile=tile, per_thread=per_thread: row_tile_config(
-                    T, E, tile, per_thread
-                )
-                _, rows, _, warps = _router.launch_config(tokens, E)
+            for patches, cells in settings:
+                for attribute, value in {**originals, **patches}.items():
+                    setattr(_router, attribute, value)
 
                 def call(logits=logits, bias=bias, k=k, kw=kw):
                     return K.topk_router(logits, k, bias=bias, **kw)
@@ -160,11 +192,12 @@ def tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disa
                 if first is None:
                     first = result
                 elif difference := _difference(first, result):
-                    disagreements.append(f"- {name} {str(dtype)[6:]}, {rows} rows a program: {difference}")
+                    disagreements.append(f"- {name} {str(dtype)[6:]}, {cells(E)}: {difference}")
                 ms, share = (f"{seconds * 1e3:.4f}", f"{copy / seconds:.0%}") if timed else ("-", "-")
-                lines.append(f"| {name} | {str(dtype)[6:]} | {rows} | {warps} | {ms} | {share} |")
+                lines.append(f"| {name} | {str(dtype)[6:]} | {cells(E)} | {ms} | {share} |")
     finally:
-        _router.launch_config = original
+        for attribute, value in originals.items():
+            setattr(_router, attribute, value)
 
 
 def _difference(tile: tuple, runs: tuple) -> str:

@@ -99,7 +99,7 @@ def backward(dt: str, E: int, k: int, opts: dict):
     entry = topk_router_backward._aot(dt, E, sigmoid=opts.get("sigmoid", False), k=k)
     kernel, signature, constexprs, aligned, num_warps = _as_launched(entry, E, k, ("stride_e", "stride_gk"))
     # No loop over the choices: they are a [k, rows] tile ([rows, k] where CHOICE_ROWS).
-    constexprs["CHOICE_ROWS"] = topk_router.choice_rows(constexprs["BLOCK_T"], constexprs["BLOCK_K"], least_k=8)
+    constexprs["CHOICE_ROWS"] = topk_router_backward.backward_choice_rows(constexprs["BLOCK_T"], constexprs["BLOCK_K"])
     return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], 1
 
 

@@ -42,17 +42,19 @@ def supports(num_experts: int, num_groups: int) -> bool:
 
 @triton.jit
 def logits_raw_tile(
-    logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr,
-    ALIGNED_ROWS: tl.constexpr,
+    logits_ptr, tile, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    ROW_VECTOR: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """This program's [BLOCK_T, BLOCK_E] tile of the [T, E] logits (any strides) in their own
-    dtype, padding -inf: (rows, cols, rows in range, entries in range, the tile). ROW_VECTOR: the
+    """Row tile `tile` (rows tile * BLOCK_T on) of the [T, E] logits (any strides), [BLOCK_T,
+    BLOCK_E] in their own dtype, padding -inf: (rows, cols, rows below T, entries in range, the
+    tile). T may be less than the logits' rows (a prefetch past a program's tiles loads none of
+    them: multi_tile). ROW_VECTOR: the
     contiguous entries a thread loads at once (row_vector), which sets how many threads share a
     row, and so how the row reductions run. ALIGNED_ROWS: stride_t and E are multiples of
     ROW_VECTOR (the launcher checks), so each row starts a vector and the mask is whole vectors: a
     launch tells Triton only of values divisible by 16, and Mixtral's rows of 8 bf16 were read 2
     bytes at a time (sm_90 SASS: 29 warp instructions a row against 9)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.max_contiguous(tl.arange(0, BLOCK_E), ROW_VECTOR)
     row_ok = rows < T
     row_start = rows[:, None].to(tl.int64) * stride_t
@@ -68,12 +70,12 @@ def logits_raw_tile(
 
 @triton.jit
 def logits_tile(
-    logits_ptr, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr,
-    ALIGNED_ROWS: tl.constexpr,
+    logits_ptr, tile, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    ROW_VECTOR: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
 ):  # fmt: skip
     """logits_raw_tile with the tile as float32: (rows, cols, rows in range, entries in range, x)."""
     rows, cols, row_ok, valid, raw = logits_raw_tile(
-        logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
+        logits_ptr, tile, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
     )
     return rows, cols, row_ok, valid, to_float32(raw)
 
@@ -125,18 +127,18 @@ def pick_term(x, vmax):
 
 
 @triton.jit
-def choice_tile(T, K, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, CHOICE_ROWS: tl.constexpr = False):
-    """This program's rows' [T, K] choices as a [BLOCK_K, BLOCK_T] tile: (the rows, int64
+def choice_tile(tile, T, K, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, CHOICE_ROWS: tl.constexpr = False):
+    """Row tile `tile`'s [T, K] choices as a [BLOCK_K, BLOCK_T] tile: (the rows, int64
     [1, BLOCK_T]; the choice indices [BLOCK_K, 1]; which are in range). Choice-major, so the
     compiler gives the tile a layout of its own (about a choice a thread): laid out as the row
     tile, each thread would hold, and compute, every choice of its row. CHOICE_ROWS: the
     [BLOCK_T, BLOCK_K] tile instead (rows [BLOCK_T, 1], choices [1, BLOCK_K]; choice_rows)."""
     if CHOICE_ROWS:
         kcols = tl.arange(0, BLOCK_K)[None, :]
-        rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+        rows_k = tile * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     else:
         kcols = tl.arange(0, BLOCK_K)[:, None]
-        rows_k = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        rows_k = tile * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
     return rows_k.to(tl.int64), kcols, (rows_k < T) & (kcols < K)
 
 
@@ -409,38 +411,17 @@ def group_limit_loop(
 
 
 @triton.jit
-def topk_router_kernel(
-    logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
-    bias_ptr,  # [E] float32 contiguous (read only if HAS_BIAS)
-    weights_ptr,  # [T, K] float32 contiguous
-    experts_ptr,  # [T, K] int64 contiguous
-    T,  # tokens
-    E,  # experts
-    stride_t,  # elements between consecutive tokens of logits
-    stride_e,  # elements between consecutive experts of logits
-    K,  # experts per token
-    scaling,  # multiplies the weights last
-    SIGMOID: tl.constexpr,  # scores = sigmoid(logits) (True) or softmax over the row (False)
-    HAS_BIAS: tl.constexpr,  # choice = scores + bias
-    NUM_GROUPS: tl.constexpr,  # contiguous groups of E / NUM_GROUPS experts
-    TOPK_GROUPS: tl.constexpr,  # eligible groups (== NUM_GROUPS: no group limit)
-    GROUP_MAX: tl.constexpr,  # a group's score: its max (True) or its top-2 sum (False)
-    GROUPS_RESHAPED: tl.constexpr,  # E == BLOCK_E: the group limit on a [rows, groups, width] view
-    RENORMALIZE: tl.constexpr,  # divide the selected scores by their sum
-    BLOCK_T: tl.constexpr,  # rows per program
-    BLOCK_E: tl.constexpr,  # next power of two >= E
-    BLOCK_G: tl.constexpr,  # next power of two >= NUM_GROUPS
-    BLOCK_K: tl.constexpr,  # next power of two >= K
-    ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
-    ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
-    SORTED_RUNS: tl.constexpr,  # rounds over sorted runs, picks stored in their round (uses_sorted_runs)
-    INDEX_BITS: tl.constexpr,  # log2(BLOCK_E)
-    NEAR_TIES: tl.constexpr,  # True (rank_value_keys: False only for a static count)
-    CHOICE_ROWS: tl.constexpr,  # the sorted runs' choice tile as [rows, k] (choice_rows), else [k, rows]
-):
-    rows, cols, row_ok, valid, raw = logits_raw_tile(
-        logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
-    )
+def route_tile(
+    logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, E, stride_t, stride_e, K, scaling,
+    tile, rows, cols, row_ok, valid, raw,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    GROUP_MAX: tl.constexpr, GROUPS_RESHAPED: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, ROW_VECTOR: tl.constexpr,
+    ALIGNED_ROWS: tl.constexpr, SORTED_RUNS: tl.constexpr, INDEX_BITS: tl.constexpr, NEAR_TIES: tl.constexpr,
+    CHOICE_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Row tile `tile`'s picks and weights stored, from its logits as logits_raw_tile gave them
+    (rows, cols, row_ok, valid, raw); the arguments as topk_router_kernel's."""
     x = to_float32(raw)
     GROUPED: tl.constexpr = TOPK_GROUPS < NUM_GROUPS
     # No bias and no group limit: the logits themselves rank the experts (exact), each pick's
@@ -503,7 +484,7 @@ def topk_router_kernel(
         if RANKS_LOGITS and not SIGMOID and not PICKS_ONLY:
             _terms, denom, masked_row = softmax_terms(x, valid, vmax)
         tl.debug_barrier()
-        rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
+        rows_k64, kcols, choice_ok = choice_tile(tile, T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
         PICKS: tl.constexpr = 1 if CHOICE_ROWS else 0  # the tile's axis of a row's picks
         out_k = rows_k64 * K + kcols
         e_k = tl.load(experts_ptr + out_k, mask=choice_ok, other=0)
@@ -593,6 +574,68 @@ def topk_router_kernel(
         tl.store(weights_ptr + out, weights, mask=tile_ok)
 
 
+@triton.jit
+def topk_router_kernel(
+    logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
+    bias_ptr,  # [E] float32 contiguous (read only if HAS_BIAS)
+    weights_ptr,  # [T, K] float32 contiguous
+    experts_ptr,  # [T, K] int64 contiguous
+    T,  # tokens
+    E,  # experts
+    stride_t,  # elements between consecutive tokens of logits
+    stride_e,  # elements between consecutive experts of logits
+    K,  # experts per token
+    scaling,  # multiplies the weights last
+    SIGMOID: tl.constexpr,  # scores = sigmoid(logits) (True) or softmax over the row (False)
+    HAS_BIAS: tl.constexpr,  # choice = scores + bias
+    NUM_GROUPS: tl.constexpr,  # contiguous groups of E / NUM_GROUPS experts
+    TOPK_GROUPS: tl.constexpr,  # eligible groups (== NUM_GROUPS: no group limit)
+    GROUP_MAX: tl.constexpr,  # a group's score: its max (True) or its top-2 sum (False)
+    GROUPS_RESHAPED: tl.constexpr,  # E == BLOCK_E: the group limit on a [rows, groups, width] view
+    RENORMALIZE: tl.constexpr,  # divide the selected scores by their sum
+    BLOCK_T: tl.constexpr,  # rows per program
+    BLOCK_E: tl.constexpr,  # next power of two >= E
+    BLOCK_G: tl.constexpr,  # next power of two >= NUM_GROUPS
+    BLOCK_K: tl.constexpr,  # next power of two >= K
+    ROW_VECTOR: tl.constexpr,  # row_vector(E, dtype)
+    ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
+    SORTED_RUNS: tl.constexpr,  # rounds over sorted runs, picks stored in their round (uses_sorted_runs)
+    INDEX_BITS: tl.constexpr,  # log2(BLOCK_E)
+    NEAR_TIES: tl.constexpr,  # True (rank_value_keys: False only for a static count)
+    CHOICE_ROWS: tl.constexpr,  # the sorted runs' choice tile as [rows, k] (choice_rows), else [k, rows]
+    TILES: tl.constexpr,  # row tiles a program, each one's logits loaded during the one before (multi_tile)
+):
+    first = tl.program_id(0) * TILES
+    rows, cols, row_ok, valid, raw = logits_raw_tile(
+        logits_ptr, first, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
+    )
+    if TILES == 1:
+        route_tile(
+            logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, E, stride_t, stride_e, K, scaling,
+            first, rows, cols, row_ok, valid, raw,
+            SIGMOID, HAS_BIAS, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, GROUPS_RESHAPED, RENORMALIZE, BLOCK_T,
+            BLOCK_E, BLOCK_G, BLOCK_K, ROW_VECTOR, ALIGNED_ROWS, SORTED_RUNS, INDEX_BITS, NEAR_TIES, CHOICE_ROWS,
+        )  # fmt: skip
+    else:
+        # Each tile's logits are loaded before the rounds of the tile before it, so that their
+        # memory latency overlaps those rounds rather than stalling the program. The rows end at
+        # the program's last tile (int64: (first + TILES) * BLOCK_T may pass 2^31): the load after
+        # it reads nothing. The last program runs only the tiles that hold rows.
+        end = tl.minimum(T, (first + TILES).to(tl.int64) * BLOCK_T)
+        for t in range(0, tl.minimum(TILES, tl.cdiv(T, BLOCK_T) - first)):
+            tile = first + t
+            rows_n, _cols, row_ok_n, valid_n, raw_n = logits_raw_tile(
+                logits_ptr, tile + 1, end, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
+            )
+            route_tile(
+                logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, E, stride_t, stride_e, K, scaling,
+                tile, rows, cols, row_ok, valid, raw,
+                SIGMOID, HAS_BIAS, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, GROUPS_RESHAPED, RENORMALIZE, BLOCK_T,
+                BLOCK_E, BLOCK_G, BLOCK_K, ROW_VECTOR, ALIGNED_ROWS, SORTED_RUNS, INDEX_BITS, NEAR_TIES, CHOICE_ROWS,
+            )  # fmt: skip
+            rows, row_ok, valid, raw = rows_n, row_ok_n, valid_n, raw_n
+
+
 def launch_config(num_tokens: int, num_experts: int):
     """(grid, BLOCK_T, BLOCK_E, num_warps) for a [num_tokens, num_experts] input."""
     return row_tile_config(num_tokens, num_experts, _TILE, _PER_THREAD)
@@ -646,12 +689,21 @@ def uses_sorted_runs(block_e: int, k: int, vector: int) -> bool:
 # nothing, and at E = 256, k = 8 under 3.7 it cost 298 -> 342.
 
 
+def multi_tile(num_tiles: int) -> int:
+    """TILES, the row tiles a program routes, each tile's logits loaded while the program runs the
+    rounds of the one before. At T = 262,144 the H200 ran the forward at about half the issue
+    rate its static counts allow (docs/routers.md) with a tile a program, which waits for its
+    logits before any round; more tiles a program would overlap that wait with rounds. One tile
+    a program until a GPU has timed more (bench/gpu_router_variants.py times 1, 2 and 4)."""
+    return 1
+
+
 def choice_rows(block_t: int, block_k: int, least_k: int = 4) -> bool:
     """CHOICE_ROWS: the choice tile (the sorted runs', the backward's) as [rows, k] under triton 3.7
     and later with 16 rows or more a program and least_k choices or more (next power of two),
-    else [k, rows] (the comment above). The backward passes 8: below, [rows, k] counted more
-    under 3.7 and 3.9 (E = 64, k = 4 91 -> 102 warp instructions a row in bf16, 103 -> 140 in
-    float32; Mixtral's k = 2 11.8 -> 13.8)."""
+    else [k, rows] (the comment above). The backward passes 8 (backward_choice_rows): below it,
+    [rows, k] counted more under 3.7 and 3.9 (E = 64, k = 4 91 -> 102 warp instructions a row in
+    bf16, 103 -> 140 in float32; Mixtral's k = 2 11.8 -> 13.8)."""
     return GATHERS_LAST_AXIS_FIRST and block_t >= 16 and block_k >= least_k
 
 
@@ -693,9 +745,10 @@ def topk_router(
     experts = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     if T > 0:
         grid, block_t, block_e, num_warps = launch_config(T, E)
+        tiles = multi_tile(grid[0])
         vector = row_vector(block_e, logits.element_size())
         b = bias.float().contiguous() if bias is not None else weights  # unread without a bias
-        topk_router_kernel[grid](
+        topk_router_kernel[(triton.cdiv(grid[0], tiles),)](
             logits,
             b,
             weights,
@@ -723,6 +776,7 @@ def topk_router(
             INDEX_BITS=block_e.bit_length() - 1,
             NEAR_TIES=True,
             CHOICE_ROWS=choice_rows(block_t, triton.next_power_of_2(k)),
+            TILES=tiles,
             num_warps=num_warps,
         )
     return weights, experts
@@ -736,7 +790,9 @@ def _(logits, k, scoring, bias, num_groups, topk_groups, group_scoring, renormal
 
 # For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): the Mixtral-style softmax
 # router, the DeepSeek-V3 grouped sigmoid router at E = 256, a biased bf16 router, the widest row.
-def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True, runs=None):
+def _aot(
+    dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=False, renormalize=True, runs=None, tiles=1
+):
     _, block_t, block_e, num_warps = launch_config(1 << 20, num_experts)
     vector = row_vector(block_e, 4 if dt == "fp32" else 2)
     signature = {
@@ -770,6 +826,7 @@ def _aot(dt, num_experts, *, sigmoid, bias, groups=1, topk_groups=1, group_max=F
         "INDEX_BITS": block_e.bit_length() - 1,
         "NEAR_TIES": True,
         "CHOICE_ROWS": choice_rows(block_t, 8),
+        "TILES": tiles,
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_kernel, signature, constexprs, {"num_warps": num_warps}
@@ -789,4 +846,8 @@ AOT_KERNELS = [
     _aot("bf16", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, runs=False),
     # The sorted runs where k is the whole row (two threads a row): their most registers.
     _aot("fp32", 8, sigmoid=False, bias=False),
+    # Four tiles a program (multi_tile), the next tile's logits held through the rounds.
+    _aot("bf16", 128, sigmoid=False, bias=False, tiles=4),
+    _aot("bf16", 256, sigmoid=True, bias=True, groups=8, topk_groups=4, tiles=4),
+    _aot("fp32", 64, sigmoid=False, bias=False, tiles=4),
 ]

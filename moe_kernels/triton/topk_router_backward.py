@@ -58,13 +58,13 @@ def topk_router_backward_kernel(
     CHOICE_ROWS: tl.constexpr,  # the choice tile as [rows, k] (topk_router.choice_rows), else [k, rows]
 ):
     rows, cols, row_ok, valid, x = logits_tile(
-        logits_ptr, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
+        logits_ptr, tl.program_id(0), T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
     )
     rows64 = rows.to(tl.int64)
 
     # The choices as a [BLOCK_K, BLOCK_T] tile (CHOICE_ROWS: [BLOCK_T, BLOCK_K]): their experts,
     # gradients and logits (gathered, from cache), each chosen score computed once.
-    rows_k64, kcols, choice_ok = choice_tile(T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
+    rows_k64, kcols, choice_ok = choice_tile(tl.program_id(0), T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
     PICKS: tl.constexpr = 1 if CHOICE_ROWS else 0  # the tile's axis of a row's choices
     idx = tl.load(experts_ptr + rows_k64 * K + kcols, mask=choice_ok, other=-1)
     # kcols in int64: a transposed [k, T] gradient's stride_gk is T, and (k - 1) T passes 2^31.
@@ -158,6 +158,13 @@ def launch_config(num_tokens: int, num_experts: int, k: int, distinct: bool):
     return grid, block_t, block_e, block_k, num_warps
 
 
+def backward_choice_rows(block_t: int, block_k: int) -> bool:
+    """CHOICE_ROWS of the backward: topk_router.choice_rows from k = 5 (8 as a power of two), where
+    the [rows, k] tile counted fewer warp instructions under triton 3.7 and 3.9; below it counted
+    more (its docstring). The launcher, the AOT entries and bench/triton_sass.py all ask here."""
+    return choice_rows(block_t, block_k, least_k=8)
+
+
 @torch.library.custom_op("moe_kernels_triton::topk_router_backward", mutates_args=())
 @on_tensor_device
 def topk_router_backward(
@@ -201,7 +208,7 @@ def topk_router_backward(
             DISTINCT=distinct_experts,
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
-            CHOICE_ROWS=choice_rows(block_t, block_k, least_k=8),
+            CHOICE_ROWS=backward_choice_rows(block_t, block_k),
             num_warps=num_warps,
         )
     return grad
@@ -240,7 +247,7 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True):
         "DISTINCT": distinct,
         "ROW_VECTOR": load_vector(block_e, 4 if dt == "fp32" else 2),
         "ALIGNED_ROWS": True,
-        "CHOICE_ROWS": choice_rows(block_t, block_k, least_k=8),
+        "CHOICE_ROWS": backward_choice_rows(block_t, block_k),
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}

@@ -1,5 +1,6 @@
-"""bench/gpu_router_variants.py (the router's two pick recordings timed on a GPU): its smoke run on
-tiny CPU tensors in Triton's interpreter, where it checks both recordings pick the same experts."""
+"""bench/gpu_router_variants.py (the router's pick recordings, launch tiles and row tiles a program
+timed on a GPU): its smoke run on tiny CPU tensors in Triton's interpreter, where it checks that
+every variant picks the same experts."""
 
 import re
 
@@ -12,7 +13,7 @@ from . import bench_module, smoke_run
 
 
 @pytest.mark.skipif(not backends.triton_importable(), reason="the Triton router")
-def test_smoke_runs_both_recordings_and_the_backward():
+def test_smoke_runs_both_recordings_the_tiles_and_the_backward():
     stdout = smoke_run("gpu_router_variants.py")
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
     shapes = int(re.search(r"(\d+) shapes", stdout).group(1))  # the script's SHAPES
@@ -28,6 +29,10 @@ def test_smoke_runs_both_recordings_and_the_backward():
     for i in range(0, len(tiles), 3):
         programs = [int(t[3]) for t in tiles[i : i + 3]]  # rows a program, capped by T = 16 here
         assert programs == sorted(programs), tiles[i : i + 3]
+    # the row tiles a program: the same shapes at 1, 2 and 4, the launcher's (1) first
+    multi = [r.split("|") for r in rows if r.count("|") == 6 and "tiles a program" not in r]
+    assert [int(m[3]) for m in multi] == [1, 2, 4] * 5, multi
+    assert [m[1].strip() for m in multi] == [t[1].strip() for t in tiles]
 
 
 def test_a_disagreement_is_reported_not_raised():

@@ -607,6 +607,48 @@ def test_triton_other_choice_tile(backend, monkeypatch, E, k):
                 assert_close(a.float().nan_to_num(), b.float().nan_to_num())
 
 
+@pytest.mark.parametrize(
+    "E, k, kwargs",
+    [
+        (128, 8, dict(renormalize=True)),  # Qwen3-MoE's shape: the sorted runs, 8 rows a tile
+        (64, 2, dict(renormalize=False)),  # the [rows, k] tile
+        (8, 2, dict(renormalize=True)),  # a row in one thread
+        (256, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, scaling_factor=2.5)),  # DeepSeek-V3's
+        (160, 6, dict(scoring="sigmoid", num_groups=8, topk_groups=3, group_scoring="max")),  # groups by a loop
+    ],
+)
+def test_triton_multi_tile(backend, monkeypatch, E, k, kwargs):
+    """The Triton forward with several row tiles a program (topk_router.multi_tile: each tile's
+    logits loaded during the rounds of the one before) gives bit for bit the experts and weights of
+    a tile a program: tile counts that divide the tiles and that leave the last program short, on
+    rows of ties, -inf rows and NaN, in bfloat16 and float32, with and without a bias."""
+    if backend != "triton":
+        pytest.skip("the Triton kernel's tiles a program")
+    from moe_kernels.triton import topk_router as forward_module
+
+    g = torch.Generator().manual_seed(E + k)
+    T = 5 * forward_module.launch_config(10**6, E)[1] - 3  # five tiles, the last one ragged
+    logits = torch.randn(T, E, generator=g) * 3
+    logits[1] = float("-inf")
+    logits[2] = logits[2, 0]  # a row of ties
+    logits[T - 1, E // 2] = float("nan")
+    if "num_groups" in kwargs:
+        kwargs = dict(kwargs, bias=0.1 * torch.randn(E, generator=g))
+    chosen = forward_module.multi_tile
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        monkeypatch.setattr(forward_module, "multi_tile", chosen)
+        w1, e1 = run(backend, x, k, **kwargs)
+        for tiles in (2, 3, 5, 8):
+            monkeypatch.setattr(forward_module, "multi_tile", lambda n, tiles=tiles: tiles)
+            w, e = run(backend, x, k, **kwargs)
+            assert torch.equal(e, e1), (dtype, tiles)
+            assert torch.equal(w.isnan(), w1.isnan()), (dtype, tiles)
+            assert torch.equal(w.nan_to_num(), w1.nan_to_num()), (dtype, tiles)
+        if "bias" not in kwargs:  # the logits rank the experts: the reference's, exactly
+            assert torch.equal(e1, run("torch", x, k, **kwargs)[1]), dtype
+
+
 def test_triton_backward_drops_out_of_range_experts(backend):
     """A raw call of the Triton backward with ids outside [0, E) touches no column for them (the
     device cannot raise; docs/reliability.md): the same gradient as with those ids at -1, an id
