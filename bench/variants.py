@@ -1,7 +1,7 @@
 """The harness of the gpu_*_variants scripts (bench/gpu_router_variants.py, gpu_capacity_variants.py,
-gpu_solver_variants.py): each times an op's ways against each other on a GPU in one process, prints
-its table's rows as they come (a device call stopped at its limit keeps what it timed), and has a
---smoke run on the CPU that its test runs."""
+gpu_solver_variants.py) and of gpu_router_bounds.py: each times an op's ways (or stages) against
+each other on a GPU in one process, prints its table's rows as they come (a device call stopped at
+its limit keeps what it timed), and has a --smoke run on the CPU that its test runs."""
 
 from __future__ import annotations
 
