@@ -124,7 +124,8 @@ test: $(EXT) $(GPU_TRITON_DIR)/.installed
 # GPU_TORCH's pin in torch-pins.txt), and the static SASS counts' checks: the kernels timed there
 # are that triton's compiles, and the same kernel can compile without spills under one triton and
 # spill, or take a layout through shared memory, under another (chosen_words_kernel spilled under
-# 3.6 and not 3.7; the router's pick stores took two barriers a pick under 3.6). Only triton
+# 3.6 and not 3.7; the router's pick stores took two barriers a pick under 3.6); and the kernel of
+# bench/gpu_router_bounds.py, which a GPU session runs. Only triton
 # itself goes into GPU_TRITON_DIR (pip --target, no dependencies), ahead of the venv's on
 # PYTHONPATH; the test asserts that it compiled with that version (MOE_KERNELS_EXPECT_TRITON).
 $(GPU_TRITON_DIR)/.installed: torch-pins.txt | $(DEPS)
@@ -134,7 +135,8 @@ $(GPU_TRITON_DIR)/.installed: torch-pins.txt | $(DEPS)
 	touch $@
 test-aot-gpu-triton: $(EXT) $(GPU_TRITON_DIR)/.installed
 	PYTHONPATH=$(abspath $(GPU_TRITON_DIR)) MOE_KERNELS_EXPECT_TRITON=$(GPU_TRITON) \
-		$(PY) -m pytest python_tests/builds/test_triton_aot.py python_tests/bench/test_triton_sass.py -p no:cacheprovider -q
+		$(PY) -m pytest python_tests/builds/test_triton_aot.py python_tests/bench/test_triton_sass.py \
+		python_tests/bench/test_gpu_router_bounds.py::test_stages_compile_for_sm90_without_spills -p no:cacheprovider -q
 
 demo: $(EXT)
 	$(PY) examples/demo.py

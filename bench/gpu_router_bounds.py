@@ -13,8 +13,9 @@ goal's:
     keys      + each entry's key: packed_key / value_key of the logits, or the sigmoid score plus
               the bias (sigmoid_accurate, bias_tile) for the biased router
     groups    + the group limit (group_limit_reshaped), DeepSeek-V3 only
-    rounds    + the k rounds over sorted runs (sorted_runs, take_head), without the picks' stores
-              and weights
+    rounds    + the k rounds as the op runs them (uses_sorted_runs): over sorted runs (sorted_runs,
+              take_head) or a row max and a retire a round (pick_logit, take_best_key), without
+              the picks' stores, scores and weights
     op        the op as launched (moe_kernels.ops.topk_router on the Triton backend)
 
 Each row: the time of one call (CUDA-graph replay, the median of rounds) and the goal's time over
@@ -50,18 +51,19 @@ from moe_kernels.triton.common import (  # noqa: E402
     packed_index,
     packed_key,
     sigmoid_accurate,
+    take_best_key,
     to_float32,
     value_key,
 )
 
 GOAL = 0.7  # issue 33: the forward at >= 70% of copy
 GROUPED = dict(scoring="sigmoid", num_groups=8, topk_groups=4, renormalize=True, scaling_factor=2.5)
-# (name, E, k, dtype, the op's keywords, bias): the goals grid's router rows.
+# (name, E, k, dtype, the op's keywords, bias): the goals grid's router rows (bench/gpu_bench.py).
 SHAPES = [
     ("mixtral", 8, 2, torch.bfloat16, dict(renormalize=True), False),
-    ("e64-k2", 64, 2, torch.bfloat16, dict(renormalize=False), False),
-    ("qwen3", 128, 8, torch.bfloat16, dict(renormalize=False), False),
-    ("qwen3", 128, 8, torch.float32, dict(renormalize=False), False),
+    ("e64-k2", 64, 2, torch.bfloat16, dict(renormalize=True), False),  # topk_softmax's
+    ("qwen3", 128, 8, torch.bfloat16, dict(renormalize=True), False),
+    ("qwen3", 128, 8, torch.float32, dict(renormalize=True), False),
     ("deepseek-v3", 256, 8, torch.bfloat16, GROUPED, True),
 ]
 STAGES = ("read", "keys", "groups", "rounds")
@@ -71,13 +73,14 @@ STAGES = ("read", "keys", "groups", "rounds")
 def stages_kernel(
     logits_ptr, bias_ptr, out_ptr, T, E, stride_t, stride_e, K, STAGE: tl.constexpr, BIASED: tl.constexpr,
     NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    ROW_VECTOR: tl.constexpr, ALIGNED_ROWS: tl.constexpr, INDEX_BITS: tl.constexpr,
+    ROW_VECTOR: tl.constexpr, ALIGNED_ROWS: tl.constexpr, INDEX_BITS: tl.constexpr, SORTED_RUNS: tl.constexpr,
 ):  # fmt: skip
     """The forward's stages up to STAGE (an index of STAGES) on one row tile a program, one int32 a
     row stored at out[row]: read, the row max's bits; keys and groups, the row's largest key
     (groups: the count of eligible entries, which the group limit decides); rounds, the XOR of the
     K picked experts. BIASED: sigmoid scores plus the bias (float32 value keys), else the logits'
-    own keys (packed_key for 16-bit logits)."""
+    own keys (packed_key for 16-bit logits). SORTED_RUNS: the rounds over sorted runs, else a row
+    max and a retire a round (uses_sorted_runs, as the op)."""
     rows, cols, row_ok, valid, raw = R.logits_raw_tile(
         logits_ptr, tl.program_id(0), T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
     )
@@ -99,7 +102,7 @@ def stages_kernel(
             out = tl.max(keys, axis=1)
         elif STAGE == 2:
             out = tl.sum((keys != NO_KEY).to(tl.int32), axis=1)
-        else:
+        elif SORTED_RUNS:
             LOW: tl.constexpr = (1 << INDEX_BITS) - 1
             if not PACKED:
                 keys = R.index_packed_keys(keys, cols, INDEX_BITS)
@@ -111,36 +114,72 @@ def stages_kernel(
                     out = out ^ packed_index(best)
                 else:
                     out = out ^ (LOW - (best & LOW))
+        else:
+            out = tl.zeros((BLOCK_T,), tl.int32)
+            for _ in range(0, K):
+                if PACKED:
+                    index, _logit, keys = R.pick_logit(keys, cols, True, logits_ptr.dtype.element_ty, BLOCK_E)
+                else:
+                    _best, index, keys = take_best_key(keys, cols, BLOCK_E)
+                out = out ^ index
     tl.store(out_ptr + rows, out, mask=row_ok)
+
+
+def stage_config(stage: int, T: int, E: int, k: int, itemsize: int, biased: bool, groups: int, topk_groups: int):
+    """(grid, constexprs, num_warps) of stages_kernel up to `stage` in the launcher's tiles, on
+    dense rows (ALIGNED_ROWS where E is a multiple of the load vector)."""
+    grid, block_t, block_e, num_warps = R.launch_config(T, E)
+    vector = R.row_vector(block_e, itemsize)
+    constexprs = dict(
+        STAGE=stage,
+        BIASED=biased,
+        NUM_GROUPS=groups,
+        TOPK_GROUPS=topk_groups,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        ROW_VECTOR=vector,
+        ALIGNED_ROWS=E % vector == 0,
+        INDEX_BITS=block_e.bit_length() - 1,
+        SORTED_RUNS=R.uses_sorted_runs(block_e, k, vector),
+    )
+    return grid, constexprs, num_warps
 
 
 def run_stage(stage: int, logits: torch.Tensor, bias, k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
     """stages_kernel up to `stage` in the launcher's tiles: [T] int32."""
     T, E = logits.shape
-    grid, block_t, block_e, num_warps = R.launch_config(T, E)
-    vector = R.row_vector(block_e, logits.element_size())
+    biased = bias is not None
+    grid, constexprs, num_warps = stage_config(stage, T, E, k, logits.element_size(), biased, num_groups, topk_groups)
+    constexprs["ALIGNED_ROWS"] &= logits.stride(0) % constexprs["ROW_VECTOR"] == 0
     out = torch.empty(T, dtype=torch.int32, device=logits.device)
     stages_kernel[grid](
         logits,
-        bias if bias is not None else out,  # unread without a bias
+        bias if biased else out,  # unread without a bias
         out,
         T,
         E,
         logits.stride(0),
         logits.stride(1),
         k,
-        STAGE=stage,
-        BIASED=bias is not None,
-        NUM_GROUPS=num_groups,
-        TOPK_GROUPS=topk_groups,
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
-        ROW_VECTOR=vector,
-        ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
-        INDEX_BITS=block_e.bit_length() - 1,
+        **constexprs,
         num_warps=num_warps,
     )
     return out
+
+
+def aot_entries() -> list[tuple]:
+    """Each shape's last stage (every function the others use) as python_tests/builds/
+    test_triton_aot.py's entries: (kernel, signature, constexprs, options)."""
+    entries = []
+    for _name, E, k, dtype, kw, has_bias in SHAPES:
+        groups, topk_groups = kw.get("num_groups", 1), kw.get("topk_groups", 1)
+        dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+        itemsize = torch.finfo(dtype).bits // 8
+        _, constexprs, num_warps = stage_config(len(STAGES) - 1, 1 << 20, E, k, itemsize, has_bias, groups, topk_groups)
+        signature = {"logits_ptr": f"*{dt}", "bias_ptr": "*fp32", "out_ptr": "*i32", "T": "i32", "E": "i32"}
+        signature.update(stride_t="i64", stride_e="i64", K="i32", **dict.fromkeys(constexprs, "constexpr"))
+        entries.append((stages_kernel, signature, constexprs, {"num_warps": num_warps}))
+    return entries
 
 
 def expected(stage: int, logits: torch.Tensor, bias, k: int, kw: dict, out: torch.Tensor) -> str:

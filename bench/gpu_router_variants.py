@@ -31,6 +31,7 @@ from variants import Lines, copy_seconds  # noqa: E402
 import moe_kernels  # noqa: E402
 from moe_kernels import ops as K  # noqa: E402
 from moe_kernels.triton import topk_router as _router  # noqa: E402
+from moe_kernels.triton import topk_router_backward as _backward  # noqa: E402
 from moe_kernels.triton.common import row_tile_config  # noqa: E402
 
 GROUPED = dict(scoring="sigmoid", num_groups=8, topk_groups=4, renormalize=True, scaling_factor=2.5)
@@ -124,7 +125,7 @@ def run(tokens: int, device: str, timed: bool) -> tuple[list[str], bool]:
     finally:
         _router.uses_sorted_runs = original
     if disagreements:
-        lines += ["", "## The two recordings disagree", "", *disagreements]
+        lines += ["", "## Variants that disagree", "", *disagreements]
     return lines, not disagreements
 
 
@@ -151,7 +152,7 @@ def tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disa
             _, rows, _, warps = config(tokens, E)
             return f"{rows} | {warps}"
 
-        return {"launch_config": config}, cells
+        return {(_router, "launch_config"): config}, cells
 
     settings = [launch_tile(tile, per_thread) for tile, per_thread in TILES]
     heading = ["| shape | dtype | rows a program | warps | ms | of copy_ |", "|---|---|---|---|---|---|"]
@@ -159,60 +160,78 @@ def tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disa
 
 
 def multi_tile_rows(lines: list[str], tokens: int, device: str, gen, timed: bool, disagreements: list[str]) -> None:
-    """The launcher's recording at each of MULTI_TILES, at TILE_SHAPES: the table, added to `lines`."""
-    settings = [({"multi_tile": lambda n, t=t: t}, lambda E, t=t: str(t)) for t in MULTI_TILES]
+    """The launcher's recording at each of MULTI_TILES, at TILE_SHAPES: the forward's table, then
+    fwd+bwd's with the forward at one tile a program and the backward at each, added to `lines`."""
+    settings = [({(_router, "multi_tile"): lambda n, t=t: t}, lambda E, t=t: str(t)) for t in MULTI_TILES]
     heading = ["| shape | dtype | tiles a program | ms | of copy_ |", "|---|---|---|---|---|"]
     setting_rows(lines, heading, settings, tokens, device, gen, timed, disagreements)
+    settings = [({(_backward, "backward_multi_tile"): lambda n, t=t: t}, lambda E, t=t: str(t)) for t in MULTI_TILES]
+    heading = ["| shape | dtype | backward's tiles a program | fwd+bwd ms | of copy_ |", "|---|---|---|---|---|"]
+    setting_rows(lines, heading, settings, tokens, device, gen, timed, disagreements, backward=True)
 
 
-def setting_rows(lines, heading, settings, tokens: int, device: str, gen, timed: bool, disagreements) -> None:
-    """The launcher's recording at TILE_SHAPES under each of `settings`, each (the topk_router
-    module's attributes to replace, a function of E giving the row's cells that name the setting),
-    the launcher's own first: `heading`, then a row each, added to `lines`; a setting whose picks
-    differ from the first's is added to `disagreements`."""
+def setting_rows(
+    lines, heading, settings, tokens: int, device: str, gen, timed: bool, disagreements, backward: bool = False
+) -> None:
+    """The launcher's recording at TILE_SHAPES under each of `settings`, each ({(module,
+    attribute): replacement}, a function of E giving the row's cells that name the setting), the
+    launcher's own first: `heading`, then a row each, added to `lines`; a setting whose picks (and
+    gradients, with `backward`: each row then times the forward and autograd's backward) differ
+    from the first's is added to `disagreements`."""
     lines += ["", *heading]
-    originals = {name: getattr(_router, name) for patches, _ in settings for name in patches}
+    originals = {key: getattr(*key) for patches, _ in settings for key in patches}
     try:
         for name, E, k, dtype, kw, has_bias in (s for s in SHAPES if s[0] in TILE_SHAPES):
-            logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype)
+            logits = torch.randn(tokens, E, device=device, generator=gen).to(dtype).requires_grad_(backward)
             bias = 0.1 * torch.randn(E, device=device, generator=gen) if has_bias else None
-            moved = tokens * E * logits.element_size() + tokens * k * 12
+            size = logits.element_size()
+            # The forward reads the logits and writes the picks; the backward reads them, the
+            # logits again and the weights' gradient, and writes the logits' gradient.
+            moved = tokens * E * size + tokens * k * 12 + (tokens * (2 * E * size + k * 16) if backward else 0)
             copy = copy_seconds(moved, device) if timed else 0.0
+            ones = torch.ones(tokens, k, device=device)  # the weights' gradient, made once
             first = None
             for patches, cells in settings:
-                for attribute, value in {**originals, **patches}.items():
-                    setattr(_router, attribute, value)
+                for (module, attribute), value in {**originals, **patches}.items():
+                    setattr(module, attribute, value)
 
-                def call(logits=logits, bias=bias, k=k, kw=kw):
-                    return K.topk_router(logits, k, bias=bias, **kw)
+                def call(logits=logits, bias=bias, k=k, kw=kw, ones=ones):
+                    w, e = K.topk_router(logits, k, bias=bias, **kw)
+                    return (w, e, *torch.autograd.grad(w, logits, ones)) if backward else (w, e)
 
                 with moe_kernels.use_backend("triton"):
                     result = call()
                     seconds = time_gpu(call)[0] if timed else 0.0
                 if first is None:
                     first = result
-                elif difference := _difference(first, result):
-                    disagreements.append(f"- {name} {str(dtype)[6:]}, {cells(E)}: {difference}")
+                elif difference := _difference(first, result, ("the launcher's", "this setting")):
+                    disagreements.append(
+                        f"- {name} {str(dtype)[6:]}, {heading[0].split('|')[3].strip()} {cells(E)}: {difference}"
+                    )
                 ms, share = (f"{seconds * 1e3:.4f}", f"{copy / seconds:.0%}") if timed else ("-", "-")
                 lines.append(f"| {name} | {str(dtype)[6:]} | {cells(E)} | {ms} | {share} |")
     finally:
-        for attribute, value in originals.items():
-            setattr(_router, attribute, value)
+        for (module, attribute), value in originals.items():
+            setattr(module, attribute, value)
 
 
-def _difference(tile: tuple, runs: tuple) -> str:
-    """'' where the two recordings' (weights, experts) agree (the experts equal, the weights to
-    float32 rounding), else what differs: the rows with other experts, or the largest weight gap."""
-    (w_tile, e_tile), (w_runs, e_runs) = tile, runs
+def _difference(tile: tuple, runs: tuple, names: tuple[str, str] = ("the tile", "the runs")) -> str:
+    """'' where two variants' (weights, experts[, gradient]) agree (the experts equal, the weights
+    to float32 rounding, the gradients bit for bit), else what differs: the rows with other
+    experts, the largest weight gap, or the gradients'. `names`: how the rows name the two."""
+    (w_tile, e_tile, *g_tile), (w_runs, e_runs, *g_runs) = tile, runs
     rows = (e_tile != e_runs).any(dim=1)
     if bool(rows.any()):
         first = int(rows.nonzero()[0, 0])
         return (
             f"{int(rows.sum())} rows pick other experts (row {first}: "
-            f"{e_tile[first].tolist()} by the tile, {e_runs[first].tolist()} by the runs)"
+            f"{e_tile[first].tolist()} by {names[0]}, {e_runs[first].tolist()} by {names[1]})"
         )
     if not torch.allclose(w_tile, w_runs, rtol=1e-6, atol=1e-7):
         return f"same experts, weights apart by up to {float((w_tile - w_runs).abs().max()):.3g}"
+    for a, b in zip(g_tile, g_runs, strict=True):
+        if not torch.equal(a.nan_to_num(), b.nan_to_num()):
+            return f"same picks, gradients apart by up to {float((a.float() - b.float()).abs().max()):.3g}"
     return ""
 
 

@@ -54,30 +54,28 @@ def logits_raw_tile(
     ROW_VECTOR (the launcher checks), so each row starts a vector and the mask is whole vectors: a
     launch tells Triton only of values divisible by 16, and Mixtral's rows of 8 bf16 were read 2
     bytes at a time (sm_90 SASS: 29 warp instructions a row against 9)."""
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.max_contiguous(tl.arange(0, BLOCK_E), ROW_VECTOR)
-    row_ok = rows < T
+    rows, cols, row_ok, valid = tile_indices(tile, T, E, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS)
     row_start = rows[:, None].to(tl.int64) * stride_t
-    col_ok = cols[None, :] < E
     if ALIGNED_ROWS:
         # The same offsets, as a product with ROW_VECTOR: the compiler's alignment analysis sees it.
         row_start = rows[:, None].to(tl.int64) * (stride_t // ROW_VECTOR) * ROW_VECTOR
-        col_ok = tl.max_constancy(col_ok, [1, ROW_VECTOR])
-    valid = row_ok[:, None] & col_ok
     ptrs = logits_ptr + row_start + cols[None, :].to(tl.int64) * stride_e
     return rows, cols, row_ok, valid, tl.load(ptrs, mask=valid, other=float("-inf"))
 
 
 @triton.jit
-def logits_tile(
-    logits_ptr, tile, T, E, stride_t, stride_e, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    ROW_VECTOR: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
+def tile_indices(
+    tile, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROW_VECTOR: tl.constexpr, ALIGNED_ROWS: tl.constexpr
 ):  # fmt: skip
-    """logits_raw_tile with the tile as float32: (rows, cols, rows in range, entries in range, x)."""
-    rows, cols, row_ok, valid, raw = logits_raw_tile(
-        logits_ptr, tile, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
-    )
-    return rows, cols, row_ok, valid, to_float32(raw)
+    """Row tile `tile`'s (rows, cols, rows below T, entries in range) as logits_raw_tile lays them
+    out (ALIGNED_ROWS: the mask constant over each thread's vector)."""
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.max_contiguous(tl.arange(0, BLOCK_E), ROW_VECTOR)
+    col_ok = cols[None, :] < E
+    if ALIGNED_ROWS:
+        col_ok = tl.max_constancy(col_ok, [1, ROW_VECTOR])
+    row_ok = rows < T
+    return rows, cols, row_ok, row_ok[:, None] & col_ok
 
 
 @triton.jit
@@ -624,16 +622,19 @@ def topk_router_kernel(
         end = tl.minimum(T, (first + TILES).to(tl.int64) * BLOCK_T)
         for t in range(0, tl.minimum(TILES, tl.cdiv(T, BLOCK_T) - first)):
             tile = first + t
-            rows_n, _cols, row_ok_n, valid_n, raw_n = logits_raw_tile(
+            _rows, _cols, _row_ok, _valid, raw_n = logits_raw_tile(
                 logits_ptr, tile + 1, end, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
             )
+            # Only the loaded tile is carried to the next trip; its rows and masks are recomputed
+            # (for rows below T): carried, they took more registers (Mixtral 32 -> 38).
+            rows, cols, row_ok, valid = tile_indices(tile, T, E, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS)
             route_tile(
                 logits_ptr, bias_ptr, weights_ptr, experts_ptr, T, E, stride_t, stride_e, K, scaling,
                 tile, rows, cols, row_ok, valid, raw,
                 SIGMOID, HAS_BIAS, NUM_GROUPS, TOPK_GROUPS, GROUP_MAX, GROUPS_RESHAPED, RENORMALIZE, BLOCK_T,
                 BLOCK_E, BLOCK_G, BLOCK_K, ROW_VECTOR, ALIGNED_ROWS, SORTED_RUNS, INDEX_BITS, NEAR_TIES, CHOICE_ROWS,
             )  # fmt: skip
-            rows, row_ok, valid, raw = rows_n, row_ok_n, valid_n, raw_n
+            raw = raw_n
 
 
 def launch_config(num_tokens: int, num_experts: int):

@@ -28,43 +28,27 @@ from moe_kernels.triton.topk_router import (
     MAX_EXPERTS,
     choice_rows,
     choice_tile,
-    logits_tile,
+    logits_raw_tile,
     softmax_terms,
+    tile_indices,
 )
 
 
 @triton.jit
-def topk_router_backward_kernel(
-    grad_weights_ptr,  # [T, K] any float dtype, any strides
-    logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
-    experts_ptr,  # [T, K] int64 contiguous, each row's chosen experts
-    grad_ptr,  # [T, E] the logits' dtype, contiguous
-    T,  # tokens
-    E,  # experts
-    stride_t,  # elements between consecutive tokens of logits
-    stride_e,  # elements between consecutive experts of logits
-    stride_gt,  # elements between consecutive tokens of grad_weights
-    stride_gk,  # elements between consecutive choices of grad_weights
-    K,  # experts per token
-    scaling,  # the forward's scaling factor
-    SIGMOID: tl.constexpr,  # scores = sigmoid(logits) (True) or softmax over the row (False)
-    RENORMALIZE: tl.constexpr,  # the forward divided the selected scores by their sum
-    BLOCK_T: tl.constexpr,  # rows per program
-    BLOCK_E: tl.constexpr,  # next power of two >= E
-    BLOCK_K: tl.constexpr,  # next power of two >= K
-    DISTINCT: tl.constexpr,  # each row's experts are distinct (the forward's): no repeat to sum
-    ROW_VECTOR: tl.constexpr,  # load_vector(BLOCK_E, itemsize)
-    ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
-    CHOICE_ROWS: tl.constexpr,  # the choice tile as [rows, k] (topk_router.choice_rows), else [k, rows]
-):
-    rows, cols, row_ok, valid, x = logits_tile(
-        logits_ptr, tl.program_id(0), T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
-    )
+def backward_tile(
+    grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K, scaling,
+    tile, rows, cols, row_ok, valid, raw,
+    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, DISTINCT: tl.constexpr, CHOICE_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Row tile `tile`'s gradient stored, from its logits as logits_raw_tile gave them (rows, cols,
+    row_ok, valid, raw); the arguments as topk_router_backward_kernel's."""
+    x = to_float32(raw)
     rows64 = rows.to(tl.int64)
 
     # The choices as a [BLOCK_K, BLOCK_T] tile (CHOICE_ROWS: [BLOCK_T, BLOCK_K]): their experts,
     # gradients and logits (gathered, from cache), each chosen score computed once.
-    rows_k64, kcols, choice_ok = choice_tile(tl.program_id(0), T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
+    rows_k64, kcols, choice_ok = choice_tile(tile, T, K, BLOCK_T, BLOCK_K, CHOICE_ROWS)
     PICKS: tl.constexpr = 1 if CHOICE_ROWS else 0  # the tile's axis of a row's choices
     idx = tl.load(experts_ptr + rows_k64 * K + kcols, mask=choice_ok, other=-1)
     # kcols in int64: a transposed [k, T] gradient's stride_gk is T, and (k - 1) T passes 2^31.
@@ -128,6 +112,61 @@ def topk_router_backward_kernel(
     tl.store(grad_ptr + rows_k64 * E + idx, from_float32(grad_k, grad_ptr.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def topk_router_backward_kernel(
+    grad_weights_ptr,  # [T, K] any float dtype, any strides
+    logits_ptr,  # [T, E] fp32/fp16/bf16, any strides
+    experts_ptr,  # [T, K] int64 contiguous, each row's chosen experts
+    grad_ptr,  # [T, E] the logits' dtype, contiguous
+    T,  # tokens
+    E,  # experts
+    stride_t,  # elements between consecutive tokens of logits
+    stride_e,  # elements between consecutive experts of logits
+    stride_gt,  # elements between consecutive tokens of grad_weights
+    stride_gk,  # elements between consecutive choices of grad_weights
+    K,  # experts per token
+    scaling,  # the forward's scaling factor
+    SIGMOID: tl.constexpr,  # scores = sigmoid(logits) (True) or softmax over the row (False)
+    RENORMALIZE: tl.constexpr,  # the forward divided the selected scores by their sum
+    BLOCK_T: tl.constexpr,  # rows per program
+    BLOCK_E: tl.constexpr,  # next power of two >= E
+    BLOCK_K: tl.constexpr,  # next power of two >= K
+    DISTINCT: tl.constexpr,  # each row's experts are distinct (the forward's): no repeat to sum
+    ROW_VECTOR: tl.constexpr,  # load_vector(BLOCK_E, itemsize)
+    ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
+    CHOICE_ROWS: tl.constexpr,  # the choice tile as [rows, k] (topk_router.choice_rows), else [k, rows]
+    TILES: tl.constexpr,  # row tiles a program, each one's logits loaded during the one before (multi_tile)
+):
+    first = tl.program_id(0) * TILES
+    rows, cols, row_ok, valid, raw = logits_raw_tile(
+        logits_ptr, first, T, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
+    )
+    if TILES == 1:
+        backward_tile(
+            grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K,
+            scaling, first, rows, cols, row_ok, valid, raw,
+            SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS,
+        )  # fmt: skip
+    else:
+        # As the forward's tiles (topk_router_kernel): each tile's logits loaded before the tile
+        # before it is routed back, none past the program's last tile.
+        end = tl.minimum(T, (first + TILES).to(tl.int64) * BLOCK_T)
+        for t in range(0, tl.minimum(TILES, tl.cdiv(T, BLOCK_T) - first)):
+            tile = first + t
+            _rows, _cols, _row_ok, _valid, raw_n = logits_raw_tile(
+                logits_ptr, tile + 1, end, E, stride_t, stride_e, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS
+            )
+            # Only the loaded tile is carried to the next trip; its rows and masks are recomputed
+            # (for rows below T): carried, they took more registers (Mixtral 32 -> 38).
+            rows, cols, row_ok, valid = tile_indices(tile, T, E, BLOCK_T, BLOCK_E, ROW_VECTOR, ALIGNED_ROWS)
+            backward_tile(
+                grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K,
+                scaling, tile, rows, cols, row_ok, valid, raw,
+                SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS,
+            )  # fmt: skip
+            raw = raw_n
+
+
 def load_vector(block_e: int, itemsize: int) -> int:
     """The backward's ROW_VECTOR: 16-byte loads (or the whole row). sm_90 SASS a row at Qwen3-MoE's
     bf16 E = 128: 188 at 8 a thread, 204 at the forward's 4 (row_vector), 266 at 2; its
@@ -158,6 +197,15 @@ def launch_config(num_tokens: int, num_experts: int, k: int, distinct: bool):
     return grid, block_t, block_e, block_k, num_warps
 
 
+def backward_multi_tile(num_tiles: int) -> int:
+    """TILES of the backward, the row tiles a program routes back, each tile's logits loaded while
+    the program computes the tile before (topk_router.multi_tile's forward counterpart). The
+    backward moves about twice the forward's bytes (the logits read, the gradient written): at
+    T = 262,144 the H200 ran Qwen3-MoE's at about 60% of the copy rate. One tile a program until a
+    GPU has timed more (bench/gpu_router_variants.py times 1, 2 and 4)."""
+    return 1
+
+
 def backward_choice_rows(block_t: int, block_k: int) -> bool:
     """CHOICE_ROWS of the backward: topk_router.choice_rows from k = 5 (8 as a power of two), where
     the [rows, k] tile counted fewer warp instructions under triton 3.7 and 3.9; below it counted
@@ -186,8 +234,9 @@ def topk_router_backward(
     grad = torch.empty((T, E), dtype=logits.dtype, device=logits.device)
     if T > 0 and E > 0:
         grid, block_t, block_e, block_k, num_warps = launch_config(T, E, k, distinct_experts)
+        tiles = backward_multi_tile(grid[0])
         vector = load_vector(block_e, logits.element_size())
-        topk_router_backward_kernel[grid](
+        topk_router_backward_kernel[(triton.cdiv(grid[0], tiles),)](
             grad_weights,
             logits,
             experts.contiguous(),
@@ -209,6 +258,7 @@ def topk_router_backward(
             ROW_VECTOR=vector,
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
             CHOICE_ROWS=backward_choice_rows(block_t, block_k),
+            TILES=tiles,
             num_warps=num_warps,
         )
     return grad
@@ -222,7 +272,7 @@ def _(grad_weights, logits, experts, scoring, renormalize, scaling_factor, disti
 # For the ahead-of-time compile test (python_tests/builds/test_triton_aot.py): Mixtral's renormalised
 # softmax, DeepSeek-V3's sigmoid at E = 256, Qwen3-MoE's full softmax, the widest row; and the
 # repeats' sum (raw calls) at its largest tile.
-def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True):
+def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True, tiles=1):
     _, block_t, block_e, block_k, num_warps = launch_config(1 << 20, num_experts, k, distinct)
     signature = {
         "grad_weights_ptr": "*fp32",
@@ -248,6 +298,7 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True):
         "ROW_VECTOR": load_vector(block_e, 4 if dt == "fp32" else 2),
         "ALIGNED_ROWS": True,
         "CHOICE_ROWS": backward_choice_rows(block_t, block_k),
+        "TILES": tiles,
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}
@@ -260,4 +311,8 @@ AOT_KERNELS = [
     _aot("fp16", MAX_EXPERTS, sigmoid=False),
     _aot("bf16", 16, sigmoid=False, distinct=False),  # [8, 8, 64]: the repeats' tile at its limit
     _aot("fp32", 256, sigmoid=True, k=64, distinct=False),  # one row a program
+    # Four tiles a program (backward_multi_tile), the next tile's logits held through the tile's work.
+    _aot("bf16", 128, sigmoid=False, renormalize=False, tiles=4),
+    _aot("bf16", 256, sigmoid=True, tiles=4),
+    _aot("bf16", 16, sigmoid=False, distinct=False, tiles=4),
 ]

@@ -29,10 +29,12 @@ def test_smoke_runs_both_recordings_the_tiles_and_the_backward():
     for i in range(0, len(tiles), 3):
         programs = [int(t[3]) for t in tiles[i : i + 3]]  # rows a program, capped by T = 16 here
         assert programs == sorted(programs), tiles[i : i + 3]
-    # the row tiles a program: the same shapes at 1, 2 and 4, the launcher's (1) first
+    # the row tiles a program, the forward's and then the backward's: the same shapes at 1, 2 and 4,
+    # the launcher's (1) first
     multi = [r.split("|") for r in rows if r.count("|") == 6 and "tiles a program" not in r]
-    assert [int(m[3]) for m in multi] == [1, 2, 4] * 5, multi
-    assert [m[1].strip() for m in multi] == [t[1].strip() for t in tiles]
+    assert [int(m[3]) for m in multi] == [1, 2, 4] * 10, multi
+    assert [m[1].strip() for m in multi] == [t[1].strip() for t in tiles] * 2
+    assert "fwd+bwd ms" in stdout
 
 
 def test_a_disagreement_is_reported_not_raised():
@@ -48,3 +50,6 @@ def test_a_disagreement_is_reported_not_raised():
         == "1 rows pick other experts (row 1: [0, 2] by the tile, [0, 5] by the runs)"
     )
     assert "weights apart by up to 0.01" in variants._difference((w, e), (w + 0.01, e))
+    g = torch.randn(2, 8)
+    assert variants._difference((w, e, g), (w, e, g.clone())) == ""
+    assert "gradients apart by up to" in variants._difference((w, e, g), (w, e, g + 1e-6))

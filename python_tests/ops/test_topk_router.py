@@ -594,8 +594,10 @@ def test_triton_other_choice_tile(backend, monkeypatch, E, k):
                 monkeypatch.setattr(forward_module, "choice_rows", rule)
                 monkeypatch.setattr(backward_module, "choice_rows", rule)
                 w, e = run(backend, x, k, **kwargs)
+                # The raw op takes tensors on the device (run() brings the forward's back).
+                on = backend.device
                 grads = [
-                    backward_op(grad_w, x, experts, scoring, renormalize, 1.5, distinct)
+                    backward_op(grad_w.to(on), x.to(on), experts.to(on), scoring, renormalize, 1.5, distinct)
                     for experts, distinct in ((e, True), (raw, False))
                 ]
                 results.append((w, e, grads))
@@ -611,6 +613,7 @@ def test_triton_other_choice_tile(backend, monkeypatch, E, k):
     "E, k, kwargs",
     [
         (128, 8, dict(renormalize=True)),  # Qwen3-MoE's shape: the sorted runs, 8 rows a tile
+        (64, 8, dict(renormalize=True)),  # 16 rows a tile: the [rows, k] choice tile under triton >= 3.7
         (64, 2, dict(renormalize=False)),  # the [rows, k] tile
         (8, 2, dict(renormalize=True)),  # a row in one thread
         (256, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, scaling_factor=2.5)),  # DeepSeek-V3's
@@ -618,13 +621,20 @@ def test_triton_other_choice_tile(backend, monkeypatch, E, k):
     ],
 )
 def test_triton_multi_tile(backend, monkeypatch, E, k, kwargs):
-    """The Triton forward with several row tiles a program (topk_router.multi_tile: each tile's
-    logits loaded during the rounds of the one before) gives bit for bit the experts and weights of
-    a tile a program: tile counts that divide the tiles and that leave the last program short, on
-    rows of ties, -inf rows and NaN, in bfloat16 and float32, with and without a bias."""
+    """The Triton forward and backward with several row tiles a program (topk_router.multi_tile,
+    topk_router_backward.backward_multi_tile: each tile's logits loaded during the work of the one
+    before) give bit for bit the experts, weights and gradients of a tile a program: tile counts
+    that divide the tiles and that leave the last program short, on rows of ties, -inf rows and
+    NaN, in bfloat16 and float32, with and without a bias; the backward on the forward's experts
+    and on raw ones with repeats and ids out of range (its smaller tiles)."""
     if backend != "triton":
         pytest.skip("the Triton kernel's tiles a program")
     from moe_kernels.triton import topk_router as forward_module
+    from moe_kernels.triton import topk_router_backward as backward_module
+
+    backward_op = torch.ops.moe_kernels_triton.topk_router_backward
+    scoring, renormalize = kwargs.get("scoring", "softmax"), kwargs.get("renormalize", False)
+    scaling = kwargs.get("scaling_factor", 1.0)
 
     g = torch.Generator().manual_seed(E + k)
     T = 5 * forward_module.launch_config(10**6, E)[1] - 3  # five tiles, the last one ragged
@@ -634,17 +644,34 @@ def test_triton_multi_tile(backend, monkeypatch, E, k, kwargs):
     logits[T - 1, E // 2] = float("nan")
     if "num_groups" in kwargs:
         kwargs = dict(kwargs, bias=0.1 * torch.randn(E, generator=g))
-    chosen = forward_module.multi_tile
+    grad_w = torch.randn(T, k, generator=g)
+    raw = torch.randint(-2, E + 2, (T, k), generator=g)
+    raw[0] = 1  # one expert repeated k times
+    chosen = forward_module.multi_tile, backward_module.backward_multi_tile
+
+    def both(x, rule_forward, rule_backward):
+        monkeypatch.setattr(forward_module, "multi_tile", rule_forward)
+        monkeypatch.setattr(backward_module, "backward_multi_tile", rule_backward)
+        w, e = run(backend, x, k, **kwargs)
+        # The raw op takes tensors on the device (run() brings the forward's back).
+        on = backend.device
+        grads = [
+            backward_op(grad_w.to(on), x.to(on), experts.to(on), scoring, renormalize, scaling, distinct)
+            for experts, distinct in ((e, True), (raw, False))
+        ]
+        return w, e, grads
+
     for dtype in (torch.float32, torch.bfloat16):
         x = logits.to(dtype)
-        monkeypatch.setattr(forward_module, "multi_tile", chosen)
-        w1, e1 = run(backend, x, k, **kwargs)
+        w1, e1, grads1 = both(x, *chosen)
         for tiles in (2, 3, 5, 8):
-            monkeypatch.setattr(forward_module, "multi_tile", lambda n, tiles=tiles: tiles)
-            w, e = run(backend, x, k, **kwargs)
+            w, e, grads = both(x, *(lambda n, tiles=tiles: tiles,) * 2)
             assert torch.equal(e, e1), (dtype, tiles)
             assert torch.equal(w.isnan(), w1.isnan()), (dtype, tiles)
             assert torch.equal(w.nan_to_num(), w1.nan_to_num()), (dtype, tiles)
+            for a, b in zip(grads, grads1, strict=True):
+                assert torch.equal(a.isnan(), b.isnan()), (dtype, tiles)
+                assert torch.equal(a.nan_to_num(), b.nan_to_num()), (dtype, tiles)
         if "bias" not in kwargs:  # the logits rank the experts: the reference's, exactly
             assert torch.equal(e1, run("torch", x, k, **kwargs)[1]), dtype
 
