@@ -562,13 +562,24 @@ def test_triton_other_pick_recording(backend, monkeypatch, router):
             assert_close(w[same], w_ref[same])
 
 
-@pytest.mark.parametrize("E, k", [(16, 8), (64, 5), (64, 8), (128, 8)])
-def test_triton_other_choice_tile(backend, monkeypatch, E, k):
+# One dtype a shape, both dtypes at E = 64, k = 8: on a GPU every case compiles its own kernels.
+@pytest.mark.parametrize(
+    "E, k, dtype",
+    [
+        (16, 8, torch.bfloat16),
+        (64, 5, torch.float32),
+        (64, 8, torch.float32),
+        (64, 8, torch.bfloat16),
+        (128, 8, torch.float32),
+    ],
+)
+def test_triton_other_choice_tile(backend, monkeypatch, E, k, dtype):
     """The Triton forward's sorted runs and the backward read their choices back as a [k, rows]
     or a [rows, k] tile, by the triton and the shape (topk_router.choice_rows); the tests above
     run the one the launcher chooses. Here the other one, forced in both kernels: the same
     experts, weights and gradients as the launcher's (softmax and sigmoid, renormalised or not,
-    a backward on distinct experts and a raw one with repeats and ids out of range)."""
+    a backward on distinct experts and a raw one with repeats and ids out of range; bfloat16
+    logits take the packed keys, float32 the value keys)."""
     if backend != "triton":
         pytest.skip("the Triton kernels' two choice tiles")
     from moe_kernels.triton import topk_router as forward_module
@@ -584,49 +595,51 @@ def test_triton_other_choice_tile(backend, monkeypatch, E, k):
     raw = torch.randint(-2, E + 2, (T, k), generator=g)
     raw[0] = 1  # one expert repeated k times
     chosen = forward_module.choice_rows
-    for dtype in (torch.float32, torch.bfloat16):
-        x = logits.to(dtype)
-        for scoring, renormalize in (("softmax", True), ("softmax", False), ("sigmoid", True)):
-            kwargs = dict(scoring=scoring, renormalize=renormalize, scaling_factor=1.5)
-            results = []
-            for flip in (False, True):
-                rule = (lambda *shape, **kw: not chosen(*shape, **kw)) if flip else chosen
-                monkeypatch.setattr(forward_module, "choice_rows", rule)
-                monkeypatch.setattr(backward_module, "choice_rows", rule)
-                w, e = run(backend, x, k, **kwargs)
-                # The raw op takes tensors on the device (run() brings the forward's back).
-                on = backend.device
-                grads = [
-                    backward_op(grad_w.to(on), x.to(on), experts.to(on), scoring, renormalize, 1.5, distinct)
-                    for experts, distinct in ((e, True), (raw, False))
-                ]
-                results.append((w, e, grads))
-            (w0, e0, grads0), (w1, e1, grads1) = results
-            assert torch.equal(e0, e1), (dtype, scoring, renormalize)
-            assert_close(w0, w1)
-            for a, b in zip(grads0, grads1):
-                assert torch.equal(a.isnan(), b.isnan())
-                assert_close(a.float().nan_to_num(), b.float().nan_to_num())
+    x = logits.to(dtype)
+    for scoring, renormalize in (("softmax", True), ("softmax", False), ("sigmoid", True)):
+        kwargs = dict(scoring=scoring, renormalize=renormalize, scaling_factor=1.5)
+        results = []
+        for flip in (False, True):
+            rule = (lambda *shape, **kw: not chosen(*shape, **kw)) if flip else chosen
+            monkeypatch.setattr(forward_module, "choice_rows", rule)
+            monkeypatch.setattr(backward_module, "choice_rows", rule)
+            w, e = run(backend, x, k, **kwargs)
+            # The raw op takes tensors on the device (run() brings the forward's back).
+            on = backend.device
+            grads = [
+                backward_op(grad_w.to(on), x.to(on), experts.to(on), scoring, renormalize, 1.5, distinct)
+                for experts, distinct in ((e, True), (raw, False))
+            ]
+            results.append((w, e, grads))
+        (w0, e0, grads0), (w1, e1, grads1) = results
+        assert torch.equal(e0, e1), (dtype, scoring, renormalize)
+        assert_close(w0, w1)
+        for a, b in zip(grads0, grads1):
+            assert torch.equal(a.isnan(), b.isnan())
+            assert_close(a.float().nan_to_num(), b.float().nan_to_num())
 
 
+# One dtype a shape (on a GPU every case compiles its own kernels): bfloat16 and float16 logits
+# take the packed keys, float32 the value keys.
 @pytest.mark.parametrize(
-    "E, k, kwargs",
+    "E, k, kwargs, dtype",
     [
-        (128, 8, dict(renormalize=True)),  # Qwen3-MoE's shape: the sorted runs, 8 rows a tile
-        (64, 8, dict(renormalize=True)),  # 16 rows a tile: the [rows, k] choice tile under triton >= 3.7
-        (64, 2, dict(renormalize=False)),  # the [rows, k] tile
-        (8, 2, dict(renormalize=True)),  # a row in one thread
-        (256, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, scaling_factor=2.5)),  # DeepSeek-V3's
-        (160, 6, dict(scoring="sigmoid", num_groups=8, topk_groups=3, group_scoring="max")),  # groups by a loop
+        (128, 8, dict(renormalize=True), torch.bfloat16),  # Qwen3-MoE's shape: the sorted runs, 8 rows a tile
+        (64, 8, dict(renormalize=True), torch.float32),  # 16 rows a tile: the [rows, k] choice tile (triton >= 3.7)
+        (64, 2, dict(renormalize=False), torch.float32),  # the [rows, k] tile
+        (8, 2, dict(renormalize=True), torch.float16),  # a row in one thread
+        (256, 8, dict(scoring="sigmoid", num_groups=8, topk_groups=4, scaling_factor=2.5), torch.bfloat16),
+        (160, 6, dict(scoring="sigmoid", num_groups=8, topk_groups=3, group_scoring="max"), torch.float32),
     ],
 )
-def test_triton_multi_tile(backend, monkeypatch, E, k, kwargs):
+def test_triton_multi_tile(backend, monkeypatch, E, k, kwargs, dtype):
     """The Triton forward and backward with several row tiles a program (topk_router.multi_tile,
     topk_router_backward.backward_multi_tile: each tile's logits loaded during the work of the one
-    before) give bit for bit the experts, weights and gradients of a tile a program: tile counts
-    that divide the tiles and that leave the last program short, on rows of ties, -inf rows and
-    NaN, in bfloat16 and float32, with and without a bias; the backward on the forward's experts
-    and on raw ones with repeats and ids out of range (its smaller tiles)."""
+    before) give bit for bit the experts, weights and gradients of a tile a program: two tiles a
+    program (which divides the six tiles) and four (the last program two of its four), on rows of
+    ties, -inf rows and NaN, with and without a bias (DeepSeek-V3's groups; groups by a loop at
+    E = 160); the backward on the forward's experts and on raw ones with repeats and ids out of
+    range (its smaller tiles)."""
     if backend != "triton":
         pytest.skip("the Triton kernel's tiles a program")
     from moe_kernels.triton import topk_router as forward_module
@@ -637,7 +650,7 @@ def test_triton_multi_tile(backend, monkeypatch, E, k, kwargs):
     scaling = kwargs.get("scaling_factor", 1.0)
 
     g = torch.Generator().manual_seed(E + k)
-    T = 5 * forward_module.launch_config(10**6, E)[1] - 3  # five tiles, the last one ragged
+    T = 6 * forward_module.launch_config(10**6, E)[1] - 3  # six tiles, the last one ragged
     logits = torch.randn(T, E, generator=g) * 3
     logits[1] = float("-inf")
     logits[2] = logits[2, 0]  # a row of ties
@@ -661,19 +674,18 @@ def test_triton_multi_tile(backend, monkeypatch, E, k, kwargs):
         ]
         return w, e, grads
 
-    for dtype in (torch.float32, torch.bfloat16):
-        x = logits.to(dtype)
-        w1, e1, grads1 = both(x, *chosen)
-        for tiles in (2, 3, 5, 8):
-            w, e, grads = both(x, *(lambda n, tiles=tiles: tiles,) * 2)
-            assert torch.equal(e, e1), (dtype, tiles)
-            assert torch.equal(w.isnan(), w1.isnan()), (dtype, tiles)
-            assert torch.equal(w.nan_to_num(), w1.nan_to_num()), (dtype, tiles)
-            for a, b in zip(grads, grads1, strict=True):
-                assert torch.equal(a.isnan(), b.isnan()), (dtype, tiles)
-                assert torch.equal(a.nan_to_num(), b.nan_to_num()), (dtype, tiles)
-        if "bias" not in kwargs:  # the logits rank the experts: the reference's, exactly
-            assert torch.equal(e1, run("torch", x, k, **kwargs)[1]), dtype
+    x = logits.to(dtype)
+    w1, e1, grads1 = both(x, *chosen)
+    for tiles in (2, 4):
+        w, e, grads = both(x, *(lambda n, tiles=tiles: tiles,) * 2)
+        assert torch.equal(e, e1), (dtype, tiles)
+        assert torch.equal(w.isnan(), w1.isnan()), (dtype, tiles)
+        assert torch.equal(w.nan_to_num(), w1.nan_to_num()), (dtype, tiles)
+        for a, b in zip(grads, grads1, strict=True):
+            assert torch.equal(a.isnan(), b.isnan()), (dtype, tiles)
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (dtype, tiles)
+    if "bias" not in kwargs:  # the logits rank the experts: the reference's, exactly
+        assert torch.equal(e1, run("torch", x, k, **kwargs)[1]), dtype
 
 
 def test_triton_backward_drops_out_of_range_experts(backend):
