@@ -66,11 +66,15 @@ def backward_tile(
         terms, denom, masked_row = softmax_terms(x, valid, vmax)
         inverse = tl.where(masked_row, 0.0, 1.0 / tl.where(masked_row, 1.0, denom))
         scores = terms * inverse[:, None]
-        p_k = tl.where(
-            tl.expand_dims(masked_row, PICKS),
-            0.0,
-            tl.exp(x_k - tl.expand_dims(vmax, PICKS)) * tl.expand_dims(inverse, PICKS),
+        # vmax and inverse cross to the choice tile's layout as one int64 (one trip through
+        # shared memory where two took their own).
+        both = (vmax.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (
+            inverse.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         )
+        both_k = tl.expand_dims(both, PICKS)
+        vmax_k = (both_k >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        inverse_k = both_k.to(tl.int32).to(tl.float32, bitcast=True)
+        p_k = tl.where(inverse_k == 0.0, 0.0, tl.exp(x_k - vmax_k) * inverse_k)
 
     # d loss / d each chosen score (g'), through the renormalisation and the scaling.
     if RENORMALIZE:
