@@ -39,7 +39,8 @@ def backward_tile(
     grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K, scaling,
     tile, rows, cols, row_ok, valid, raw,
     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, DISTINCT: tl.constexpr, CHOICE_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr, DISTINCT: tl.constexpr, CHOICE_ROWS: tl.constexpr, ROW_VECTOR: tl.constexpr,
+    VECTOR_STORES: tl.constexpr,
 ):  # fmt: skip
     """Row tile `tile`'s gradient stored, from its logits as logits_raw_tile gave them (rows, cols,
     row_ok, valid, raw); the arguments as topk_router_backward_kernel's."""
@@ -111,7 +112,12 @@ def backward_tile(
     else:
         grad = scores * (0.0 - shift[:, None])
         grad_k = p_k * (g1 - tl.expand_dims(shift, PICKS))
-    tl.store(grad_ptr + rows64[:, None] * E + cols[None, :], from_float32(grad, grad_ptr.dtype.element_ty), mask=valid)
+    row_start = rows64[:, None] * E
+    if VECTOR_STORES:
+        # The same offsets, as a product with ROW_VECTOR (E is a multiple of it): the compiler's
+        # alignment analysis sees it, and each thread stores its entries of a row at once.
+        row_start = rows64[:, None] * (E // ROW_VECTOR) * ROW_VECTOR
+    tl.store(grad_ptr + row_start + cols[None, :], from_float32(grad, grad_ptr.dtype.element_ty), mask=valid)
     tl.debug_barrier()
     tl.store(grad_ptr + rows_k64 * E + idx, from_float32(grad_k, grad_ptr.dtype.element_ty), mask=inside)
 
@@ -140,6 +146,7 @@ def topk_router_backward_kernel(
     ALIGNED_ROWS: tl.constexpr,  # stride_t and E multiples of ROW_VECTOR
     CHOICE_ROWS: tl.constexpr,  # the choice tile as [rows, k] (topk_router.choice_rows), else [k, rows]
     TILES: tl.constexpr,  # row tiles a program, each one's logits loaded during the one before (multi_tile)
+    VECTOR_STORES: tl.constexpr,  # E a multiple of ROW_VECTOR: the gradient's rows stored a vector at once
 ):
     first = tl.program_id(0) * TILES
     rows, cols, row_ok, valid, raw = logits_raw_tile(
@@ -149,7 +156,7 @@ def topk_router_backward_kernel(
         backward_tile(
             grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K,
             scaling, first, rows, cols, row_ok, valid, raw,
-            SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS,
+            SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS, ROW_VECTOR, VECTOR_STORES,
         )  # fmt: skip
     else:
         # As the forward's tiles (topk_router_kernel): each tile's logits loaded before the tile
@@ -166,7 +173,7 @@ def topk_router_backward_kernel(
             backward_tile(
                 grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K,
                 scaling, tile, rows, cols, row_ok, valid, raw,
-                SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS,
+                SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS, ROW_VECTOR, VECTOR_STORES,
             )  # fmt: skip
             raw = raw_n
 
@@ -177,6 +184,16 @@ def load_vector(block_e: int, itemsize: int) -> int:
     ALIGNED_ROWS covers the loads only (vector stores of the gradient too spilled 16 bytes on sm_80
     under triton 3.9's ptxas)."""
     return min(16 // itemsize, block_e)
+
+
+def vector_stores(num_experts: int, vector: int) -> bool:
+    """VECTOR_STORES: the gradient's rows stored ROW_VECTOR entries at once where E is a multiple
+    of it but not of 16. A launch tells Triton of E's divisibility by 16 only, so there the
+    compiler vectorises the stores itself, and the product with ROW_VECTOR costs instructions
+    (Qwen3-MoE 180 -> 184 warp instructions a row); at Mixtral's E = 8 it stored each bf16
+    alone, 10 stores a thread where 3 do now (sm_90, triton 3.6: 13 -> 11 warp instructions a
+    row)."""
+    return num_experts % vector == 0 and num_experts % 16 != 0
 
 
 def supports(num_experts: int) -> bool:
@@ -263,6 +280,7 @@ def topk_router_backward(
             ALIGNED_ROWS=logits.stride(0) % vector == 0 and E % vector == 0,
             CHOICE_ROWS=backward_choice_rows(block_t, block_k),
             TILES=tiles,
+            VECTOR_STORES=vector_stores(E, vector),
             num_warps=num_warps,
         )
     return grad
@@ -278,6 +296,7 @@ def _(grad_weights, logits, experts, scoring, renormalize, scaling_factor, disti
 # repeats' sum (raw calls) at its largest tile.
 def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True, tiles=1):
     _, block_t, block_e, block_k, num_warps = launch_config(1 << 20, num_experts, k, distinct)
+    vector = load_vector(block_e, 4 if dt == "fp32" else 2)
     signature = {
         "grad_weights_ptr": "*fp32",
         "logits_ptr": f"*{dt}",
@@ -299,10 +318,11 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True, tile
         "BLOCK_E": block_e,
         "BLOCK_K": block_k,
         "DISTINCT": distinct,
-        "ROW_VECTOR": load_vector(block_e, 4 if dt == "fp32" else 2),
+        "ROW_VECTOR": vector,
         "ALIGNED_ROWS": True,
         "CHOICE_ROWS": backward_choice_rows(block_t, block_k),
         "TILES": tiles,
+        "VECTOR_STORES": vector_stores(num_experts, vector),  # as the launcher decides
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}
@@ -319,4 +339,8 @@ AOT_KERNELS = [
     _aot("bf16", 128, sigmoid=False, renormalize=False, tiles=4),
     _aot("bf16", 256, sigmoid=True, tiles=4),
     _aot("bf16", 16, sigmoid=False, distinct=False, tiles=4),
+    # The gradient stored a vector at once where E is a multiple of the vector and not of 16
+    # (vector_stores): Mixtral's above, and wide rows.
+    _aot("bf16", 1000, sigmoid=False),
+    _aot("fp32", 1000, sigmoid=True),
 ]
