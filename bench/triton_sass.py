@@ -101,6 +101,9 @@ def backward(dt: str, E: int, k: int, opts: dict):
     # No loop over the choices: they are a [k, rows] tile ([rows, k] where CHOICE_ROWS).
     constexprs["CHOICE_ROWS"] = topk_router_backward.backward_choice_rows(constexprs["BLOCK_T"], constexprs["BLOCK_K"])
     constexprs["VECTOR_STORES"] = topk_router_backward.vector_stores(E, constexprs["ROW_VECTOR"])
+    constexprs["STORE_TRANSPOSED"] = topk_router_backward.store_transposed(
+        constexprs["BLOCK_T"], constexprs["BLOCK_K"], num_warps
+    )
     return kernel, signature, constexprs, aligned, num_warps, constexprs["BLOCK_T"], 1
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from moe_kernels.triton.common import (
+    GATHERS_LAST_AXIS_FIRST,
     NO_KEY,
     from_float32,
     on_tensor_device,
@@ -40,7 +41,7 @@ def backward_tile(
     tile, rows, cols, row_ok, valid, raw,
     SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, DISTINCT: tl.constexpr, CHOICE_ROWS: tl.constexpr, ROW_VECTOR: tl.constexpr,
-    VECTOR_STORES: tl.constexpr,
+    VECTOR_STORES: tl.constexpr, STORE_TRANSPOSED: tl.constexpr,
 ):  # fmt: skip
     """Row tile `tile`'s gradient stored, from its logits as logits_raw_tile gave them (rows, cols,
     row_ok, valid, raw); the arguments as topk_router_backward_kernel's."""
@@ -119,7 +120,12 @@ def backward_tile(
         row_start = rows64[:, None] * (E // ROW_VECTOR) * ROW_VECTOR
     tl.store(grad_ptr + row_start + cols[None, :], from_float32(grad, grad_ptr.dtype.element_ty), mask=valid)
     tl.debug_barrier()
-    tl.store(grad_ptr + rows_k64 * E + idx, from_float32(grad_k, grad_ptr.dtype.element_ty), mask=inside)
+    ptrs_k = grad_ptr + rows_k64 * E + idx
+    values_k = from_float32(grad_k, grad_ptr.dtype.element_ty)
+    if STORE_TRANSPOSED:
+        tl.store(tl.trans(ptrs_k), tl.trans(values_k), mask=tl.trans(inside))
+    else:
+        tl.store(ptrs_k, values_k, mask=inside)
 
 
 @triton.jit
@@ -147,6 +153,7 @@ def topk_router_backward_kernel(
     CHOICE_ROWS: tl.constexpr,  # the choice tile as [rows, k] (topk_router.choice_rows), else [k, rows]
     TILES: tl.constexpr,  # row tiles a program, each one's logits loaded during the one before (multi_tile)
     VECTOR_STORES: tl.constexpr,  # E a multiple of ROW_VECTOR: the gradient's rows stored a vector at once
+    STORE_TRANSPOSED: tl.constexpr,  # the chosen entries' store from the choice tile's transpose (store_transposed)
 ):
     first = tl.program_id(0) * TILES
     rows, cols, row_ok, valid, raw = logits_raw_tile(
@@ -157,6 +164,7 @@ def topk_router_backward_kernel(
             grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K,
             scaling, first, rows, cols, row_ok, valid, raw,
             SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS, ROW_VECTOR, VECTOR_STORES,
+            STORE_TRANSPOSED,
         )  # fmt: skip
     else:
         # As the forward's tiles (topk_router_kernel): each tile's logits loaded before the tile
@@ -174,6 +182,7 @@ def topk_router_backward_kernel(
                 grad_weights_ptr, logits_ptr, experts_ptr, grad_ptr, T, E, stride_t, stride_e, stride_gt, stride_gk, K,
                 scaling, tile, rows, cols, row_ok, valid, raw,
                 SIGMOID, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K, DISTINCT, CHOICE_ROWS, ROW_VECTOR, VECTOR_STORES,
+                STORE_TRANSPOSED,
             )  # fmt: skip
             raw = raw_n
 
@@ -181,8 +190,8 @@ def topk_router_backward_kernel(
 def load_vector(block_e: int, itemsize: int) -> int:
     """The backward's ROW_VECTOR: 16-byte loads (or the whole row). sm_90 SASS a row at Qwen3-MoE's
     bf16 E = 128: 188 at 8 a thread, 204 at the forward's 4 (row_vector), 266 at 2; its
-    ALIGNED_ROWS covers the loads only (vector stores of the gradient too spilled 16 bytes on sm_80
-    under triton 3.9's ptxas)."""
+    ALIGNED_ROWS covers the loads; the gradient's stores take vectors where vector_stores says
+    (taken everywhere, they once spilled 16 bytes on sm_80 under triton 3.9's ptxas)."""
     return min(16 // itemsize, block_e)
 
 
@@ -194,6 +203,20 @@ def vector_stores(num_experts: int, vector: int) -> bool:
     alone, 10 stores a thread where 3 do now (sm_90, triton 3.6: 13 -> 11 warp instructions a
     row)."""
     return num_experts % vector == 0 and num_experts % 16 != 0
+
+
+def store_transposed(block_t: int, block_k: int, num_warps: int) -> bool:
+    """STORE_TRANSPOSED: the chosen entries' gradients stored from the transpose of the [k, rows]
+    choice tile, under triton before 3.7 (common.GATHERS_LAST_AXIS_FIRST false) where the tile has
+    fewer entries than the program has threads or k <= 2. Their addresses are data, and triton 3.6
+    lays such a store out with the other axis first than 3.7 does, so the store's pointers, values
+    and mask went through shared memory to that layout (sm_90 under 3.6, warp instructions a row
+    and block barriers a program: Mixtral 11 -> 10 and 6 -> 1, Qwen3-MoE 194 -> 180, its float32
+    210 -> 196, E = 64, k = 2 83 -> 78, E = 512, k = 10 758 -> 716). Tiles of a choice a thread or
+    more with k >= 4 counted more transposed (E = 64, k = 8 74 -> 90), as did every shape under
+    3.7, which keeps the tile as it is."""
+    fewer = block_t * block_k < 32 * num_warps
+    return not GATHERS_LAST_AXIS_FIRST and (fewer or block_k <= 2)
 
 
 def supports(num_experts: int) -> bool:
@@ -281,6 +304,7 @@ def topk_router_backward(
             CHOICE_ROWS=backward_choice_rows(block_t, block_k),
             TILES=tiles,
             VECTOR_STORES=vector_stores(E, vector),
+            STORE_TRANSPOSED=store_transposed(block_t, block_k, num_warps),
             num_warps=num_warps,
         )
     return grad
@@ -323,6 +347,7 @@ def _aot(dt, num_experts, *, sigmoid, renormalize=True, k=8, distinct=True, tile
         "CHOICE_ROWS": backward_choice_rows(block_t, block_k),
         "TILES": tiles,
         "VECTOR_STORES": vector_stores(num_experts, vector),  # as the launcher decides
+        "STORE_TRANSPOSED": store_transposed(block_t, block_k, num_warps),
     }
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return topk_router_backward_kernel, signature, constexprs, {"num_warps": num_warps}

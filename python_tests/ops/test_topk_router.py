@@ -575,11 +575,12 @@ def test_triton_other_pick_recording(backend, monkeypatch, router):
 )
 def test_triton_other_choice_tile(backend, monkeypatch, E, k, dtype):
     """The Triton forward's sorted runs and the backward read their choices back as a [k, rows]
-    or a [rows, k] tile, by the triton and the shape (topk_router.choice_rows); the tests above
-    run the one the launcher chooses. Here the other one, forced in both kernels: the same
-    experts, weights and gradients as the launcher's (softmax and sigmoid, renormalised or not,
-    a backward on distinct experts and a raw one with repeats and ids out of range; bfloat16
-    logits take the packed keys, float32 the value keys)."""
+    or a [rows, k] tile, by the triton and the shape (topk_router.choice_rows), and the backward
+    stores the chosen entries from that tile or its transpose (topk_router_backward.
+    store_transposed); the tests above run what the launchers choose. Here the other of each,
+    forced: the same experts, weights and gradients as the launcher's (softmax and sigmoid,
+    renormalised or not, a backward on distinct experts and a raw one with repeats and ids out
+    of range; bfloat16 logits take the packed keys, float32 the value keys)."""
     if backend != "triton":
         pytest.skip("the Triton kernels' two choice tiles")
     from moe_kernels.triton import topk_router as forward_module
@@ -594,7 +595,7 @@ def test_triton_other_choice_tile(backend, monkeypatch, E, k, dtype):
     grad_w = torch.randn(T, k, generator=g)
     raw = torch.randint(-2, E + 2, (T, k), generator=g)
     raw[0] = 1  # one expert repeated k times
-    chosen = forward_module.choice_rows
+    chosen, transposed = forward_module.choice_rows, backward_module.store_transposed
     x = logits.to(dtype)
     for scoring, renormalize in (("softmax", True), ("softmax", False), ("sigmoid", True)):
         kwargs = dict(scoring=scoring, renormalize=renormalize, scaling_factor=1.5)
@@ -603,6 +604,8 @@ def test_triton_other_choice_tile(backend, monkeypatch, E, k, dtype):
             rule = (lambda *shape, **kw: not chosen(*shape, **kw)) if flip else chosen
             monkeypatch.setattr(forward_module, "choice_rows", rule)
             monkeypatch.setattr(backward_module, "choice_rows", rule)
+            store = (lambda *shape: not transposed(*shape)) if flip else transposed
+            monkeypatch.setattr(backward_module, "store_transposed", store)
             w, e = run(backend, x, k, **kwargs)
             # The raw op takes tensors on the device (run() brings the forward's back).
             on = backend.device
