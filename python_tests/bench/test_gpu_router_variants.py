@@ -34,7 +34,7 @@ def test_smoke_runs_both_recordings_the_tiles_and_the_backward():
     multi = [r.split("|") for r in rows if r.count("|") == 6 and "tiles a program" not in r]
     assert [int(m[3]) for m in multi] == [1, 2, 4] * 10, multi
     assert [m[1].strip() for m in multi] == [t[1].strip() for t in tiles] * 2
-    assert "fwd+bwd ms" in stdout
+    assert "| shape | dtype | backward's tiles a program | fwd+bwd ms | of copy_ |" in stdout
 
 
 def test_a_disagreement_is_reported_not_raised():
